@@ -1,0 +1,219 @@
+"""Ranks, nodes, tierpoint's own coordination group, bounded collectives, and error agreement.
+
+Call order: anything collective goes through :func:`coordination_group` (created lazily, once per
+default process group, on every rank at the same call site), then :func:`all_gather_json` /
+:func:`broadcast_json` / :func:`agree`. With ``torch.distributed`` not initialised everything works
+as a single process (rank 0 of 1) and no collective runs.
+
+Invariants:
+- tierpoint never issues collectives on the training group: the coordination group is a separate gloo
+  group (also when the default group is NCCL), so background saves cannot deadlock training.
+- Every collective is bounded by the group's timeout; a timeout or a vanished peer becomes a
+  :class:`CheckpointingError` (:class:`CoordinationTimeoutError` for timeouts), never a hang.
+- :func:`agree` makes every rank raise the same :class:`CheckpointingError`, naming each failing rank
+  and its message, when any rank failed.
+- Messages between ranks are JSON, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointingError, CoordinationTimeoutError
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Timeout of tierpoint's collectives; override with ``TIERPOINT_TIMEOUT`` (seconds)."""
+
+_MAX_MESSAGE = 2000
+
+_groups: dict[int, Any] = {}
+_layouts: dict[int, NodeLayout] = {}
+
+
+def default_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("TIERPOINT_TIMEOUT", DEFAULT_TIMEOUT_S)))
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def node_id() -> str:
+    """This process's node identity.
+
+    ``TIERPOINT_NODE_ID`` wins; otherwise the hostname, qualified by torchrun's ``GROUP_RANK`` when set
+    (so that several simulated nodes on one machine count as different nodes).
+    """
+    explicit = os.environ.get("TIERPOINT_NODE_ID")
+    if explicit:
+        return explicit
+    host = socket.gethostname()
+    group_rank = os.environ.get("GROUP_RANK")
+    return f"{host}/{group_rank}" if group_rank is not None else host
+
+
+def coordination_group(timeout: timedelta | None = None) -> Any:
+    """tierpoint's dedicated gloo group (``None`` when not distributed). Collective on first call."""
+    if not is_distributed():
+        return None
+    key = id(dist.distributed_c10d._get_default_group())
+    group = _groups.get(key)
+    if group is None:
+        group = dist.new_group(backend="gloo", timeout=timeout or default_timeout())
+        _groups[key] = group
+    return group
+
+
+def _reset_for_tests() -> None:
+    _groups.clear()
+    _layouts.clear()
+
+
+def _run_collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, dist.DistError) as e:  # gloo reports timeouts and dead peers as these
+        text = str(e)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise CoordinationTimeoutError(
+                f"{what}: ranks did not all arrive within the timeout ({_first_line(text)})"
+            ) from e
+        raise CheckpointingError(
+            f"{what}: collective failed, a peer rank is probably gone ({_first_line(text)})"
+        ) from e
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0][:300] if text.strip() else "no detail"
+
+
+def all_gather_json(obj: Any, what: str = "all_gather", group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (JSON-serialisable), in rank order."""
+    if not is_distributed():
+        return [json.loads(json.dumps(obj))]
+    group = group or coordination_group()
+    world = dist.get_world_size(group)
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    _run_collective(what, dist.all_gather, sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    _run_collective(what, dist.all_gather, gathered, padded, group=group)
+    return [json.loads(bytes(g[: int(s.item())].numpy())) for g, s in zip(gathered, sizes)]
+
+
+def broadcast_json(obj: Any, src: int = 0, what: str = "broadcast", group: Any = None) -> Any:
+    """``obj`` as given on global rank ``src``, on every rank."""
+    if not is_distributed():
+        return json.loads(json.dumps(obj))
+    group = group or coordination_group()
+    mine = dist.get_rank() == src
+    payload = json.dumps(obj).encode() if mine else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    _run_collective(what, dist.broadcast, size, src=src, group=group)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if mine:
+        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    _run_collective(what, dist.broadcast, buf, src=src, group=group)
+    return json.loads(bytes(buf.numpy()))
+
+
+def barrier(what: str = "barrier") -> None:
+    all_gather_json(None, what)
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Which node every rank lives on."""
+
+    node_of_rank: tuple[str, ...]
+    rank: int
+
+    @property
+    def nodes(self) -> list[str]:
+        """Distinct node ids in order of their lowest rank."""
+        return list(dict.fromkeys(self.node_of_rank))
+
+    @property
+    def node_index(self) -> int:
+        return self.nodes.index(self.node_of_rank[self.rank])
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """Global ranks on this rank's node, ascending."""
+        me = self.node_of_rank[self.rank]
+        return [r for r, n in enumerate(self.node_of_rank) if n == me]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_ranks.index(self.rank)
+
+    @property
+    def local_world_size(self) -> int:
+        return len(self.local_ranks)
+
+
+def node_layout() -> NodeLayout:
+    """Every rank's node id (gathered once per process group, then cached). Collective on first call."""
+    if not is_distributed():
+        return NodeLayout((node_id(),), 0)
+    key = id(dist.distributed_c10d._get_default_group())
+    layout = _layouts.get(key)
+    if layout is None:
+        layout = NodeLayout(tuple(all_gather_json(node_id(), "gather node ids")), dist.get_rank())
+        _layouts[key] = layout
+    return layout
+
+
+def raise_if_any_failed(what: str, error: BaseException | str | None) -> None:
+    """Collective: if any rank passes an error, every rank raises the same :class:`CheckpointingError`."""
+    message = None
+    if error is not None:
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        message = message[:_MAX_MESSAGE]
+    statuses = all_gather_json(message, f"{what} (agreeing on the outcome)")
+    failures = {rank: m for rank, m in enumerate(statuses) if m is not None}
+    if not failures:
+        return
+    ranks = ", ".join(str(r) for r in failures)
+    detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
+    err = CheckpointingError(f"{what} failed on rank{'s' if len(failures) > 1 else ''} {ranks}: {detail}", failures)
+    if isinstance(error, BaseException):
+        raise err from error
+    raise err
+
+
+@contextmanager
+def agree(what: str) -> Iterator[None]:
+    """Run the block on every rank; if it raised on any rank, raise the same error on all of them.
+
+    The block must not run collectives of its own (a failing rank would skip them). Every rank enters
+    the agreement, so a rank whose block succeeded still learns that another one failed.
+    """
+    error: BaseException | None = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every failure is reported to all ranks
+        error = e
+    raise_if_any_failed(what, error)

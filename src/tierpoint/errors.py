@@ -1,0 +1,63 @@
+"""The exceptions tierpoint raises.
+
+Every failure a user can act on is a ``CheckpointingError`` (or a subclass), so one ``except`` clause
+catches them all. Errors agreed across ranks carry ``failures``: a mapping from rank to that rank's
+message, identical on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class CheckpointingError(RuntimeError):
+    """A checkpoint could not be saved, found or loaded.
+
+    ``failures`` maps each failing rank to its message when the error was agreed across ranks
+    (see :func:`tierpoint.dist.agree`); it is empty for purely local errors.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures or {})
+
+
+class CorruptCheckpointError(CheckpointingError):
+    """A checkpoint file is damaged, truncated, or not a checkpoint file at all."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(f"corrupt checkpoint file {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class UnsupportedStateError(CheckpointingError):
+    """The state holds an object that cannot be stored without pickle.
+
+    ``key_path`` names where it sits, e.g. ``optimizer.param_groups[0].fn``.
+    """
+
+    def __init__(self, key_path: str, message: str) -> None:
+        super().__init__(f"{key_path or '<root>'}: {message}")
+        self.key_path = key_path
+
+
+class CoordinationTimeoutError(CheckpointingError):
+    """A collective among ranks did not complete within its timeout."""
+
+
+class SameMachineReplicationException(CheckpointingError):
+    """Two members of a replication clique live on the same node, so a replica protects nothing."""
+
+
+CheckpointingException = CheckpointingError
+"""The name NVRx users know for :class:`CheckpointingError`."""
+
+__all__ = [
+    "CheckpointingError",
+    "CheckpointingException",
+    "CoordinationTimeoutError",
+    "CorruptCheckpointError",
+    "SameMachineReplicationException",
+    "UnsupportedStateError",
+]

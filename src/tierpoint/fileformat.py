@@ -1,0 +1,569 @@
+"""The part file: one rank's share of one checkpoint, pickle-free, checksummed, safetensors-compatible.
+
+Layout (the safetensors layout, so ``safetensors.safe_open`` reads the tensors)::
+
+    [u64 little-endian N][N bytes of JSON header, space-padded][tensor bytes, back to back]
+
+The JSON header maps each tensor name to ``{"dtype", "shape", "data_offsets"}`` and carries
+``"__metadata__"``, a str -> str map holding:
+
+- ``"format": "tierpoint"`` and ``"tierpoint"``: a JSON document with the format ``version``, the state
+  ``skeleton`` (see :mod:`tierpoint.tree`), caller ``extra`` metadata, and one record per tensor
+  ``[name, torch dtype, shape, xxh3-64 hex of its bytes, device it was saved from]``;
+- ``"tierpoint_header_xxh3"``: xxh3-64 of the header bytes with this value set to sixteen ``0``.
+
+Dtypes safetensors lacks (complex, float8 variants other than e4m3fn/e5m2, ...) are written as ``U8``
+entries of shape ``[nbytes]``; their true dtype and shape are in the record, and reading restores them
+exactly. Tensor bytes are stored little-endian in the tensor's own memory order (C-contiguous).
+
+Call order: ``write(path, state)`` or ``write_flat(path, flat)``; ``read(path)`` / ``read_flat(path)``;
+``read_header(path)`` for a cheap structural check.
+
+Invariants:
+- A file becomes visible under its final name only complete: written to a dirty name, fsynced,
+  renamed, directory fsynced.
+- Nothing read from a file is trusted: the header is size-capped, parsed without pickle, checked against
+  its checksum, and every offset, dtype and shape is validated against the file's size before anything
+  is allocated. Every failure is a :class:`CorruptCheckpointError` naming the file and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import CheckpointingError, CorruptCheckpointError, UnsupportedStateError
+from .tree import FlatState, SkeletonError, flatten, unflatten
+
+FORMAT_VERSION = 1
+DATA_ALIGNMENT = 64
+"""The tensor data starts at a multiple of this offset; tensors are ordered so each is aligned."""
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+MAX_DIMS = 64
+CHECKSUM_KEY = "tierpoint_header_xxh3"
+_ZERO_SUM = "0" * 16
+_IO_CHUNK = 1 << 30
+_SMALL_TENSOR = 1 << 20
+
+# torch dtype -> safetensors code, for dtypes safetensors stores natively.
+_NATIVE_CODES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+}
+for _name, _code in (
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        _NATIVE_CODES[getattr(torch, _name)] = _code
+
+# Every torch dtype a part file may hold, by the name written in records.
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+for _bad in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"):
+    DTYPES.pop(_bad, None)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one tensor lives in a part file (offsets relative to the data section)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    checksum: str
+    device: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class PartHeader:
+    """A validated part-file header."""
+
+    path: str
+    data_start: int
+    file_size: int
+    records: tuple[TensorRecord, ...]
+    skeleton: Any
+    extra: dict[str, Any]
+    version: int
+
+    @property
+    def data_bytes(self) -> int:
+        return self.file_size - self.data_start
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    path: str
+    nbytes: int
+    seconds: float
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without copying."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def checksum(data: memoryview | bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _prepare(t: torch.Tensor, path: str) -> torch.Tensor:
+    if t.is_quantized or t.device.type == "meta":
+        raise UnsupportedStateError(path, f"{t.device.type} / quantized tensors cannot be saved")
+    dtype_name = str(t.dtype).removeprefix("torch.")
+    if dtype_name not in DTYPES:
+        raise UnsupportedStateError(path, f"dtype {t.dtype} is not supported")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        raise CheckpointingError("tierpoint part files need a little-endian host")
+    return t
+
+
+def _unique_names(paths: Sequence[str]) -> list[str]:
+    names: list[str] = []
+    used: set[str] = {"__metadata__"}
+    for i, p in enumerate(paths):
+        name = p or f"tensor{i}"
+        if name in used:
+            name = f"{name}~{i}"
+        used.add(name)
+        names.append(name)
+    return names
+
+
+def _header_bytes(
+    flat: FlatState,
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    offsets: Sequence[tuple[int, int]],
+    sums: Sequence[str],
+    extra: Mapping[str, Any],
+    header_sum: str,
+) -> bytes:
+    entries: dict[str, Any] = {}
+    records = []
+    for t, name, (begin, end), s, orig in zip(tensors, names, offsets, sums, flat.tensors):
+        code = _NATIVE_CODES.get(t.dtype)
+        shape = list(t.shape) if code else [end - begin]
+        entries[name] = {"dtype": code or "U8", "shape": shape, "data_offsets": [begin, end]}
+        records.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), s, str(orig.device)])
+    doc = {"version": FORMAT_VERSION, "skeleton": flat.skeleton, "extra": dict(extra), "tensors": records}
+    inner = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    meta = {"format": "tierpoint", "tierpoint": inner, CHECKSUM_KEY: header_sum}
+    header = {"__metadata__": meta, **entries}
+    return json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _padded(header: bytes) -> bytes:
+    pad = (-(8 + len(header))) % DATA_ALIGNMENT
+    return header + b" " * pad
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        n = os.write(fd, view[:_IO_CHUNK])
+        view = view[n:]
+
+
+def _write_data(fd: int, views: Sequence[memoryview]) -> None:
+    """Write the views back to back: small ones gathered into one writev, large ones straight."""
+    batch: list[memoryview] = []
+    batch_bytes = 0
+
+    def flush() -> None:
+        nonlocal batch, batch_bytes
+        if batch:
+            written = os.writev(fd, batch)
+            if written != batch_bytes:  # rare partial writev: finish byte by byte of what is left
+                _write_all(fd, memoryview(b"".join(bytes(v) for v in batch))[written:])
+            batch, batch_bytes = [], 0
+
+    for v in views:
+        if len(v) >= _SMALL_TENSOR:
+            flush()
+            _write_all(fd, v)
+        else:
+            batch.append(v)
+            batch_bytes += len(v)
+            if len(batch) >= 512 or batch_bytes >= _SMALL_TENSOR:
+                flush()
+    flush()
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dirty_name(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".dirty")
+
+
+def write(
+    path: str | os.PathLike,
+    state: Any,
+    *,
+    allow_pickle: bool = False,
+    extra: Mapping[str, Any] | None = None,
+    recycle: str | os.PathLike | None = None,
+    dirty_path: str | os.PathLike | None = None,
+    fsync: bool = True,
+) -> WriteResult:
+    """Write ``state`` (any nested dict/list/tuple of tensors and plain values) as a part file."""
+    return write_flat(
+        path,
+        flatten(state, allow_pickle=allow_pickle),
+        extra=extra,
+        recycle=recycle,
+        dirty_path=dirty_path,
+        fsync=fsync,
+    )
+
+
+def write_flat(
+    path: str | os.PathLike,
+    flat: FlatState,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    recycle: str | os.PathLike | None = None,
+    dirty_path: str | os.PathLike | None = None,
+    fsync: bool = True,
+) -> WriteResult:
+    """Write a flattened state to ``path`` through a dirty name (see module invariants).
+
+    ``recycle`` names an expired part file whose pages are reused for this one (rewriting an existing
+    tmpfs file is several times faster than filling a new one); the caller guarantees nothing needs it.
+    """
+    start = time.perf_counter()
+    path = Path(path)
+    dirty = Path(dirty_path) if dirty_path is not None else dirty_name(path)
+    tensors = [_prepare(t, p) for t, p in zip(flat.tensors, flat.paths)]
+    names = _unique_names(flat.paths)
+    # Larger element sizes first keeps every tensor aligned to its element size.
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    offsets: list[tuple[int, int]] = [(0, 0)] * len(tensors)
+    cursor = 0
+    for i in order:
+        n = tensors[i].numel() * tensors[i].element_size()
+        offsets[i] = (cursor, cursor + n)
+        cursor += n
+    data_size = cursor
+    extra = dict(extra or {})
+    placeholder = _padded(_header_bytes(flat, tensors, names, offsets, [_ZERO_SUM] * len(tensors), extra, _ZERO_SUM))
+    views = [byte_view(tensors[i]) for i in order]
+
+    with ThreadPoolExecutor(1, thread_name_prefix="tierpoint-hash") as pool:
+        hashes: list[Future[str]] = [pool.submit(checksum, v) for v in views]
+        if recycle is not None and os.path.exists(recycle):
+            os.replace(recycle, dirty)
+            fd = os.open(dirty, os.O_WRONLY)
+        else:
+            fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, memoryview(struct.pack("<Q", len(placeholder)) + placeholder))
+            _write_data(fd, views)
+            sums = [""] * len(tensors)
+            for i, h in zip(order, hashes):
+                sums[i] = h.result()
+            body = _header_bytes(flat, tensors, names, offsets, sums, extra, _ZERO_SUM)
+            body = body.replace(_sum_field(_ZERO_SUM), _sum_field(checksum(_padded(body))), 1)
+            final = _padded(body)
+            if len(final) != len(placeholder):  # pragma: no cover - fixed-width fields guarantee this
+                raise CheckpointingError("internal error: header length changed while writing")
+            os.pwrite(fd, final, 8)
+            total = 8 + len(final) + data_size
+            os.ftruncate(fd, total)
+            if fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(dirty)
+            raise
+        os.close(fd)
+    os.replace(dirty, path)
+    if fsync:
+        fsync_dir(path.parent)
+    return WriteResult(str(path), total, time.perf_counter() - start)
+
+
+def _sum_field(value: str) -> bytes:
+    return f'"{CHECKSUM_KEY}":"{value}"'.encode()
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+# ----------------------------------------------------------------------------------------- reading
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _parse_json(data: bytes | str, what: str, path: str) -> Any:
+    try:
+        return json.loads(data, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise CorruptCheckpointError(path, f"{what} is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(path, f"{what} is not valid JSON ({e})") from None
+
+
+def _fail(path: str, reason: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(path, reason)
+
+
+def read_header(path: str | os.PathLike) -> PartHeader:
+    """Read and validate the header of a part file (no tensor data is read)."""
+    with open(path, "rb", buffering=0) as f:
+        return _read_header_from(f, str(path))
+
+
+def _read_header_from(f: Any, path: str) -> PartHeader:
+    file_size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise _fail(path, f"truncated: {file_size} bytes is too short to hold a header")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER_BYTES:
+        raise _fail(path, f"header length {n} exceeds the limit of {MAX_HEADER_BYTES} bytes")
+    if 8 + n > file_size:
+        raise _fail(path, f"truncated: header claims {n} bytes but the file has {file_size}")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise _fail(path, "truncated while reading the header")
+    header = _parse_json(raw, "header", path)
+    if not isinstance(header, dict):
+        raise _fail(path, "header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or meta.get("format") != "tierpoint":
+        raise _fail(path, "not a tierpoint part file (no tierpoint __metadata__)")
+    stored_sum = meta.get(CHECKSUM_KEY)
+    if not isinstance(stored_sum, str) or len(stored_sum) != 16:
+        raise _fail(path, "header checksum is missing")
+    field = _sum_field(stored_sum)
+    if raw.count(field) != 1:
+        raise _fail(path, "header checksum field is malformed")
+    if checksum(raw.replace(field, _sum_field(_ZERO_SUM))) != stored_sum:
+        raise _fail(path, "header checksum mismatch (the header was modified or damaged)")
+    inner = meta.get("tierpoint")
+    if not isinstance(inner, str):
+        raise _fail(path, "tierpoint metadata is missing")
+    doc = _parse_json(inner, "tierpoint metadata", path)
+    if not isinstance(doc, dict):
+        raise _fail(path, "tierpoint metadata is not a JSON object")
+    version = doc.get("version")
+    if version != FORMAT_VERSION:
+        raise _fail(path, f"unsupported format version {version!r} (this tierpoint reads {FORMAT_VERSION})")
+    data_start = 8 + n
+    records = _validate_records(doc.get("tensors"), header, file_size - data_start, path)
+    extra = doc.get("extra", {})
+    if not isinstance(extra, dict):
+        raise _fail(path, "extra metadata is not a JSON object")
+    return PartHeader(path, data_start, file_size, records, doc.get("skeleton"), extra, version)
+
+
+def _validate_records(
+    raw_records: Any, entries: dict[str, Any], data_size: int, path: str
+) -> tuple[TensorRecord, ...]:
+    if not isinstance(raw_records, list):
+        raise _fail(path, "tensor records are missing")
+    if len(raw_records) != len(entries):
+        raise _fail(path, f"{len(raw_records)} tensor records but {len(entries)} header entries")
+    records = []
+    for rec in raw_records:
+        if not (isinstance(rec, list) and len(rec) == 5):
+            raise _fail(path, f"malformed tensor record {str(rec)[:80]!r}")
+        name, dtype_name, shape, sum_hex, device = rec
+        entry = entries.get(name) if isinstance(name, str) else None
+        if not isinstance(entry, dict):
+            raise _fail(path, f"tensor {str(name)[:80]!r} has no header entry")
+        dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None:
+            raise _fail(path, f"tensor {name!r} has unknown dtype {str(dtype_name)[:40]!r}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(d) is int and d >= 0 for d in shape)):
+            raise _fail(path, f"tensor {name!r} has an invalid shape {str(shape)[:80]}")
+        offsets = entry.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise _fail(path, f"tensor {name!r} has invalid data_offsets")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_size:
+            raise _fail(path, f"tensor {name!r} lies outside the file (bytes {begin}..{end} of {data_size})")
+        expected = math.prod(shape) * _element_size(dtype)
+        if end - begin != expected:
+            raise _fail(path, f"tensor {name!r}: shape {shape} x {dtype} needs {expected} bytes, entry has {end - begin}")
+        code = _NATIVE_CODES.get(dtype, "U8")
+        if entry.get("dtype") != code:
+            raise _fail(path, f"tensor {name!r}: header dtype {entry.get('dtype')!r} disagrees with {dtype_name}")
+        if not (isinstance(sum_hex, str) and len(sum_hex) == 16) or not isinstance(device, str):
+            raise _fail(path, f"tensor {name!r} has a malformed checksum or device")
+        records.append(TensorRecord(name, dtype, tuple(shape), begin, end, sum_hex, device))
+    cursor = 0
+    for r in sorted(records, key=lambda r: (r.begin, r.end)):
+        if r.begin != cursor:
+            kind = "overlaps another tensor" if r.begin < cursor else "leaves a gap before it"
+            raise _fail(path, f"tensor {r.name!r} {kind} (offset {r.begin}, expected {cursor})")
+        cursor = r.end
+    if cursor != data_size:
+        if cursor < data_size:
+            raise _fail(path, f"file has {data_size - cursor} unexpected bytes after the last tensor")
+        raise _fail(path, "truncated tensor data")  # pragma: no cover - caught per tensor above
+    return tuple(records)
+
+
+def _read_exact(f: Any, view: memoryview, path: str, name: str) -> None:
+    while len(view):
+        n = f.readinto(view[:_IO_CHUNK])
+        if not n:
+            raise _fail(path, f"truncated while reading tensor {name!r}")
+        view = view[n:]
+
+
+def read_flat(
+    path: str | os.PathLike,
+    *,
+    verify: bool = True,
+    targets: Sequence[torch.Tensor | None] | None = None,
+) -> tuple[PartHeader, list[torch.Tensor]]:
+    """Read a part file's tensors (CPU), in skeleton order.
+
+    ``targets`` (optional, skeleton order) are tensors to read into: each must match the stored dtype and
+    shape; contiguous CPU targets are filled in place with no extra copy. ``None`` entries are allocated.
+    """
+    path = str(path)
+    with open(path, "rb", buffering=0) as f:
+        header = _read_header_from(f, path)
+        records = header.records
+        if targets is not None and len(targets) != len(records):
+            raise CheckpointingError(f"{path}: {len(targets)} targets given for {len(records)} tensors")
+        out: list[torch.Tensor | None] = [None] * len(records)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, rec in enumerate(records):
+            target = targets[i] if targets is not None else None
+            if target is None:
+                out[i] = torch.empty(rec.shape, dtype=rec.dtype)
+                continue
+            if target.dtype != rec.dtype or tuple(target.shape) != rec.shape:
+                raise CheckpointingError(
+                    f"{path}: tensor {rec.name!r} is stored as {rec.dtype} {list(rec.shape)}, "
+                    f"target is {target.dtype} {list(target.shape)}"
+                )
+            if target.device.type == "cpu" and target.is_contiguous() and not target.requires_grad:
+                out[i] = target
+            else:
+                staged = torch.empty(rec.shape, dtype=rec.dtype)
+                copies.append((target, staged))
+                out[i] = staged
+        tensors: list[torch.Tensor] = out  # type: ignore[assignment]
+        order = sorted(range(len(records)), key=lambda i: records[i].begin)
+        with ThreadPoolExecutor(1, thread_name_prefix="tierpoint-verify") as pool:
+            pending: list[tuple[int, Future[str]]] = []
+            f.seek(header.data_start)
+            for i in order:
+                view = byte_view(tensors[i])
+                _read_exact(f, view, path, records[i].name)
+                if verify:
+                    pending.append((i, pool.submit(checksum, view)))
+            for i, fut in pending:
+                if fut.result() != records[i].checksum:
+                    raise _fail(path, f"checksum mismatch in tensor {records[i].name!r}")
+    for target, staged in copies:
+        with torch.no_grad():
+            target.copy_(staged)
+    if targets is not None:
+        tensors = [t if t is not None else tensors[i] for i, t in enumerate(targets)]
+    return header, tensors
+
+
+def read(
+    path: str | os.PathLike,
+    *,
+    verify: bool = True,
+    allow_pickle: bool = False,
+    targets: Sequence[torch.Tensor | None] | None = None,
+) -> Any:
+    """Read a part file back into the state that was written (CPU tensors)."""
+    header, tensors = read_flat(path, verify=verify, targets=targets)
+    return unflatten_checked(header, tensors, allow_pickle=allow_pickle)
+
+
+def unflatten_checked(header: PartHeader, tensors: list[torch.Tensor], *, allow_pickle: bool = False) -> Any:
+    try:
+        return unflatten(header.skeleton, tensors, allow_pickle=allow_pickle)
+    except SkeletonError as e:
+        raise CorruptCheckpointError(header.path, f"bad state skeleton: {e}") from None
+
+
+def verify(path: str | os.PathLike) -> PartHeader:
+    """Check a part file completely (header and every tensor checksum) without keeping its tensors."""
+    path = str(path)
+    with open(path, "rb", buffering=0) as f:
+        header = _read_header_from(f, path)
+        buf = bytearray(min(max((r.nbytes for r in header.records), default=0), 64 << 20))
+        for rec in sorted(header.records, key=lambda r: r.begin):
+            f.seek(header.data_start + rec.begin)
+            hasher = xxhash.xxh3_64()
+            left = rec.nbytes
+            while left:
+                view = memoryview(buf)[: min(left, len(buf))]
+                _read_exact(f, view, path, rec.name)
+                hasher.update(view)
+                left -= len(view)
+            if hasher.hexdigest() != rec.checksum:
+                raise _fail(path, f"checksum mismatch in tensor {rec.name!r}")
+    return header

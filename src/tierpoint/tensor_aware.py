@@ -1,0 +1,181 @@
+"""Tensor-aware state dicts: a state whose tensors can be taken out, moved and put back.
+
+``BasicTensorAwareStateDict(state)`` keeps its own flattened view of ``state`` (see
+:mod:`tierpoint.tree`); the caller's dict is never modified, so a save never leaves it hollow.
+
+Call order used by checkpoint managers: ``to_flat()`` on save; ``from_flat(flat, devices)`` on load,
+then ``restore_tensor_device()`` to put tensors back where they were saved from. Replication uses
+``pop_tensors()`` / ``init_tensors()`` / ``insert_tensors()`` to move tensor payloads without the
+skeleton.
+
+Invariants: every tensor's original device is remembered per tensor (CPU and CUDA tensors may mix); a
+device that does not exist when restoring leaves the tensor on CPU and logs a note.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .errors import CheckpointingError
+from .tree import FlatState, flatten, unflatten
+
+logger = logging.getLogger("tierpoint")
+
+
+class TensorAwareStateDict(ABC):
+    """A state dict that exposes its tensors separately from the rest of its structure."""
+
+    @property
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors, in a fixed order (raises when hollow)."""
+
+    @property
+    @abstractmethod
+    def is_hollow(self) -> bool:
+        """True after :meth:`pop_tensors` until tensors are inserted again."""
+
+    @abstractmethod
+    def pop_tensors(self) -> list[torch.Tensor]:
+        """Take the tensors out, leaving the structure hollow."""
+
+    @abstractmethod
+    def insert_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Put tensors (in :attr:`tensors` order) back into a hollow state."""
+
+    @abstractmethod
+    def init_tensors(self) -> None:
+        """Fill a hollow state with freshly allocated (uninitialised) tensors of the right shapes."""
+
+    @abstractmethod
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        """Replace the tensors by CPU copies, remembering their devices."""
+
+    @abstractmethod
+    def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        """Move tensors back to the devices they came from (where such a device exists)."""
+
+    @abstractmethod
+    def to_flat(self) -> FlatState:
+        """The pickle-free flattened form written to part files."""
+
+    @property
+    @abstractmethod
+    def state_dict(self) -> Any:
+        """The nested state, rebuilt from the tensors (raises when hollow)."""
+
+
+class BasicTensorAwareStateDict(TensorAwareStateDict):
+    """Wraps any nested dict/list/tuple state of tensors and plain values.
+
+    Unlike NVRx's class of the same name, tensors may live on CPU or CUDA, and the wrapped dict is
+    neither mutated nor left hollow.
+    """
+
+    def __init__(self, state_dict: Any, *, allow_pickle: bool = False) -> None:
+        flat = flatten(state_dict, allow_pickle=allow_pickle)
+        self._init_from(flat, [str(t.device) for t in flat.tensors])
+        self.allow_pickle = allow_pickle
+
+    def _init_from(self, flat: FlatState, devices: Sequence[str]) -> None:
+        self._skeleton = flat.skeleton
+        self._paths = list(flat.paths)
+        self._tensors: list[torch.Tensor] | None = list(flat.tensors)
+        self._devices = list(devices)
+        self._meta = [(t.shape, t.dtype) for t in flat.tensors]
+
+    @classmethod
+    def from_flat(
+        cls, flat: FlatState, devices: Sequence[str] | None = None, *, allow_pickle: bool = False
+    ) -> BasicTensorAwareStateDict:
+        """Build from a flattened state (as read from a part file) and each tensor's saved device."""
+        obj = cls.__new__(cls)
+        obj._init_from(flat, devices if devices is not None else [str(t.device) for t in flat.tensors])
+        obj.allow_pickle = allow_pickle
+        return obj
+
+    @property
+    def paths(self) -> list[str]:
+        return list(self._paths)
+
+    @property
+    def devices(self) -> list[str]:
+        return list(self._devices)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        if self._tensors is None:
+            raise CheckpointingError("the state dict is hollow: its tensors were popped")
+        return list(self._tensors)
+
+    @property
+    def is_hollow(self) -> bool:
+        return self._tensors is None
+
+    def pop_tensors(self) -> list[torch.Tensor]:
+        tensors = self.tensors
+        self._tensors = None
+        return tensors
+
+    def insert_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        if not self.is_hollow:
+            raise CheckpointingError("insert_tensors needs a hollow state dict")
+        tensors = list(tensors)
+        if len(tensors) != len(self._meta):
+            raise CheckpointingError(f"expected {len(self._meta)} tensors, got {len(tensors)}")
+        for path, t, (shape, dtype) in zip(self._paths, tensors, self._meta):
+            if t.shape != shape or t.dtype != dtype:
+                raise CheckpointingError(
+                    f"tensor {path!r}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
+                )
+        self._tensors = tensors
+
+    def init_tensors(self) -> None:
+        if not self.is_hollow:
+            raise CheckpointingError("init_tensors needs a hollow state dict")
+        self._tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in self._meta]
+
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        self._tensors = [
+            t if t.device.type == "cpu" else t.to("cpu", non_blocking=non_blocking) for t in self.tensors
+        ]
+
+    def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        restored = []
+        for path, t, device in zip(self._paths, self.tensors, self._devices):
+            target = torch.device(device)
+            if t.device == target:
+                restored.append(t)
+            elif _device_exists(target):
+                restored.append(t.to(target, non_blocking=non_blocking))
+            else:
+                logger.info("tensor %r was saved from %s, which does not exist here: kept on CPU", path, device)
+                restored.append(t)
+        self._tensors = restored
+
+    def to_flat(self) -> FlatState:
+        return FlatState(self._skeleton, self.tensors, list(self._paths))
+
+    @property
+    def state_dict(self) -> Any:
+        return unflatten(self._skeleton, self.tensors, allow_pickle=self.allow_pickle)
+
+    def __repr__(self) -> str:
+        state = "hollow" if self.is_hollow else f"{len(self._meta)} tensors"
+        return f"BasicTensorAwareStateDict({state})"
+
+
+def _device_exists(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        return device.index is None or device.index < torch.cuda.device_count()
+    backend = getattr(torch, device.type, None)
+    return bool(backend is not None and getattr(backend, "is_available", lambda: False)())

@@ -1,0 +1,318 @@
+"""Flatten nested training state into a JSON skeleton plus a list of tensors, and back.
+
+Call order: ``flatten(state)`` gives a :class:`FlatState` (``skeleton``, ``tensors``, ``paths``); the
+skeleton is plain JSON data, so it can be stored in a file header without pickle. ``unflatten(skeleton,
+tensors)`` rebuilds an equal state. The same tensor object reached twice (tied weights) is stored once and
+comes back as one object in both places.
+
+Invariants:
+- Only the types listed below are stored; any other object raises :class:`UnsupportedStateError`
+  naming its key path, unless ``allow_pickle=True`` is passed on both save and load.
+- ``unflatten`` treats the skeleton as untrusted input: unknown tags, bad indices and runaway nesting
+  raise :class:`CorruptCheckpointError` (via :class:`SkeletonError`), never anything worse.
+
+Skeleton encoding. JSON scalars stand for themselves except where JSON is lossy; everything else is a
+JSON object with a single tag key ``"~"``:
+
+=============================  =================================================
+``None``/``bool``/``str``      ``null``/``true``/``false``/``"..."``
+``int`` (|x| < 2**53)          JSON integer; larger: ``{"~": "int", "v": "<decimal>"}``
+``float``                      JSON number; nan/inf: ``{"~": "float", "v": "nan"}``
+``list``                       JSON array
+``tuple``                      ``{"~": "tuple", "v": [...]}``
+``dict`` / ``OrderedDict``     ``{"~": "dict" | "odict", "k": [keys...], "v": [values...]}``
+``bytes``                      ``{"~": "bytes", "v": "<base64>"}``
+tensor                         ``{"~": "tensor", "i": <index into tensors>}``
+``torch.dtype/Size/device``    ``{"~": "dtype" | "size" | "device", "v": ...}``
+numpy array (numeric)          ``{"~": "ndarray", "i": <index>}`` (stored as a tensor)
+numpy array (other, no object) ``{"~": "ndbytes", "dtype": "<U5", "shape": [...], "v": "<base64>"}``
+numpy scalar                   ``{"~": "npscalar", "dtype": "<f4", "v": "<base64>"}``
+anything else, opted in        ``{"~": "pickle", "v": "<base64>"}``
+=============================  =================================================
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedStateError
+
+MAX_DEPTH = 200
+"""Deepest nesting accepted on flatten and unflatten (JSON bombs in a header stop here)."""
+
+_JSON_SAFE_INT = 2**53
+_TAG = "~"
+
+
+class SkeletonError(ValueError):
+    """The skeleton read from a file is malformed (the caller wraps it with the file's name)."""
+
+
+@dataclass
+class FlatState:
+    """A flattened state: ``skeleton`` (JSON data), ``tensors`` and each tensor's key path."""
+
+    skeleton: Any
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    numpy_indices: set[int] = field(default_factory=set)
+    """Indices of tensors that were numpy arrays in the original state."""
+
+
+def _child_path(path: str, key: object) -> str:
+    if isinstance(key, str):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{key!r}]"
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
+    """Split ``state`` into a JSON skeleton and its tensors (in first-seen order)."""
+    flat = FlatState(skeleton=None)
+    seen: dict[int, int] = {}
+
+    def add_tensor(t: torch.Tensor, path: str) -> int:
+        index = seen.get(id(t))
+        if index is None:
+            index = len(flat.tensors)
+            seen[id(t)] = index
+            flat.tensors.append(t)
+            flat.paths.append(path)
+        return index
+
+    def enc(obj: Any, path: str, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedStateError(path, f"nesting deeper than {MAX_DEPTH} levels")
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            if obj.is_sparse or obj.layout != torch.strided:
+                raise UnsupportedStateError(path, f"tensor layout {obj.layout} is not supported")
+            return {_TAG: "tensor", "i": add_tensor(obj, path)}
+        if type(obj) is int:
+            return obj if -_JSON_SAFE_INT < obj < _JSON_SAFE_INT else {_TAG: "int", "v": str(obj)}
+        if type(obj) is float:
+            return obj if math.isfinite(obj) else {_TAG: "float", "v": repr(obj)}
+        if type(obj) is list:
+            return [enc(v, _child_path(path, i), depth + 1) for i, v in enumerate(obj)]
+        if type(obj) is tuple:
+            return {_TAG: "tuple", "v": [enc(v, _child_path(path, i), depth + 1) for i, v in enumerate(obj)]}
+        if type(obj) in (dict, OrderedDict):
+            keys = [enc(k, _child_path(path, f"<key {k!r}>"), depth + 1) for k in obj]
+            values = [enc(v, _child_path(path, k), depth + 1) for k, v in obj.items()]
+            return {_TAG: "odict" if type(obj) is OrderedDict else "dict", "k": keys, "v": values}
+        if type(obj) is bytes:
+            return {_TAG: "bytes", "v": base64.b64encode(obj).decode("ascii")}
+        if isinstance(obj, torch.dtype):
+            return {_TAG: "dtype", "v": str(obj).removeprefix("torch.")}
+        if type(obj) is torch.Size:
+            return {_TAG: "size", "v": list(obj)}
+        if isinstance(obj, torch.device):
+            return {_TAG: "device", "v": str(obj)}
+        if isinstance(obj, np.ndarray):
+            return _enc_ndarray(obj, path, add_tensor, flat)
+        if isinstance(obj, np.generic) and obj.dtype.kind != "O":
+            return {_TAG: "npscalar", "dtype": obj.dtype.str, "v": _b64(obj.tobytes())}
+        if allow_pickle:
+            try:
+                return {_TAG: "pickle", "v": _b64(pickle.dumps(obj, protocol=4))}
+            except Exception as e:  # noqa: BLE001 - any pickling failure is the user's object
+                raise UnsupportedStateError(path, f"cannot pickle {type(obj).__name__}: {e}") from e
+        raise UnsupportedStateError(
+            path,
+            f"objects of type {type(obj).__module__}.{type(obj).__qualname__} cannot be stored "
+            "without pickle; convert it to plain data, or pass allow_pickle=True on save and load",
+        )
+
+    flat.skeleton = enc(state, "", 0)
+    return flat
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _enc_ndarray(arr: np.ndarray, path: str, add_tensor: Any, flat: FlatState) -> Any:
+    if arr.dtype.kind == "O" or arr.dtype.hasobject:
+        raise UnsupportedStateError(path, "numpy arrays of Python objects cannot be stored without pickle")
+    try:
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+    except TypeError:
+        t = None
+    if t is None or arr.dtype.byteorder == ">":
+        return {
+            _TAG: "ndbytes",
+            "dtype": arr.dtype.str,
+            "shape": list(arr.shape),
+            "v": _b64(np.ascontiguousarray(arr).tobytes()),
+        }
+    index = add_tensor(t, path)
+    flat.numpy_indices.add(index)
+    return {_TAG: "ndarray", "i": index}
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor], *, allow_pickle: bool = False) -> Any:
+    """Rebuild the state that :func:`flatten` split. Raises :class:`SkeletonError` on bad input."""
+
+    def tensor_at(node: dict) -> torch.Tensor:
+        i = node.get("i")
+        if type(i) is not int or not 0 <= i < len(tensors):
+            raise SkeletonError(f"tensor index {i!r} out of range (0..{len(tensors) - 1})")
+        return tensors[i]
+
+    def dec(node: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise SkeletonError(f"skeleton nested deeper than {MAX_DEPTH} levels")
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [dec(v, depth + 1) for v in node]
+        if not isinstance(node, dict):
+            raise SkeletonError(f"unexpected skeleton node of type {type(node).__name__}")
+        tag = node.get(_TAG)
+        try:
+            return _DECODERS[tag](node, dec, depth, tensor_at, allow_pickle)
+        except KeyError as e:
+            if tag not in _DECODERS:
+                raise SkeletonError(f"unknown skeleton tag {tag!r}") from None
+            raise SkeletonError(f"skeleton node {tag!r} lacks field {e}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, SkeletonError):
+                raise
+            raise SkeletonError(f"malformed {tag!r} node: {e}") from None
+
+    try:
+        return dec(skeleton, 0)
+    except RecursionError:
+        raise SkeletonError("skeleton nested too deeply") from None
+
+
+def _dec_dict(node: dict, dec: Any, depth: int, *_: Any) -> dict:
+    keys, values = node["k"], node["v"]
+    if not isinstance(keys, list) or not isinstance(values, list) or len(keys) != len(values):
+        raise SkeletonError("dict node needs equal-length key and value lists")
+    cls = OrderedDict if node[_TAG] == "odict" else dict
+    out = cls()
+    for k, v in zip(keys, values):
+        key = dec(k, depth + 1)
+        try:
+            out[key] = dec(v, depth + 1)
+        except TypeError:
+            raise SkeletonError(f"unhashable dict key {key!r}") from None
+    return out
+
+
+def _dec_float(node: dict, *_: Any) -> float:
+    value = node["v"]
+    if value not in ("nan", "inf", "-inf"):
+        raise SkeletonError(f"bad float {value!r}")
+    return float(value)
+
+
+def _dec_int(node: dict, *_: Any) -> int:
+    value = node["v"]
+    if not isinstance(value, str) or len(value) > 10_000:
+        raise SkeletonError("bad big integer")
+    return int(value)
+
+
+def _dec_dtype(node: dict, *_: Any) -> torch.dtype:
+    value = getattr(torch, str(node["v"]), None)
+    if not isinstance(value, torch.dtype):
+        raise SkeletonError(f"unknown dtype {node['v']!r}")
+    return value
+
+
+def _dec_ndbytes(node: dict, *_: Any) -> np.ndarray:
+    dtype = _np_dtype(node["dtype"])
+    shape = node["shape"]
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise SkeletonError(f"bad array shape {shape!r}")
+    data = base64.b64decode(node["v"], validate=True)
+    if math.prod(shape) * dtype.itemsize != len(data):
+        raise SkeletonError("array shape does not match its bytes")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+
+def _dec_npscalar(node: dict, *_: Any) -> np.generic:
+    dtype = _np_dtype(node["dtype"])
+    data = base64.b64decode(node["v"], validate=True)
+    if len(data) != dtype.itemsize:
+        raise SkeletonError("numpy scalar size does not match its dtype")
+    return np.frombuffer(data, dtype=dtype)[0]
+
+
+def _np_dtype(descr: Any) -> np.dtype:
+    if not isinstance(descr, str) or len(descr) > 32:
+        raise SkeletonError(f"bad numpy dtype {descr!r}")
+    dtype = np.dtype(descr)
+    if dtype.hasobject:
+        raise SkeletonError("numpy object dtype is not allowed")
+    return dtype
+
+
+def _dec_pickle(node: dict, _dec: Any, _depth: int, _t: Any, allow_pickle: bool) -> Any:
+    if not allow_pickle:
+        raise UnsupportedStateError(
+            "", "the checkpoint holds pickled objects; pass allow_pickle=True to load them (only for trusted files)"
+        )
+    return pickle.loads(base64.b64decode(node["v"], validate=True))  # noqa: S301 - explicit opt-in
+
+
+def _dec_ndarray(node: dict, _d: Any, _depth: int, tensor_at: Any, *_: Any) -> np.ndarray:
+    return tensor_at(node).numpy()
+
+
+_DECODERS: dict[Any, Any] = {
+    "tensor": lambda node, _d, _depth, tensor_at, *_: tensor_at(node),
+    "ndarray": _dec_ndarray,
+    "int": _dec_int,
+    "float": _dec_float,
+    "tuple": lambda node, dec, depth, *_: tuple(dec(v, depth + 1) for v in _as_list(node["v"])),
+    "dict": _dec_dict,
+    "odict": _dec_dict,
+    "bytes": lambda node, *_: base64.b64decode(node["v"], validate=True),
+    "dtype": _dec_dtype,
+    "size": lambda node, *_: torch.Size(_int_list(node["v"])),
+    "device": lambda node, *_: torch.device(str(node["v"])),
+    "ndbytes": _dec_ndbytes,
+    "npscalar": _dec_npscalar,
+    "pickle": _dec_pickle,
+}
+
+
+def _as_list(value: Any) -> list:
+    if not isinstance(value, list):
+        raise SkeletonError("expected a list")
+    return value
+
+
+def _int_list(value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise SkeletonError(f"expected a list of integers, got {value!r}")
+    return value
+
+
+def tensor_count(skeleton: Any) -> int:
+    """Number of distinct tensor indices the skeleton refers to (for validation)."""
+    found: set[int] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, dict):
+            if node.get(_TAG) in ("tensor", "ndarray") and type(node.get("i")) is int:
+                found.add(node["i"])
+            for v in node.values():
+                walk(v)
+
+    walk(skeleton)
+    return len(found)

@@ -1,0 +1,120 @@
+"""Run a function on N real processes joined by a real gloo process group.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes (spawn start method), each joins a
+gloo group through a TCPStore that the parent hosts on a free port of 127.0.0.1, then calls
+``fn(rank, world_size, *args)``. It returns the ranks' return values in rank order, or raises one
+``RankFailure`` carrying every failed rank's traceback. Ranks still running at the timeout are killed
+and reported as hung. ``fn`` must be importable (defined at module level in a test module).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+HOST = "127.0.0.1"
+
+
+class RankFailure(AssertionError):
+    """One or more ranks failed, crashed or hung."""
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    env: dict[str, str],
+    results: Any,
+    pg_timeout_s: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": HOST, "MASTER_PORT": str(port)}
+    )
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    try:
+        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    pg_timeout: float = 60.0,
+    allow_crash: set[int] | frozenset[int] = frozenset(),
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; see the module docstring.
+
+    Ranks in ``allow_crash`` may die without reporting (their result is ``None``); the others must
+    succeed.
+    """
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore(HOST, 0, world_size + 1, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    env = {"GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, rank, world_size, store.port, args, env, results, pg_timeout),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(outcome) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=0.2)
+            outcome[rank] = (status, value)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs):
+                # Drain what the processes put just before exiting.
+                try:
+                    while True:
+                        rank, status, value = results.get(timeout=0.5)
+                        outcome[rank] = (status, value)
+                except queue.Empty:
+                    break
+    for p in procs:
+        p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    problems = []
+    for rank in range(world_size):
+        status, value = outcome.get(rank, (None, None))
+        if status == "error":
+            problems.append(f"--- rank {rank} failed:\n{value}")
+        elif status is None and rank not in allow_crash:
+            why = "hung (killed at the timeout)" if rank in hung else f"died (exit code {procs[rank].exitcode})"
+            problems.append(f"--- rank {rank} {why}")
+    del store
+    if problems:
+        raise RankFailure(f"{len(problems)} of {world_size} ranks did not succeed:\n" + "\n".join(problems))
+    return [outcome.get(r, (None, None))[1] for r in range(world_size)]
