@@ -77,7 +77,12 @@ def coordination_group(timeout: timedelta | None = None) -> Any:
     key = id(dist.distributed_c10d._get_default_group())
     group = _groups.get(key)
     if group is None:
-        group = dist.new_group(backend="gloo", timeout=timeout or default_timeout())
+        group = _run_collective(
+            "creating tierpoint's coordination group",
+            dist.new_group,
+            backend="gloo",
+            timeout=timeout or default_timeout(),
+        )
         _groups[key] = group
     return group
 

@@ -1,0 +1,140 @@
+"""tierpoint.dist on real gloo ranks: agreement, bounded waits, node layout, single process."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+from _dist import RankFailure, run_ranks
+
+from tierpoint import dist as tpdist
+from tierpoint.errors import CheckpointingError, CoordinationTimeoutError
+
+
+def _fail_on_rank_two(rank: int, world: int) -> dict:
+    start = time.monotonic()
+    try:
+        with tpdist.agree("test step"):
+            if rank == 2:
+                raise OSError("disk on fire")
+    except CheckpointingError as e:
+        return {"msg": str(e), "failures": e.failures, "seconds": time.monotonic() - start}
+    return {"msg": None}
+
+
+def test_agree_one_rank_fails_all_raise_same_error():
+    results = run_ranks(_fail_on_rank_two, 4, timeout=90)
+    messages = {r["msg"] for r in results}
+    assert len(messages) == 1, "every rank must raise the same error"
+    (msg,) = messages
+    assert msg is not None
+    assert "rank 2" in msg and "disk on fire" in msg and "OSError" in msg
+    for r in results:
+        assert set(r["failures"]) == {2}
+        assert r["seconds"] < 30
+
+
+def _all_succeed(rank: int, world: int) -> list:
+    with tpdist.agree("fine step"):
+        pass
+    return tpdist.all_gather_json({"rank": rank})
+
+
+def test_agree_success_and_gather():
+    results = run_ranks(_all_succeed, 3)
+    for r in results:
+        assert r == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+
+
+def _crash_inside_agree(rank: int, world: int) -> str:
+    tpdist.coordination_group()
+    try:
+        with tpdist.agree("step with a crash"):
+            if rank == 1:
+                os._exit(17)  # a real crash: no agreement message is ever sent
+    except CheckpointingError as e:
+        return type(e).__name__
+    return "no error"
+
+
+def test_crashed_rank_makes_others_raise_not_hang():
+    start = time.monotonic()
+    results = run_ranks(_crash_inside_agree, 4, allow_crash={1}, env={"TIERPOINT_TIMEOUT": "5"}, timeout=90)
+    assert results[1] is None
+    for rank in (0, 2, 3):
+        assert results[rank] in ("CheckpointingError", "CoordinationTimeoutError")
+    assert time.monotonic() - start < 60
+
+
+def _late_rank(rank: int, world: int) -> str:
+    tpdist.coordination_group()
+    if rank == 0:
+        time.sleep(8)  # never joins in time
+        return "slept"
+    try:
+        tpdist.barrier("waiting for a late rank")
+    except CoordinationTimeoutError as e:
+        return str(e)
+    return "no timeout"
+
+
+def test_wait_for_absent_rank_times_out():
+    results = run_ranks(_late_rank, 2, env={"TIERPOINT_TIMEOUT": "3"}, timeout=90)
+    assert "waiting for a late rank" in results[1]
+    assert "timeout" in results[1]
+
+
+def _layout(rank: int, world: int) -> dict:
+    layout = tpdist.node_layout()
+    group = tpdist.coordination_group()
+    return {
+        "nodes": layout.nodes,
+        "local_rank": layout.local_rank,
+        "local_world_size": layout.local_world_size,
+        "node_index": layout.node_index,
+        "own_group": group is not dist.group.WORLD and dist.get_backend(group) == "gloo",
+        "bcast": tpdist.broadcast_json({"from": rank}, src=1),
+    }
+
+
+def test_node_layout_from_node_ids():
+    # Two simulated nodes of two ranks each: node identity comes from TIERPOINT_NODE_ID, set per rank
+    # by a wrapper that derives it from the rank.
+    results = run_ranks(_layout_with_ids, 4)
+    assert [r["node_index"] for r in results] == [0, 0, 1, 1]
+    assert [r["local_rank"] for r in results] == [0, 1, 0, 1]
+    assert all(r["local_world_size"] == 2 for r in results)
+    assert all(r["own_group"] for r in results)
+    assert all(r["bcast"] == {"from": 1} for r in results)
+
+
+def _layout_with_ids(rank: int, world: int) -> dict:
+    os.environ["TIERPOINT_NODE_ID"] = f"node{rank // 2}"
+    return _layout(rank, world)
+
+
+def test_single_process_without_torch_distributed():
+    assert not tpdist.is_distributed()
+    assert (tpdist.get_rank(), tpdist.get_world_size()) == (0, 1)
+    assert tpdist.all_gather_json({"a": 1}) == [{"a": 1}]
+    assert tpdist.broadcast_json([1, 2]) == [1, 2]
+    layout = tpdist.node_layout()
+    assert (layout.local_rank, layout.local_world_size) == (0, 1)
+    with pytest.raises(CheckpointingError, match="rank 0: ValueError: nope") as info:
+        with tpdist.agree("solo"):
+            raise ValueError("nope")
+    assert isinstance(info.value.__cause__, ValueError)
+    with tpdist.agree("solo ok"):
+        pass
+
+
+def _raise(rank: int, world: int) -> None:
+    if rank == 1:
+        raise KeyError("boom")
+
+
+def test_helper_reports_rank_failures():
+    with pytest.raises(RankFailure, match="rank 1 failed"):
+        run_ranks(_raise, 2)

@@ -1,0 +1,70 @@
+"""BasicTensorAwareStateDict: NVRx-compatible names, no mutation of the caller's state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierpoint import BasicTensorAwareStateDict, CheckpointingError
+from tierpoint.tree import FlatState
+
+
+def _state() -> dict:
+    w = torch.randn(3, 4)
+    return {"model": {"w": w, "tied": w, "b": torch.zeros(4)}, "step": 7, "opt": [torch.ones(2)]}
+
+
+def test_pop_and_insert_leave_the_callers_state_untouched():
+    state = _state()
+    before = {k: v for k, v in state["model"].items()}
+    ta = BasicTensorAwareStateDict(state)
+    tensors = ta.pop_tensors()
+    assert ta.is_hollow and len(tensors) == 3  # the tied tensor is stored once
+    assert state["model"] == before and state["model"]["w"] is before["w"]
+    with pytest.raises(CheckpointingError, match="hollow"):
+        _ = ta.state_dict
+    ta.insert_tensors(tensors)
+    rebuilt = ta.state_dict
+    assert rebuilt["model"]["w"] is state["model"]["w"]
+    assert rebuilt["model"]["tied"] is rebuilt["model"]["w"]
+    assert rebuilt["step"] == 7
+
+
+def test_insert_checks_shapes_and_count():
+    ta = BasicTensorAwareStateDict(_state())
+    tensors = ta.pop_tensors()
+    with pytest.raises(CheckpointingError, match="expected 3 tensors"):
+        ta.insert_tensors(tensors[:2])
+    with pytest.raises(CheckpointingError, match="model.w"):
+        ta.insert_tensors([torch.zeros(5), *tensors[1:]])
+    ta.insert_tensors(tensors)
+    with pytest.raises(CheckpointingError, match="needs a hollow"):
+        ta.insert_tensors(tensors)
+
+
+def test_init_tensors_allocates_matching_shapes():
+    ta = BasicTensorAwareStateDict(_state())
+    originals = ta.pop_tensors()
+    ta.init_tensors()
+    assert [(t.shape, t.dtype) for t in ta.tensors] == [(t.shape, t.dtype) for t in originals]
+
+
+def test_devices_are_remembered_per_tensor_and_missing_devices_fall_back_to_cpu(caplog):
+    flat = FlatState({"~": "tensor", "i": 0}, [torch.ones(2)], ["x"])
+    ta = BasicTensorAwareStateDict.from_flat(flat, ["cuda:7" if not torch.cuda.is_available() else "cpu"])
+    ta.copy_tensors_to_cpu()
+    with caplog.at_level("INFO", logger="tierpoint"):
+        ta.restore_tensor_device()
+    assert ta.tensors[0].device.type == "cpu"
+    if not torch.cuda.is_available():
+        assert "does not exist here" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip():
+    state = {"gpu": torch.randn(3, device="cuda"), "cpu": torch.randn(3)}
+    ta = BasicTensorAwareStateDict(state)
+    ta.copy_tensors_to_cpu()
+    assert all(t.device.type == "cpu" for t in ta.tensors)
+    ta.restore_tensor_device(non_blocking=False)
+    assert ta.state_dict["gpu"].device.type == "cuda" and ta.state_dict["cpu"].device.type == "cpu"
