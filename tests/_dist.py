@@ -39,13 +39,24 @@ def _entry(
 ) -> None:
     os.environ.update(env)
     os.environ.update(
-        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": HOST, "MASTER_PORT": str(port)}
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": HOST,
+            "MASTER_PORT": str(port),
+        }
     )
     os.environ.setdefault("LOCAL_RANK", str(rank))
     try:
-        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timedelta(seconds=60))
+        store = dist.TCPStore(
+            HOST, port, world_size, is_master=False, timeout=timedelta(seconds=60)
+        )
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
         )
         try:
             value = fn(rank, world_size, *args)
@@ -112,9 +123,15 @@ def run_ranks(
         if status == "error":
             problems.append(f"--- rank {rank} failed:\n{value}")
         elif status is None and rank not in allow_crash:
-            why = "hung (killed at the timeout)" if rank in hung else f"died (exit code {procs[rank].exitcode})"
+            why = (
+                "hung (killed at the timeout)"
+                if rank in hung
+                else f"died (exit code {procs[rank].exitcode})"
+            )
             problems.append(f"--- rank {rank} {why}")
     del store
     if problems:
-        raise RankFailure(f"{len(problems)} of {world_size} ranks did not succeed:\n" + "\n".join(problems))
+        raise RankFailure(
+            f"{len(problems)} of {world_size} ranks did not succeed:\n" + "\n".join(problems)
+        )
     return [outcome.get(r, (None, None))[1] for r in range(world_size)]

@@ -1,5 +1,8 @@
-"""Shared test set-up: tests import the multi-rank helper as ``from _dist import run_ranks``."""
+"""Shared test set-up: every test module can ``from _dist import run_ranks``."""
 
 import logging
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
 logging.getLogger("tierpoint").setLevel(logging.DEBUG)

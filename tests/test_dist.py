@@ -61,7 +61,9 @@ def _crash_inside_agree(rank: int, world: int) -> str:
 
 def test_crashed_rank_makes_others_raise_not_hang():
     start = time.monotonic()
-    results = run_ranks(_crash_inside_agree, 4, allow_crash={1}, env={"TIERPOINT_TIMEOUT": "5"}, timeout=90)
+    results = run_ranks(
+        _crash_inside_agree, 4, allow_crash={1}, env={"TIERPOINT_TIMEOUT": "5"}, timeout=90
+    )
     assert results[1] is None
     for rank in (0, 2, 3):
         assert results[rank] in ("CheckpointingError", "CoordinationTimeoutError")

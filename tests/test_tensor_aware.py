@@ -51,7 +51,9 @@ def test_init_tensors_allocates_matching_shapes():
 
 def test_devices_are_remembered_per_tensor_and_missing_devices_fall_back_to_cpu(caplog):
     flat = FlatState({"~": "tensor", "i": 0}, [torch.ones(2)], ["x"])
-    ta = BasicTensorAwareStateDict.from_flat(flat, ["cuda:7" if not torch.cuda.is_available() else "cpu"])
+    ta = BasicTensorAwareStateDict.from_flat(
+        flat, ["cuda:7" if not torch.cuda.is_available() else "cpu"]
+    )
     ta.copy_tensors_to_cpu()
     with caplog.at_level("INFO", logger="tierpoint"):
         ta.restore_tensor_device()

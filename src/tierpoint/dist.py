@@ -11,7 +11,8 @@ Invariants:
 - Every collective is bounded by the group's timeout; a timeout or a vanished peer becomes a
   :class:`CheckpointingError` (:class:`CoordinationTimeoutError` for timeouts), never a hang.
 - :func:`agree` makes every rank raise the same :class:`CheckpointingError`, naming each failing rank
-  and its message, when any rank failed.
+  and its message, when any rank failed (a subclass such as :class:`CorruptCheckpointError` when all
+  failing ranks raised that tierpoint class).
 - Messages between ranks are JSON, never pickle.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointingError, CoordinationTimeoutError
+from .errors import CheckpointingError, CoordinationTimeoutError, agreed_error
 
 DEFAULT_TIMEOUT_S = 300.0
 """Timeout of tierpoint's collectives; override with ``TIERPOINT_TIMEOUT`` (seconds)."""
@@ -193,17 +194,21 @@ def node_layout() -> NodeLayout:
 
 def raise_if_any_failed(what: str, error: BaseException | str | None) -> None:
     """Collective: if any rank passes an error, every rank raises the same :class:`CheckpointingError`."""
-    message = None
+    status = None
     if error is not None:
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        message = message[:_MAX_MESSAGE]
-    statuses = all_gather_json(message, f"{what} (agreeing on the outcome)")
-    failures = {rank: m for rank, m in enumerate(statuses) if m is not None}
+        kind = "CheckpointingError" if isinstance(error, str) else type(error).__name__
+        status = [kind, message[:_MAX_MESSAGE]]
+    statuses = all_gather_json(status, f"{what} (agreeing on the outcome)")
+    failures = {rank: s[1] for rank, s in enumerate(statuses) if s is not None}
     if not failures:
         return
+    kinds = {s[0] for s in statuses if s is not None}
     ranks = ", ".join(str(r) for r in failures)
     detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-    err = CheckpointingError(f"{what} failed on rank{'s' if len(failures) > 1 else ''} {ranks}: {detail}", failures)
+    message = f"{what} failed on rank{'s' if len(failures) > 1 else ''} {ranks}: {detail}"
+    # Every rank raises the same class: the failing ranks' common tierpoint error class, if any.
+    err = agreed_error(kinds.pop() if len(kinds) == 1 else "", message, failures)
     if isinstance(error, BaseException):
         raise err from error
     raise err

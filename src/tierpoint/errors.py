@@ -50,8 +50,28 @@ class SameMachineReplicationException(CheckpointingError):
     """Two members of a replication clique live on the same node, so a replica protects nothing."""
 
 
+def agreed_error(type_name: str, message: str, failures: Mapping[int, str]) -> CheckpointingError:
+    """An error of the tierpoint class named ``type_name`` (else :class:`CheckpointingError`) built
+    from an agreed message, as every rank raises it after :func:`tierpoint.dist.agree`."""
+    cls = _BY_NAME.get(type_name, CheckpointingError)
+    err = cls.__new__(cls)
+    CheckpointingError.__init__(err, message, failures)
+    return err
+
+
 CheckpointingException = CheckpointingError
 """The name NVRx users know for :class:`CheckpointingError`."""
+
+_BY_NAME = {
+    c.__name__: c
+    for c in (
+        CheckpointingError,
+        CorruptCheckpointError,
+        UnsupportedStateError,
+        CoordinationTimeoutError,
+        SameMachineReplicationException,
+    )
+}
 
 __all__ = [
     "CheckpointingError",

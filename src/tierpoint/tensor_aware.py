@@ -95,7 +95,9 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     ) -> BasicTensorAwareStateDict:
         """Build from a flattened state (as read from a part file) and each tensor's saved device."""
         obj = cls.__new__(cls)
-        obj._init_from(flat, devices if devices is not None else [str(t.device) for t in flat.tensors])
+        obj._init_from(
+            flat, devices if devices is not None else [str(t.device) for t in flat.tensors]
+        )
         obj.allow_pickle = allow_pickle
         return obj
 
@@ -142,7 +144,8 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
         self._tensors = [
-            t if t.device.type == "cpu" else t.to("cpu", non_blocking=non_blocking) for t in self.tensors
+            t if t.device.type == "cpu" else t.to("cpu", non_blocking=non_blocking)
+            for t in self.tensors
         ]
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
@@ -154,7 +157,11 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
             elif _device_exists(target):
                 restored.append(t.to(target, non_blocking=non_blocking))
             else:
-                logger.info("tensor %r was saved from %s, which does not exist here: kept on CPU", path, device)
+                logger.info(
+                    "tensor %r was saved from %s, which does not exist here: kept on CPU",
+                    path,
+                    device,
+                )
                 restored.append(t)
         self._tensors = restored
 

@@ -1,0 +1,337 @@
+"""LocalCheckpointManager: crash-consistent node-local checkpoints with agreed discovery.
+
+Call order (every rank, at the same point of the training loop, as with NVRx)::
+
+    manager = LocalCheckpointManager(root)          # no collective
+    iteration = manager.find_latest()               # one collective; -1 when there is none
+    if iteration != -1:
+        ta_state_dict, ckpt_id = manager.load()     # collective (agrees on success)
+    ...
+    manager.save(BasicTensorAwareStateDict(state), iteration)   # collective
+
+Invariants kept here:
+- Complete or invisible: a part becomes visible by renaming its dirty file after fsync; an iteration
+  counts only when every rank's part is visible and its header is valid. The previous complete
+  checkpoint is removed only after every rank agreed that the new one is committed.
+- All ranks agree: the iteration to save, its success or failure (every rank raises the same
+  :class:`CheckpointingError` and removes the failed iteration's files), and the latest iteration.
+- Recycling: a file no complete checkpoint needs any more becomes a spare (renamed away from its
+  committed name first) whose pages the next save rewrites, which is several times faster on tmpfs
+  than filling a new file. Spares are never part of any checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import dist as tpdist
+from .. import fileformat
+from ..errors import CheckpointingError, CorruptCheckpointError
+from ..tensor_aware import BasicTensorAwareStateDict, TensorAwareStateDict
+from ..tree import FlatState
+from . import naming
+from .naming import CkptID
+
+logger = logging.getLogger("tierpoint")
+
+_NO_CHECKPOINT = -1
+
+
+class LocalCheckpointManager:
+    """Saves and restores one part file per rank per iteration under ``root/<session_id>/<rank>/``.
+
+    Args:
+        root_local_ckpt_dir: node-local root (default: ``/dev/shm/tierpoint-<uid>``).
+        session_id: a name separating different jobs sharing a root.
+        repl_strategy: replication across nodes (see :mod:`tierpoint.local.replication`).
+        keep_last: how many complete iterations to keep (the newest ones).
+        recycle: reuse the pages of expired part files for new ones (faster; keeps up to one spare
+            file per part written per save on disk between saves).
+        verify: check every tensor checksum on load.
+    """
+
+    def __init__(
+        self,
+        root_local_ckpt_dir: str | os.PathLike | None = None,
+        session_id: str = "",
+        repl_strategy: Any = None,
+        *,
+        keep_last: int = 1,
+        recycle: bool = True,
+        verify: bool = True,
+    ) -> None:
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise CheckpointingError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+        self.root_local_ckpt_dir = (
+            Path(root_local_ckpt_dir) if root_local_ckpt_dir else naming.default_root()
+        )
+        if ".." in self.root_local_ckpt_dir.parts:
+            raise CheckpointingError(
+                f"root_local_ckpt_dir must not contain '..': {self.root_local_ckpt_dir}"
+            )
+        self.session_id = naming.validate_session_id(session_id)
+        self.repl_strategy = repl_strategy
+        self.keep_last = keep_last
+        self.recycle = recycle
+        self.verify = verify
+        self._latest: int | None = None
+        self._latest_world_size: int | None = None
+        self._newest_seen: tuple[int, int, int] | None = None
+
+    # ------------------------------------------------------------------------------ identity, paths
+
+    @property
+    def rank(self) -> int:
+        return tpdist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return tpdist.get_world_size()
+
+    @property
+    def local_ckpt_dir(self) -> Path:
+        return self.root_local_ckpt_dir / self.session_id / str(self.rank)
+
+    def _part_path(self, iteration: int, origin_rank: int | None = None) -> Path:
+        origin = self.rank if origin_rank is None else origin_rank
+        return self.local_ckpt_dir / naming.part_name(iteration, origin)
+
+    def _ensure_dir(self) -> None:
+        path = self.local_ckpt_dir
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path, 0o700)
+
+    # ------------------------------------------------------------------------------ discovery
+
+    def _scan(self) -> list[list[int]]:
+        """This rank's committed, structurally valid parts: ``[iteration, origin rank, world size]``."""
+        if not self.local_ckpt_dir.is_dir():
+            return []
+        found = []
+        for entry in os.scandir(self.local_ckpt_dir):
+            parsed = naming.parse_part_name(entry.name)
+            if parsed is None:
+                continue
+            iteration, origin = parsed
+            try:
+                header = fileformat.read_header(entry.path)
+                meta = header.extra
+                if meta.get("iteration") != iteration or meta.get("rank") != origin:
+                    raise CorruptCheckpointError(
+                        entry.path, "file name disagrees with its metadata"
+                    )
+                world = meta.get("world_size")
+                if type(world) is not int or world < 1:
+                    raise CorruptCheckpointError(entry.path, "bad world size in metadata")
+            except (OSError, CheckpointingError) as e:
+                logger.warning("ignoring unusable local part %s: %s", entry.path, e)
+                continue
+            found.append([iteration, origin, world])
+        return found
+
+    @staticmethod
+    def _complete_iterations(listings: list[list[list[int]]]) -> dict[int, int]:
+        """Iterations whose parts exist for every rank of the world size they were saved with."""
+        origins: dict[int, set[int]] = {}
+        worlds: dict[int, set[int]] = {}
+        for listing in listings:
+            for iteration, origin, world in listing:
+                origins.setdefault(iteration, set()).add(origin)
+                worlds.setdefault(iteration, set()).add(world)
+        complete = {}
+        for iteration, ranks in origins.items():
+            sizes = worlds[iteration]
+            if len(sizes) == 1:
+                (world,) = sizes
+                if ranks >= set(range(world)):
+                    complete[iteration] = world
+        return complete
+
+    def find_latest(self) -> int:
+        """The newest iteration complete on every rank, or -1. Collective; cached until the next save."""
+        if self._latest is not None:
+            return self._latest
+        start = time.perf_counter()
+        listings = tpdist.all_gather_json(
+            self._scan(), "find_latest: gathering local checkpoint listings"
+        )
+        complete = self._complete_iterations(listings)
+        self._latest = max(complete, default=_NO_CHECKPOINT)
+        self._latest_world_size = complete.get(self._latest)
+        newest = max((tuple(p) for listing in listings for p in listing), default=None)
+        self._newest_seen = newest
+        if newest is not None and newest[0] > self._latest:
+            logger.info(
+                "local iteration %d is incomplete (a save was interrupted); ignoring it", newest[0]
+            )
+        logger.debug("find_latest: %d (%.3f s)", self._latest, time.perf_counter() - start)
+        return self._latest
+
+    # ------------------------------------------------------------------------------ saving
+
+    def save(
+        self, ta_state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False
+    ) -> Any:
+        """Save this rank's part of ``iteration``; returns ``None`` (sync) or an ``AsyncRequest``."""
+        if is_async:
+            raise CheckpointingError(
+                "asynchronous local saves need tierpoint.asyncsave (not available yet)"
+            )
+        if type(iteration) is not int or iteration < 0:
+            raise CheckpointingError(f"iteration must be a non-negative integer, got {iteration!r}")
+        if not isinstance(ta_state_dict, TensorAwareStateDict):
+            raise CheckpointingError(
+                f"save expects a TensorAwareStateDict (e.g. BasicTensorAwareStateDict(state)), got {type(ta_state_dict).__name__}"
+            )
+        start = time.perf_counter()
+        keep = self._agree_on_iteration(iteration)
+        what = f"saving local checkpoint iteration {iteration}"
+        try:
+            with tpdist.agree(what):
+                flat = ta_state_dict.to_flat()
+                nbytes = self._write_part(flat, iteration)
+        except CheckpointingError:
+            self._remove_iteration(iteration)
+            self._latest = None
+            raise
+        self._latest, self._latest_world_size = iteration, self.world_size
+        self._retire(keep | {iteration})
+        seconds = time.perf_counter() - start
+        logger.info(
+            "saved local checkpoint iteration %d (rank %d): %.1f MiB in %.3f s, %.2f GB/s",
+            iteration,
+            self.rank,
+            nbytes / 2**20,
+            seconds,
+            nbytes / seconds / 1e9,
+        )
+        return None
+
+    def _agree_on_iteration(self, iteration: int) -> set[int]:
+        """Check (on every rank alike) that all ranks save the same, new iteration; return what to keep."""
+        self._ensure_dir()
+        gathered = tpdist.all_gather_json(
+            {"iteration": iteration, "parts": self._scan()},
+            f"save {iteration}: agreeing on the iteration",
+        )
+        requested = [g["iteration"] for g in gathered]
+        if len(set(requested)) != 1:
+            raise CheckpointingError(
+                f"ranks disagree on the iteration to save: {dict(enumerate(requested))}"
+            )
+        complete = self._complete_iterations([g["parts"] for g in gathered])
+        latest = max(complete, default=_NO_CHECKPOINT)
+        if iteration <= latest:
+            raise CheckpointingError(
+                f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
+            )
+        older = sorted((i for i in complete if i < iteration), reverse=True)
+        return set(older[: self.keep_last - 1])
+
+    def _write_part(self, flat: FlatState, iteration: int) -> int:
+        path = self._part_path(iteration)
+        extra = {
+            "iteration": iteration,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "session_id": self.session_id,
+        }
+        spare = self._take_spare() if self.recycle else None
+        t0 = time.perf_counter()
+        result = fileformat.write_flat(path, flat, extra=extra, recycle=spare)
+        logger.debug(
+            "wrote %s (%d bytes, %.3f s, %s)",
+            path,
+            result.nbytes,
+            time.perf_counter() - t0,
+            "recycled" if spare else "new",
+        )
+        return result.nbytes
+
+    def _take_spare(self) -> Path | None:
+        for entry in os.scandir(self.local_ckpt_dir):
+            if naming.is_spare_name(entry.name) or naming.is_dirty_name(entry.name):
+                return Path(entry.path)
+        return None
+
+    def _retire(self, keep: set[int]) -> None:
+        """Remove (or keep as spares) every own file that no kept iteration needs."""
+        spares = [e.name for e in os.scandir(self.local_ckpt_dir) if naming.is_spare_name(e.name)]
+        max_spares = 1 if self.recycle else 0
+        for entry in sorted(os.scandir(self.local_ckpt_dir), key=lambda e: e.name):
+            parsed = naming.parse_part_name(entry.name)
+            stale = naming.is_dirty_name(entry.name) or (
+                parsed is not None and parsed[0] not in keep
+            )
+            if not stale:
+                continue
+            if len(spares) < max_spares:
+                spare = naming.spare_name(len(spares))
+                os.replace(entry.path, self.local_ckpt_dir / spare)
+                spares.append(spare)
+            else:
+                _unlink(entry.path)
+        fileformat.fsync_dir(self.local_ckpt_dir)
+
+    def _remove_iteration(self, iteration: int) -> None:
+        if not self.local_ckpt_dir.is_dir():
+            return
+        for entry in os.scandir(self.local_ckpt_dir):
+            name = entry.name.removesuffix(naming.DIRTY_SUFFIX)
+            parsed = naming.parse_part_name(name)
+            if parsed is not None and parsed[0] == iteration:
+                _unlink(entry.path)
+
+    # ------------------------------------------------------------------------------ loading
+
+    def load(self) -> tuple[TensorAwareStateDict, CkptID]:
+        """Load this rank's part of the latest complete iteration (verified). Collective."""
+        iteration = self.find_latest()
+        if iteration == _NO_CHECKPOINT:
+            where = self.root_local_ckpt_dir / self.session_id
+            seen = self._newest_seen
+            if seen is not None and seen[2] != self.world_size:
+                raise CheckpointingError(
+                    f"no complete local checkpoint for world size {self.world_size} under {where}: the newest "
+                    f"parts (iteration {seen[0]}) were saved with world size {seen[2]}"
+                )
+            raise CheckpointingError(f"no complete local checkpoint under {where}")
+        if self._latest_world_size != self.world_size:
+            raise CheckpointingError(
+                f"local checkpoint iteration {iteration} was saved with world size {self._latest_world_size}, "
+                f"but this job has world size {self.world_size}"
+            )
+        start = time.perf_counter()
+        path = self._part_path(iteration)
+        with tpdist.agree(f"loading local checkpoint iteration {iteration}"):
+            header, tensors = fileformat.read_flat(path, verify=self.verify)
+            fileformat.unflatten_checked(
+                header, tensors
+            )  # validates the skeleton before anyone uses it
+        flat = FlatState(header.skeleton, tensors, [r.name for r in header.records])
+        ta = BasicTensorAwareStateDict.from_flat(flat, [r.device for r in header.records])
+        ta.restore_tensor_device()
+        seconds = time.perf_counter() - start
+        logger.info(
+            "loaded local checkpoint iteration %d (rank %d): %.1f MiB in %.3f s, %.2f GB/s",
+            iteration,
+            self.rank,
+            header.file_size / 2**20,
+            seconds,
+            header.file_size / seconds / 1e9,
+        )
+        return ta, CkptID(iteration, self.rank, self.session_id)
+
+
+def _unlink(path: str | os.PathLike) -> None:
+    """Remove a file; clean-up never raises (a leftover is logged and retried by the next save)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.warning("could not remove %s: %s", path, e)

@@ -1,0 +1,73 @@
+"""Names and places of local part files.
+
+Layout: ``root/<session_id>/<holder rank>/iter_<7-digit iteration>_<origin rank>_local.safetensors``.
+The origin rank is the rank whose state the file holds; it differs from the holder only for replicas.
+A file being written carries the ``.dirty`` suffix; an expired file kept for reuse is a ``spare_<n>.free``.
+
+Invariant: names are parsed strictly (``parse_part_name`` returns ``None`` for anything else), and
+session ids cannot escape the root (no separators, no ``..``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+from ..errors import CheckpointingError
+
+EXTENSION = ".safetensors"
+DIRTY_SUFFIX = ".dirty"
+_PART_RE = re.compile(r"iter_(\d{7,})_(\d+)_local" + re.escape(EXTENSION))
+_SPARE_RE = re.compile(r"spare_(\d+)\.free")
+_SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]*")
+
+
+class CkptID(NamedTuple):
+    """Identifies one rank's part of one checkpoint (the NVRx tuple layout)."""
+
+    iteration: int
+    rank: int
+    session_id: str
+
+
+def default_root() -> Path:
+    """``/dev/shm/tierpoint-<uid>`` where a RAM disk exists, else the temp directory."""
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+    return base / f"tierpoint-{os.getuid()}"
+
+
+def validate_session_id(session_id: str) -> str:
+    if (
+        not isinstance(session_id, str)
+        or not _SESSION_RE.fullmatch(session_id)
+        or session_id in (".", "..")
+    ):
+        raise CheckpointingError(
+            f"invalid session_id {session_id!r}: use letters, digits, '_', '-' and '.', without separators or '..'"
+        )
+    return session_id
+
+
+def part_name(iteration: int, origin_rank: int) -> str:
+    return f"iter_{iteration:07d}_{origin_rank}_local{EXTENSION}"
+
+
+def parse_part_name(name: str) -> tuple[int, int] | None:
+    """``(iteration, origin rank)`` for a committed part file name, else ``None``."""
+    m = _PART_RE.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def is_dirty_name(name: str) -> bool:
+    return name.endswith(DIRTY_SUFFIX) and parse_part_name(name[: -len(DIRTY_SUFFIX)]) is not None
+
+
+def is_spare_name(name: str) -> bool:
+    return _SPARE_RE.fullmatch(name) is not None
+
+
+def spare_name(n: int) -> str:
+    return f"spare_{n}.free"

@@ -1,0 +1,377 @@
+"""LocalCheckpointManager on 4 real gloo ranks: round trips, crashes, failures, corruption, retention."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_ranks
+
+from tierpoint import fileformat
+from tierpoint.errors import CheckpointingError, CorruptCheckpointError
+from tierpoint.local import (
+    BasicTensorAwareStateDict,
+    CheckpointingException,
+    CkptID,
+    LocalCheckpointManager,
+)
+
+WORLD = 4
+
+
+def make_state(rank: int, iteration: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * rank + iteration)
+    return {
+        "model": {
+            "w": torch.randn(64, 33, generator=g),
+            "b": torch.randn(33, generator=g).to(torch.bfloat16),
+        },
+        "optimizer": {"step": iteration, "exp_avg": [torch.randn(64, 33, generator=g)], "lr": 0.1},
+        "rng": torch.randint(0, 255, (16,), dtype=torch.uint8, generator=g),
+        "meta": ("rank", rank),
+    }
+
+
+def assert_bitwise_equal(a: object, b: object) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype != torch.bool else a,
+            b.view(torch.uint8) if b.dtype != torch.bool else b,
+        )
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b)
+        for k in a:
+            assert_bitwise_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_bitwise_equal(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+def save_iterations(
+    root: str, rank: int, iterations: list[int], **kwargs
+) -> LocalCheckpointManager:
+    manager = LocalCheckpointManager(root, session_id="job", **kwargs)
+    for it in iterations:
+        manager.save(BasicTensorAwareStateDict(make_state(rank, it)), it)
+    return manager
+
+
+def load_latest(root: str, rank: int) -> int:
+    manager = LocalCheckpointManager(root, session_id="job")
+    iteration = manager.find_latest()
+    if iteration != -1:
+        ta, ckpt_id = manager.load()
+        assert ckpt_id == CkptID(iteration, rank, "job")
+        assert_bitwise_equal(ta.state_dict, make_state(rank, iteration))
+    return iteration
+
+
+def _load_latest(rank: int, world: int, root: str) -> int:
+    return load_latest(root, rank)
+
+
+# ------------------------------------------------------------------------------------ round trip
+
+
+def _save_then_load(rank: int, world: int, root: str) -> int:
+    manager = save_iterations(root, rank, [5, 10])
+    assert manager.find_latest() == 10
+    ta, _ = manager.load()
+    assert_bitwise_equal(ta.state_dict, make_state(rank, 10))
+    return load_latest(root, rank)
+
+
+def _nvrx_usage_pattern(rank: int, world: int, root: str) -> int:
+    # The seed-004 integration example, with only the import changed.
+    ckpt_manager = LocalCheckpointManager(root, session_id="job")
+    model = torch.nn.Linear(8, 4)
+    iteration = ckpt_manager.find_latest()
+    if iteration != -1:
+        ta_state_dict, ckpt_part_id = ckpt_manager.load()
+        model.load_state_dict(ta_state_dict.state_dict)
+    else:
+        iteration = 0
+    first = iteration + 1
+    for iteration in range(first, first + 3):  # noqa: B007 - the loop is the training loop
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        state_dict = model.state_dict()
+        ta_state_dict = BasicTensorAwareStateDict(state_dict)
+        ckpt_manager.save(ta_state_dict, iteration, is_async=False)
+    return int(model.weight.sum().item() * 1000)
+
+
+def test_round_trip_and_fresh_process_group(tmp_path):
+    root = str(tmp_path)
+    assert run_ranks(_save_then_load, WORLD, root) == [10] * WORLD
+    # A fresh process group (new processes) finds and loads the same checkpoint.
+    assert run_ranks(_load_latest, WORLD, root) == [10] * WORLD
+    for rank in range(WORLD):
+        rank_dir = tmp_path / "job" / str(rank)
+        assert oct(rank_dir.stat().st_mode & 0o777) == "0o700"
+        part = rank_dir / f"iter_0000010_{rank}_local.safetensors"
+        assert oct(part.stat().st_mode & 0o777) == "0o600"
+        assert not (rank_dir / f"iter_0000005_{rank}_local.safetensors").exists()
+
+
+def test_nvrx_usage_pattern_runs_and_resumes(tmp_path):
+    first = run_ranks(_nvrx_usage_pattern, WORLD, str(tmp_path))
+    second = run_ranks(_nvrx_usage_pattern, WORLD, str(tmp_path))  # resumes from iteration 3
+    assert all(s != f for s, f in zip(second, first))
+    found = run_ranks(_find_latest_only, WORLD, str(tmp_path))
+    assert found == [6] * WORLD
+
+
+def _find_latest_only(rank: int, world: int, root: str) -> int:
+    return LocalCheckpointManager(root, session_id="job").find_latest()
+
+
+def test_single_process_without_distributed(tmp_path):
+    manager = save_iterations(str(tmp_path), 0, [1, 2])
+    assert manager.find_latest() == 2
+    ta, ckpt_id = manager.load()
+    assert ckpt_id == (2, 0, "job")
+    assert_bitwise_equal(ta.state_dict, make_state(0, 2))
+    assert CheckpointingException is CheckpointingError
+
+
+# ------------------------------------------------------------------------------------ crashes
+
+
+def _crash_during_save(rank: int, world: int, root: str, crash_point: dict) -> int:
+    manager = save_iterations(root, rank, [1, 2])
+    point = crash_point.get(str(rank))
+    real_replace, real_write_data = os.replace, fileformat._write_data
+
+    def killing_replace(src, dst):
+        if point == "before_rename" and str(dst).endswith("_local.safetensors"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_replace(src, dst)
+        if point == "after_rename" and str(dst).endswith("_local.safetensors"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def killing_write_data(fd, views):
+        if point == "mid_write":
+            os.write(fd, bytes(views[0][: len(views[0]) // 2]))
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_write_data(fd, views)
+
+    fileformat.os.replace = killing_replace  # type: ignore[attr-defined]
+    fileformat._write_data = killing_write_data
+    try:
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 3)), 3)
+    except CheckpointingError:
+        return -2  # a survivor: the crash of a peer surfaced as an agreed error
+    finally:
+        fileformat.os.replace, fileformat._write_data = real_replace, real_write_data  # type: ignore[attr-defined]
+    return 3
+
+
+CRASHES = {
+    "all_mid_write": {str(r): "mid_write" for r in range(WORLD)},
+    "all_before_rename": {str(r): "before_rename" for r in range(WORLD)},
+    "some_after_rename_others_before": {
+        "0": "after_rename",
+        "1": "after_rename",
+        "2": "before_rename",
+        "3": "mid_write",
+    },
+    "one_rank_dies_others_survive": {"3": "mid_write"},
+}
+
+
+@pytest.mark.parametrize("scenario", list(CRASHES))
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, scenario):
+    root = str(tmp_path)
+    crash = CRASHES[scenario]
+    killed = {int(r) for r in crash}
+    results = run_ranks(
+        _crash_during_save,
+        WORLD,
+        root,
+        crash,
+        allow_crash=killed,
+        env={"TIERPOINT_TIMEOUT": "20"},
+        timeout=120,
+    )
+    for rank in range(WORLD):
+        assert results[rank] == (None if rank in killed else -2)
+    # After a restart every rank agrees on iteration 2 and loads it bitwise equal.
+    assert run_ranks(_load_latest, WORLD, root) == [2] * WORLD
+    # The next save of iteration 3 succeeds and leaves only iteration 3 plus at most one spare.
+    run_ranks(_save_three, WORLD, root)
+    for rank in range(WORLD):
+        names = sorted(p.name for p in (tmp_path / "job" / str(rank)).iterdir())
+        assert names[0] == f"iter_0000003_{rank}_local.safetensors"
+        assert all(n.startswith("spare_") for n in names[1:]) and len(names) <= 2, names
+
+
+def _save_three(rank: int, world: int, root: str) -> None:
+    manager = LocalCheckpointManager(root, session_id="job")
+    assert manager.find_latest() == 2
+    manager.save(BasicTensorAwareStateDict(make_state(rank, 3)), 3)
+    assert load_latest(root, rank) == 3
+
+
+# ------------------------------------------------------------------------------------ failures
+
+
+def _write_fails_on_rank_two(rank: int, world: int, root: str, blocker: str) -> str:
+    manager = save_iterations(root, rank, [1])
+    if rank == 2:
+        # The dirty file's name is taken by a directory: opening it for writing fails for real.
+        os.makedirs(manager.local_ckpt_dir / blocker)
+    try:
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 2)), 2)
+    except CheckpointingError as e:
+        assert not (manager.local_ckpt_dir / f"iter_0000002_{rank}_local.safetensors").exists()
+        if rank == 2:
+            os.rmdir(manager.local_ckpt_dir / blocker)
+        return str(e)
+    return "no error"
+
+
+def test_one_rank_write_fails_all_raise_and_previous_stays(tmp_path):
+    root = str(tmp_path)
+    results = run_ranks(
+        _write_fails_on_rank_two, WORLD, root, "iter_0000002_2_local.safetensors.dirty", timeout=120
+    )
+    assert len(set(results)) == 1, results
+    assert "rank 2" in results[0] and "iteration 2" in results[0]
+    assert run_ranks(_load_latest, WORLD, root) == [1] * WORLD
+
+
+def _full_disk(rank: int, world: int, root: str) -> str:
+    manager = LocalCheckpointManager(root, session_id="job")
+    small = {"x": torch.ones(10)}
+    manager.save(BasicTensorAwareStateDict(small), 1)
+    big = {"x": torch.ones(10)} if rank != 1 else {"x": torch.ones(2**20)}  # 4 MiB > the 1 MiB disk
+    try:
+        manager.save(BasicTensorAwareStateDict(big), 2)
+    except CheckpointingError as e:
+        return str(e)
+    return "no error"
+
+
+def test_full_disk_on_one_rank(tmp_path):
+    mount_point = tmp_path / "job" / "1"
+    mount_point.mkdir(parents=True)
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        results = run_ranks(_full_disk, WORLD, str(tmp_path))
+        assert (
+            len(set(results)) == 1 and "rank 1" in results[0] and "No space left" in results[0]
+        ), results
+        assert sorted(p.name for p in mount_point.iterdir()) == ["iter_0000001_1_local.safetensors"]
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def _flip_and_load(rank: int, world: int, root: str) -> str:
+    manager = save_iterations(root, rank, [4])
+    if rank == 1:
+        path = manager.local_ckpt_dir / "iter_0000004_1_local.safetensors"
+        with open(path, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x10]))
+    fresh = LocalCheckpointManager(root, session_id="job")
+    try:
+        fresh.load()
+    except CorruptCheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_flipped_byte_raises_corrupt_error_naming_rank_and_file(tmp_path):
+    results = run_ranks(_flip_and_load, WORLD, str(tmp_path))
+    assert len(set(results)) == 1
+    assert "rank 1" in results[0] and "iter_0000004_1_local.safetensors" in results[0]
+    assert "checksum mismatch" in results[0]
+
+
+def _keep_three(rank: int, world: int, root: str) -> list[str]:
+    manager = save_iterations(root, rank, [1, 2, 3, 4, 5, 6], keep_last=3)
+    return sorted(p.name for p in manager.local_ckpt_dir.iterdir() if p.name.startswith("iter_"))
+
+
+def test_keep_last_three(tmp_path):
+    results = run_ranks(_keep_three, WORLD, str(tmp_path))
+    for rank, names in enumerate(results):
+        assert names == [f"iter_000000{i}_{rank}_local.safetensors" for i in (4, 5, 6)]
+
+
+def _bad_iterations(rank: int, world: int, root: str) -> list[str]:
+    manager = save_iterations(root, rank, [7])
+    errors = []
+    for it in (7, 3, 8 + rank):  # same, older, and disagreeing across ranks
+        try:
+            manager.save(BasicTensorAwareStateDict(make_state(rank, it)), it)
+            errors.append("saved")
+        except CheckpointingError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_same_older_or_disagreeing_iteration_is_a_clear_error_everywhere(tmp_path):
+    results = run_ranks(_bad_iterations, WORLD, str(tmp_path))
+    same, older, disagree = zip(*results)
+    assert len(set(same)) == 1 and "iteration 7 is already saved" in same[0]
+    assert len(set(older)) == 1 and "cannot save iteration 3" in older[0]
+    assert len(set(disagree)) == 1 and "disagree" in disagree[0]
+
+
+def _save_world(rank: int, world: int, root: str) -> None:
+    save_iterations(root, rank, [9])
+
+
+def _load_other_world(rank: int, world: int, root: str) -> str:
+    manager = LocalCheckpointManager(root, session_id="job")
+    try:
+        manager.load()
+    except CheckpointingError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_world_size_mismatch_is_named(tmp_path):
+    run_ranks(_save_world, WORLD, str(tmp_path))
+    results = run_ranks(_load_other_world, 2, str(tmp_path))
+    assert "world size 4" in results[0] and "world size 2" in results[0]
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(CheckpointingError, match="session_id"):
+        LocalCheckpointManager(tmp_path, session_id="../escape")
+    with pytest.raises(CheckpointingError, match="keep_last"):
+        LocalCheckpointManager(tmp_path, keep_last=0)
+    manager = LocalCheckpointManager(tmp_path)
+    with pytest.raises(CheckpointingError, match="TensorAwareStateDict"):
+        manager.save({"x": torch.ones(1)}, 1)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointingError, match="non-negative"):
+        manager.save(BasicTensorAwareStateDict({}), -3)
+    with pytest.raises(CheckpointingError, match="no complete local checkpoint"):
+        manager.load()
+
+
+def test_stale_dirty_file_never_blocks_a_save(tmp_path):
+    manager = LocalCheckpointManager(tmp_path, session_id="job")
+    manager.local_ckpt_dir.mkdir(parents=True)
+    stale = manager.local_ckpt_dir / "iter_0000001_0_local.safetensors.dirty"
+    stale.write_bytes(b"half a file from a crashed run")
+    manager.save(BasicTensorAwareStateDict(make_state(0, 1)), 1)
+    assert not stale.exists()
+    assert load_latest(str(tmp_path), 0) == 1
+    assert Path(manager.local_ckpt_dir / "iter_0000001_0_local.safetensors").exists()
