@@ -1,8 +1,5 @@
-"""Shared test set-up: every test module can ``from _dist import run_ranks``."""
+"""Shared test set-up. Multi-rank tests use :func:`tierpoint.spawn.run_ranks`."""
 
 import logging
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
 logging.getLogger("tierpoint").setLevel(logging.DEBUG)

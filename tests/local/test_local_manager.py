@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_ranks
 
 from tierpoint import fileformat
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError
@@ -19,6 +18,7 @@ from tierpoint.local import (
     CkptID,
     LocalCheckpointManager,
 )
+from tierpoint.spawn import run_ranks
 
 WORLD = 4
 

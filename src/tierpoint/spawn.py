@@ -1,4 +1,4 @@
-"""Run a function on N real processes joined by a real gloo process group.
+"""Run a function on N real local processes joined by a real gloo process group (tests, benchmarks).
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes (spawn start method), each joins a
 gloo group through a TCPStore that the parent hosts on a free port of 127.0.0.1, then calls
