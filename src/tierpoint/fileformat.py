@@ -84,7 +84,18 @@ for _name, _code in (
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
-for _bad in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"):
+for _bad in (
+    "qint8",
+    "quint8",
+    "qint32",
+    "quint4x2",
+    "quint2x4",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "bits8",
+    "bits16",
+):
     DTYPES.pop(_bad, None)
 
 
@@ -131,7 +142,7 @@ class WriteResult:
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without copying."""
-    flat = t.reshape(-1)
+    flat = t.as_strided((t.numel(),), (1,))  # not reshape: it keeps a size-1 dim's odd stride
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy())
@@ -166,7 +177,7 @@ def _unique_names(paths: Sequence[str]) -> list[str]:
     used: set[str] = {"__metadata__"}
     for i, p in enumerate(paths):
         name = p or f"tensor{i}"
-        if name in used:
+        while name in used:  # `while`: "a~2" may itself be another tensor's path
             name = f"{name}~{i}"
         used.add(name)
         names.append(name)
@@ -188,8 +199,15 @@ def _header_bytes(
         code = _NATIVE_CODES.get(t.dtype)
         shape = list(t.shape) if code else [end - begin]
         entries[name] = {"dtype": code or "U8", "shape": shape, "data_offsets": [begin, end]}
-        records.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), s, str(orig.device)])
-    doc = {"version": FORMAT_VERSION, "skeleton": flat.skeleton, "extra": dict(extra), "tensors": records}
+        records.append(
+            [name, str(t.dtype).removeprefix("torch."), list(t.shape), s, str(orig.device)]
+        )
+    doc = {
+        "version": FORMAT_VERSION,
+        "skeleton": flat.skeleton,
+        "extra": dict(extra),
+        "tensors": records,
+    }
     inner = json.dumps(doc, separators=(",", ":"), allow_nan=False)
     meta = {"format": "tierpoint", "tierpoint": inner, CHECKSUM_KEY: header_sum}
     header = {"__metadata__": meta, **entries}
@@ -295,7 +313,9 @@ def write_flat(
         cursor += n
     data_size = cursor
     extra = dict(extra or {})
-    placeholder = _padded(_header_bytes(flat, tensors, names, offsets, [_ZERO_SUM] * len(tensors), extra, _ZERO_SUM))
+    placeholder = _padded(
+        _header_bytes(flat, tensors, names, offsets, [_ZERO_SUM] * len(tensors), extra, _ZERO_SUM)
+    )
     views = [byte_view(tensors[i]) for i in order]
 
     with ThreadPoolExecutor(1, thread_name_prefix="tierpoint-hash") as pool:
@@ -314,7 +334,8 @@ def write_flat(
             body = _header_bytes(flat, tensors, names, offsets, sums, extra, _ZERO_SUM)
             body = body.replace(_sum_field(_ZERO_SUM), _sum_field(checksum(_padded(body))), 1)
             final = _padded(body)
-            if len(final) != len(placeholder):  # pragma: no cover - fixed-width fields guarantee this
+            # Fixed-width checksum fields keep the header length constant.
+            if len(final) != len(placeholder):  # pragma: no cover
                 raise CheckpointingError("internal error: header length changed while writing")
             os.pwrite(fd, final, 8)
             total = 8 + len(final) + data_size
@@ -409,7 +430,9 @@ def _read_header_from(f: Any, path: str) -> PartHeader:
         raise _fail(path, "tierpoint metadata is not a JSON object")
     version = doc.get("version")
     if version != FORMAT_VERSION:
-        raise _fail(path, f"unsupported format version {version!r} (this tierpoint reads {FORMAT_VERSION})")
+        raise _fail(
+            path, f"unsupported format version {version!r} (this tierpoint reads {FORMAT_VERSION})"
+        )
     data_start = 8 + n
     records = _validate_records(doc.get("tensors"), header, file_size - data_start, path)
     extra = doc.get("extra", {})
@@ -436,20 +459,36 @@ def _validate_records(
         dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise _fail(path, f"tensor {name!r} has unknown dtype {str(dtype_name)[:40]!r}")
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(d) is int and d >= 0 for d in shape)):
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= MAX_DIMS
+            and all(type(d) is int and d >= 0 for d in shape)
+        ):
             raise _fail(path, f"tensor {name!r} has an invalid shape {str(shape)[:80]}")
         offsets = entry.get("data_offsets")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+        ):
             raise _fail(path, f"tensor {name!r} has invalid data_offsets")
         begin, end = offsets
         if not 0 <= begin <= end <= data_size:
-            raise _fail(path, f"tensor {name!r} lies outside the file (bytes {begin}..{end} of {data_size})")
+            raise _fail(
+                path, f"tensor {name!r} lies outside the file (bytes {begin}..{end} of {data_size})"
+            )
         expected = math.prod(shape) * _element_size(dtype)
         if end - begin != expected:
-            raise _fail(path, f"tensor {name!r}: shape {shape} x {dtype} needs {expected} bytes, entry has {end - begin}")
+            raise _fail(
+                path,
+                f"tensor {name!r}: shape {shape} x {dtype} needs {expected} bytes, entry has {end - begin}",
+            )
+        if math.prod(max(d, 1) for d in shape) * _element_size(dtype) >= 2**63:  # e.g. [0, 2**63]
+            raise _fail(path, f"tensor {name!r} has an invalid shape {str(shape)[:80]} (too large)")
         code = _NATIVE_CODES.get(dtype, "U8")
         if entry.get("dtype") != code:
-            raise _fail(path, f"tensor {name!r}: header dtype {entry.get('dtype')!r} disagrees with {dtype_name}")
+            raise _fail(
+                path,
+                f"tensor {name!r}: header dtype {entry.get('dtype')!r} disagrees with {dtype_name}",
+            )
         if not (isinstance(sum_hex, str) and len(sum_hex) == 16) or not isinstance(device, str):
             raise _fail(path, f"tensor {name!r} has a malformed checksum or device")
         records.append(TensorRecord(name, dtype, tuple(shape), begin, end, sum_hex, device))
@@ -461,7 +500,9 @@ def _validate_records(
         cursor = r.end
     if cursor != data_size:
         if cursor < data_size:
-            raise _fail(path, f"file has {data_size - cursor} unexpected bytes after the last tensor")
+            raise _fail(
+                path, f"file has {data_size - cursor} unexpected bytes after the last tensor"
+            )
         raise _fail(path, "truncated tensor data")  # pragma: no cover - caught per tensor above
     return tuple(records)
 
@@ -490,7 +531,9 @@ def read_flat(
         header = _read_header_from(f, path)
         records = header.records
         if targets is not None and len(targets) != len(records):
-            raise CheckpointingError(f"{path}: {len(targets)} targets given for {len(records)} tensors")
+            raise CheckpointingError(
+                f"{path}: {len(targets)} targets given for {len(records)} tensors"
+            )
         out: list[torch.Tensor | None] = [None] * len(records)
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, rec in enumerate(records):
@@ -542,7 +585,9 @@ def read(
     return unflatten_checked(header, tensors, allow_pickle=allow_pickle)
 
 
-def unflatten_checked(header: PartHeader, tensors: list[torch.Tensor], *, allow_pickle: bool = False) -> Any:
+def unflatten_checked(
+    header: PartHeader, tensors: list[torch.Tensor], *, allow_pickle: bool = False
+) -> Any:
     try:
         return unflatten(header.skeleton, tensors, allow_pickle=allow_pickle)
     except SkeletonError as e:

@@ -90,7 +90,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
     def enc(obj: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise UnsupportedStateError(path, f"nesting deeper than {MAX_DEPTH} levels")
-        if obj is None or isinstance(obj, (bool, str)):
+        if obj is None or type(obj) in (bool, str):
             return obj
         if isinstance(obj, torch.Tensor):
             if obj.is_sparse or obj.layout != torch.strided:
@@ -103,7 +103,10 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
         if type(obj) is list:
             return [enc(v, _child_path(path, i), depth + 1) for i, v in enumerate(obj)]
         if type(obj) is tuple:
-            return {_TAG: "tuple", "v": [enc(v, _child_path(path, i), depth + 1) for i, v in enumerate(obj)]}
+            return {
+                _TAG: "tuple",
+                "v": [enc(v, _child_path(path, i), depth + 1) for i, v in enumerate(obj)],
+            }
         if type(obj) in (dict, OrderedDict):
             keys = [enc(k, _child_path(path, f"<key {k!r}>"), depth + 1) for k in obj]
             values = [enc(v, _child_path(path, k), depth + 1) for k, v in obj.items()]
@@ -116,7 +119,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
             return {_TAG: "size", "v": list(obj)}
         if isinstance(obj, torch.device):
             return {_TAG: "device", "v": str(obj)}
-        if isinstance(obj, np.ndarray):
+        if isinstance(obj, np.ndarray) and not (allow_pickle and obj.dtype.hasobject):
             return _enc_ndarray(obj, path, add_tensor, flat)
         if isinstance(obj, np.generic) and obj.dtype.kind != "O":
             return {_TAG: "npscalar", "dtype": obj.dtype.str, "v": _b64(obj.tobytes())}
@@ -141,17 +144,21 @@ def _b64(data: bytes) -> str:
 
 def _enc_ndarray(arr: np.ndarray, path: str, add_tensor: Any, flat: FlatState) -> Any:
     if arr.dtype.kind == "O" or arr.dtype.hasobject:
-        raise UnsupportedStateError(path, "numpy arrays of Python objects cannot be stored without pickle")
+        raise UnsupportedStateError(
+            path, "numpy arrays of Python objects cannot be stored without pickle"
+        )
+    # reshape: ascontiguousarray turns a 0-d array into a 1-d one
+    contiguous = np.ascontiguousarray(arr).reshape(arr.shape)
     try:
-        t = torch.from_numpy(np.ascontiguousarray(arr))
-    except TypeError:
+        t = torch.from_numpy(contiguous)
+    except (TypeError, ValueError):  # ValueError: non-native byte order
         t = None
     if t is None or arr.dtype.byteorder == ">":
         return {
             _TAG: "ndbytes",
             "dtype": arr.dtype.str,
             "shape": list(arr.shape),
-            "v": _b64(np.ascontiguousarray(arr).tobytes()),
+            "v": _b64(contiguous.tobytes()),
         }
     index = add_tensor(t, path)
     flat.numpy_indices.add(index)
@@ -230,6 +237,13 @@ def _dec_dtype(node: dict, *_: Any) -> torch.dtype:
     return value
 
 
+def _dec_device(node: dict, *_: Any) -> torch.device:
+    try:
+        return torch.device(str(node["v"]))
+    except RuntimeError:
+        raise SkeletonError(f"bad device {str(node['v'])[:40]!r}") from None
+
+
 def _dec_ndbytes(node: dict, *_: Any) -> np.ndarray:
     dtype = _np_dtype(node["dtype"])
     shape = node["shape"]
@@ -244,6 +258,8 @@ def _dec_ndbytes(node: dict, *_: Any) -> np.ndarray:
 def _dec_npscalar(node: dict, *_: Any) -> np.generic:
     dtype = _np_dtype(node["dtype"])
     data = base64.b64decode(node["v"], validate=True)
+    if dtype.itemsize == 0 and dtype.kind in "SU":  # np.str_('') / np.bytes_(b''): dtype <U0 / |S0
+        return dtype.type()
     if len(data) != dtype.itemsize:
         raise SkeletonError("numpy scalar size does not match its dtype")
     return np.frombuffer(data, dtype=dtype)[0]
@@ -261,7 +277,8 @@ def _np_dtype(descr: Any) -> np.dtype:
 def _dec_pickle(node: dict, _dec: Any, _depth: int, _t: Any, allow_pickle: bool) -> Any:
     if not allow_pickle:
         raise UnsupportedStateError(
-            "", "the checkpoint holds pickled objects; pass allow_pickle=True to load them (only for trusted files)"
+            "",
+            "the checkpoint holds pickled objects; pass allow_pickle=True to load them (only for trusted files)",
         )
     return pickle.loads(base64.b64decode(node["v"], validate=True))  # noqa: S301 - explicit opt-in
 
@@ -281,7 +298,7 @@ _DECODERS: dict[Any, Any] = {
     "bytes": lambda node, *_: base64.b64decode(node["v"], validate=True),
     "dtype": _dec_dtype,
     "size": lambda node, *_: torch.Size(_int_list(node["v"])),
-    "device": lambda node, *_: torch.device(str(node["v"])),
+    "device": _dec_device,
     "ndbytes": _dec_ndbytes,
     "npscalar": _dec_npscalar,
     "pickle": _dec_pickle,
