@@ -144,6 +144,8 @@ def write_and_check(path: Path, state: Any, **kwargs: Any) -> Any:
     result = fileformat.write(path, state, **kwargs)
     out = fileformat.read(path)
     assert_states_equal(out, state)
+    header, mapped = fileformat.read_flat(path, mmap=True)
+    assert_states_equal(fileformat.unflatten_checked(header, mapped), state)
     fileformat.verify(path)
     assert_layout_invariants(path, state, result.nbytes)
     assert_safetensors_reads(path, state)
@@ -310,6 +312,17 @@ def test_write_recycles_an_expired_file(tmp_path: Path, old_numel: int) -> None:
     assert sorted(os.listdir(tmp_path)) == ["new.part"]
 
 
+def test_a_mapped_file_is_never_recycled(tmp_path: Path) -> None:
+    old = tmp_path / "old"
+    fileformat.write(old, {"x": torch.arange(1000.0)})
+    _, (mapped,) = fileformat.read_flat(old, mmap=True)
+    assert fileformat.is_mapped(old)
+    fileformat.write(tmp_path / "new", {"x": torch.zeros(1000)}, recycle=old)
+    assert torch.equal(mapped, torch.arange(1000.0))  # the mapped pages were not rewritten
+    mapped.add_(1)  # copy-on-write: the file itself is unchanged
+    assert torch.equal(fileformat.read(old)["x"], torch.arange(1000.0))
+
+
 def test_recycle_path_that_does_not_exist_is_ignored(tmp_path: Path) -> None:
     write_and_check(tmp_path / "part", {"w": torch.ones(3)}, recycle=tmp_path / "missing")
 
@@ -464,10 +477,11 @@ def resize_by(delta: int) -> Callable[[Path], None]:
     return damage
 
 
-HEADER_READERS = ("read", "read_noverify", "read_header", "verify")
+HEADER_READERS = ("read", "read_noverify", "read_mmap", "read_header", "verify")
 READERS: dict[str, Callable[[Path], Any]] = {
     "read": fileformat.read,
     "read_noverify": lambda p: fileformat.read(p, verify=False),
+    "read_mmap": lambda p: fileformat.read_flat(p, mmap=True),
     "read_header": fileformat.read_header,
     "verify": fileformat.verify,
 }
@@ -523,7 +537,7 @@ CORPUS: dict[str, Damage] = {
     "extended_file": Damage(resize_by(7), "7 unexpected bytes after the last tensor"),
     "skeleton_bad_index": Damage(set_doc("skeleton", {"~": "tensor", "i": 99}), "bad state skeleton", ("read", "read_noverify")),
     "skeleton_unknown_tag": Damage(set_doc("skeleton", [{"~": "evil"}]), "bad state skeleton", ("read", "read_noverify")),
-    "flipped_data_bit": Damage(flip_bit_in("w"), "checksum mismatch in tensor 'w'", ("read", "verify")),
+    "flipped_data_bit": Damage(flip_bit_in("w"), "checksum mismatch in tensor 'w'", ("read", "read_mmap", "verify")),
 }  # fmt: skip
 
 

@@ -320,7 +320,7 @@ def write_flat(
 
     with ThreadPoolExecutor(1, thread_name_prefix="tierpoint-hash") as pool:
         hashes: list[Future[str]] = [pool.submit(checksum, v) for v in views]
-        if recycle is not None and os.path.exists(recycle):
+        if recycle is not None and os.path.exists(recycle) and not is_mapped(recycle):
             os.replace(recycle, dirty)
             fd = os.open(dirty, os.O_WRONLY)
         else:
@@ -520,57 +520,124 @@ def read_flat(
     *,
     verify: bool = True,
     targets: Sequence[torch.Tensor | None] | None = None,
+    mmap: bool = False,
 ) -> tuple[PartHeader, list[torch.Tensor]]:
     """Read a part file's tensors (CPU), in skeleton order.
 
     ``targets`` (optional, skeleton order) are tensors to read into: each must match the stored dtype and
     shape; contiguous CPU targets are filled in place with no extra copy. ``None`` entries are allocated.
+
+    ``mmap=True`` (without targets) maps the file copy-on-write instead of reading it: no copy and no
+    fresh memory, the fastest load from a RAM disk. The tensors then share one storage with the mapping,
+    and the file is registered so that tierpoint never rewrites it in place (see :func:`is_mapped`).
     """
     path = str(path)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     with open(path, "rb", buffering=0) as f:
         header = _read_header_from(f, path)
-        records = header.records
-        if targets is not None and len(targets) != len(records):
-            raise CheckpointingError(
-                f"{path}: {len(targets)} targets given for {len(records)} tensors"
-            )
-        out: list[torch.Tensor | None] = [None] * len(records)
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, rec in enumerate(records):
-            target = targets[i] if targets is not None else None
-            if target is None:
-                out[i] = torch.empty(rec.shape, dtype=rec.dtype)
-                continue
-            if target.dtype != rec.dtype or tuple(target.shape) != rec.shape:
-                raise CheckpointingError(
-                    f"{path}: tensor {rec.name!r} is stored as {rec.dtype} {list(rec.shape)}, "
-                    f"target is {target.dtype} {list(target.shape)}"
-                )
-            if target.device.type == "cpu" and target.is_contiguous() and not target.requires_grad:
-                out[i] = target
-            else:
-                staged = torch.empty(rec.shape, dtype=rec.dtype)
-                copies.append((target, staged))
-                out[i] = staged
-        tensors: list[torch.Tensor] = out  # type: ignore[assignment]
-        order = sorted(range(len(records)), key=lambda i: records[i].begin)
-        with ThreadPoolExecutor(1, thread_name_prefix="tierpoint-verify") as pool:
-            pending: list[tuple[int, Future[str]]] = []
-            f.seek(header.data_start)
-            for i in order:
-                view = byte_view(tensors[i])
-                _read_exact(f, view, path, records[i].name)
-                if verify:
-                    pending.append((i, pool.submit(checksum, view)))
-            for i, fut in pending:
-                if fut.result() != records[i].checksum:
-                    raise _fail(path, f"checksum mismatch in tensor {records[i].name!r}")
+        if mmap and targets is None:
+            tensors = _map_tensors(f, header)
+            if verify:
+                _verify_tensors(header, tensors)
+        else:
+            tensors, copies = _plan_targets(header, targets)
+            _read_tensors(f, header, tensors, verify)
     for target, staged in copies:
         with torch.no_grad():
             target.copy_(staged)
     if targets is not None:
         tensors = [t if t is not None else tensors[i] for i, t in enumerate(targets)]
     return header, tensors
+
+
+def _plan_targets(
+    header: PartHeader, targets: Sequence[torch.Tensor | None] | None
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The CPU tensors to read into, and the (target, staged) copies to make after verification."""
+    records, path = header.records, header.path
+    if targets is not None and len(targets) != len(records):
+        raise CheckpointingError(f"{path}: {len(targets)} targets given for {len(records)} tensors")
+    out: list[torch.Tensor] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i, rec in enumerate(records):
+        target = targets[i] if targets is not None else None
+        if target is None:
+            out.append(torch.empty(rec.shape, dtype=rec.dtype))
+            continue
+        if target.dtype != rec.dtype or tuple(target.shape) != rec.shape:
+            raise CheckpointingError(
+                f"{path}: tensor {rec.name!r} is stored as {rec.dtype} {list(rec.shape)}, "
+                f"target is {target.dtype} {list(target.shape)}"
+            )
+        if target.device.type == "cpu" and target.is_contiguous() and not target.requires_grad:
+            out.append(target)
+        else:
+            staged = torch.empty(rec.shape, dtype=rec.dtype)
+            copies.append((target, staged))
+            out.append(staged)
+    return out, copies
+
+
+def _read_tensors(f: Any, header: PartHeader, tensors: list[torch.Tensor], verify: bool) -> None:
+    """Read every tensor in file order; checksums run on a second thread while the next one is read."""
+    records = header.records
+    with ThreadPoolExecutor(1, thread_name_prefix="tierpoint-verify") as pool:
+        pending: list[tuple[int, Future[str]]] = []
+        f.seek(header.data_start)
+        for i in sorted(range(len(records)), key=lambda i: records[i].begin):
+            view = byte_view(tensors[i])
+            _read_exact(f, view, header.path, records[i].name)
+            if verify:
+                pending.append((i, pool.submit(checksum, view)))
+        for i, fut in pending:
+            if fut.result() != records[i].checksum:
+                raise _fail(header.path, f"checksum mismatch in tensor {records[i].name!r}")
+
+
+_mapped_inodes: set[tuple[int, int]] = set()
+
+
+def is_mapped(path: str | os.PathLike) -> bool:
+    """Whether this process mapped the file with ``read_flat(mmap=True)`` (it must not be rewritten)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) in _mapped_inodes
+
+
+def _map_tensors(f: Any, header: PartHeader) -> list[torch.Tensor]:
+    import mmap as mmap_module
+
+    st = os.fstat(f.fileno())
+    mapping = mmap_module.mmap(
+        f.fileno(),
+        header.file_size,
+        flags=mmap_module.MAP_PRIVATE,
+        prot=mmap_module.PROT_READ | mmap_module.PROT_WRITE,
+    )
+    _mapped_inodes.add((st.st_dev, st.st_ino))
+    base = torch.frombuffer(mapping, dtype=torch.uint8)
+    out = []
+    for rec in header.records:
+        raw = base[header.data_start + rec.begin : header.data_start + rec.end]
+        try:
+            out.append(raw.view(rec.dtype).view(rec.shape))
+        except RuntimeError:  # dtypes without a byte view (sub-byte shells): copy out instead
+            t = torch.empty(rec.shape, dtype=rec.dtype)
+            byte_view(t)[:] = memoryview(raw.numpy())
+            out.append(t)
+    return out
+
+
+def _verify_tensors(header: PartHeader, tensors: Sequence[torch.Tensor]) -> None:
+    """Check every tensor against its recorded checksum, on two threads (xxhash releases the GIL)."""
+    records = header.records
+    with ThreadPoolExecutor(2, thread_name_prefix="tierpoint-verify") as pool:
+        sums = list(pool.map(lambda t: checksum(byte_view(t)), tensors))
+    for rec, got in zip(records, sums):
+        if got != rec.checksum:
+            raise _fail(header.path, f"checksum mismatch in tensor {rec.name!r}")
 
 
 def read(

@@ -86,7 +86,12 @@ def _save_then_load(rank: int, world: int, root: str) -> int:
     assert manager.find_latest() == 10
     ta, _ = manager.load()
     assert_bitwise_equal(ta.state_dict, make_state(rank, 10))
-    return load_latest(root, rank)
+    latest = load_latest(root, rank)
+    # Loaded tensors map their file: later saves (which recycle expired files) must not change them.
+    for it in (11, 12, 13):
+        manager.save(BasicTensorAwareStateDict(make_state(rank, it)), it)
+    assert_bitwise_equal(ta.state_dict, make_state(rank, 10))
+    return latest
 
 
 def _nvrx_usage_pattern(rank: int, world: int, root: str) -> int:
@@ -113,13 +118,13 @@ def test_round_trip_and_fresh_process_group(tmp_path):
     root = str(tmp_path)
     assert run_ranks(_save_then_load, WORLD, root) == [10] * WORLD
     # A fresh process group (new processes) finds and loads the same checkpoint.
-    assert run_ranks(_load_latest, WORLD, root) == [10] * WORLD
+    assert run_ranks(_load_latest, WORLD, root) == [13] * WORLD
     for rank in range(WORLD):
         rank_dir = tmp_path / "job" / str(rank)
         assert oct(rank_dir.stat().st_mode & 0o777) == "0o700"
-        part = rank_dir / f"iter_0000010_{rank}_local.safetensors"
+        part = rank_dir / f"iter_0000013_{rank}_local.safetensors"
         assert oct(part.stat().st_mode & 0o777) == "0o600"
-        assert not (rank_dir / f"iter_0000005_{rank}_local.safetensors").exists()
+        assert sorted(p.name for p in rank_dir.iterdir()) == [part.name, "spare_0.free"]
 
 
 def test_nvrx_usage_pattern_runs_and_resumes(tmp_path):

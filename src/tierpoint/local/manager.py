@@ -52,6 +52,8 @@ class LocalCheckpointManager:
         recycle: reuse the pages of expired part files for new ones (faster; keeps up to one spare
             file per part written per save on disk between saves).
         verify: check every tensor checksum on load.
+        mmap_load: load by mapping the part file copy-on-write instead of copying it (no copy, no fresh
+            memory; the loaded tensors share one storage). A mapped file is never recycled.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class LocalCheckpointManager:
         keep_last: int = 1,
         recycle: bool = True,
         verify: bool = True,
+        mmap_load: bool = True,
     ) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointingError(f"keep_last must be an integer >= 1, got {keep_last!r}")
@@ -78,6 +81,7 @@ class LocalCheckpointManager:
         self.keep_last = keep_last
         self.recycle = recycle
         self.verify = verify
+        self.mmap_load = mmap_load
         self._latest: int | None = None
         self._latest_world_size: int | None = None
         self._newest_seen: tuple[int, int, int] | None = None
@@ -254,7 +258,8 @@ class LocalCheckpointManager:
 
     def _take_spare(self) -> Path | None:
         for entry in os.scandir(self.local_ckpt_dir):
-            if naming.is_spare_name(entry.name) or naming.is_dirty_name(entry.name):
+            reusable = naming.is_spare_name(entry.name) or naming.is_dirty_name(entry.name)
+            if reusable and not fileformat.is_mapped(entry.path):
                 return Path(entry.path)
         return None
 
@@ -269,7 +274,7 @@ class LocalCheckpointManager:
             )
             if not stale:
                 continue
-            if len(spares) < max_spares:
+            if len(spares) < max_spares and not fileformat.is_mapped(entry.path):
                 spare = naming.spare_name(len(spares))
                 os.replace(entry.path, self.local_ckpt_dir / spare)
                 spares.append(spare)
@@ -308,7 +313,7 @@ class LocalCheckpointManager:
         start = time.perf_counter()
         path = self._part_path(iteration)
         with tpdist.agree(f"loading local checkpoint iteration {iteration}"):
-            header, tensors = fileformat.read_flat(path, verify=self.verify)
+            header, tensors = fileformat.read_flat(path, verify=self.verify, mmap=self.mmap_load)
             fileformat.unflatten_checked(
                 header, tensors
             )  # validates the skeleton before anyone uses it
