@@ -156,20 +156,21 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _prepare(t: torch.Tensor, path: str) -> torch.Tensor:
+def _check_savable(t: torch.Tensor, path: str) -> None:
     if t.is_quantized or t.device.type == "meta":
         raise UnsupportedStateError(path, f"{t.device.type} / quantized tensors cannot be saved")
-    dtype_name = str(t.dtype).removeprefix("torch.")
-    if dtype_name not in DTYPES:
+    if str(t.dtype).removeprefix("torch.") not in DTYPES:
         raise UnsupportedStateError(path, f"dtype {t.dtype} is not supported")
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        raise CheckpointingError("tierpoint part files need a little-endian host")
+
+
+def _prepare(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with the same bytes (a copy only where unavoidable)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
-        raise CheckpointingError("tierpoint part files need a little-endian host")
-    return t
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _unique_names(paths: Sequence[str]) -> list[str]:
@@ -182,36 +183,6 @@ def _unique_names(paths: Sequence[str]) -> list[str]:
         used.add(name)
         names.append(name)
     return names
-
-
-def _header_bytes(
-    flat: FlatState,
-    tensors: Sequence[torch.Tensor],
-    names: Sequence[str],
-    offsets: Sequence[tuple[int, int]],
-    sums: Sequence[str],
-    extra: Mapping[str, Any],
-    header_sum: str,
-) -> bytes:
-    entries: dict[str, Any] = {}
-    records = []
-    for t, name, (begin, end), s, orig in zip(tensors, names, offsets, sums, flat.tensors):
-        code = _NATIVE_CODES.get(t.dtype)
-        shape = list(t.shape) if code else [end - begin]
-        entries[name] = {"dtype": code or "U8", "shape": shape, "data_offsets": [begin, end]}
-        records.append(
-            [name, str(t.dtype).removeprefix("torch."), list(t.shape), s, str(orig.device)]
-        )
-    doc = {
-        "version": FORMAT_VERSION,
-        "skeleton": flat.skeleton,
-        "extra": dict(extra),
-        "tensors": records,
-    }
-    inner = json.dumps(doc, separators=(",", ":"), allow_nan=False)
-    meta = {"format": "tierpoint", "tierpoint": inner, CHECKSUM_KEY: header_sum}
-    header = {"__metadata__": meta, **entries}
-    return json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _padded(header: bytes) -> bytes:
@@ -284,6 +255,87 @@ def write(
     )
 
 
+@dataclass(frozen=True)
+class PartPlan:
+    """Everything about a part file except its tensor bytes and checksums (JSON-able, for workers).
+
+    Lists are in skeleton order; ``offsets`` are relative to the data section, larger element sizes
+    first so that every tensor is aligned to its element size.
+    """
+
+    skeleton: Any
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    devices: list[str]
+    offsets: list[tuple[int, int]]
+    data_size: int
+    extra: dict[str, Any]
+
+    @property
+    def file_order(self) -> list[int]:
+        return sorted(range(len(self.names)), key=lambda i: self.offsets[i])
+
+    def header(self, sums: Sequence[str]) -> bytes:
+        """The padded header (without the length prefix), its own checksum filled in."""
+        body = self._header_json(sums, _ZERO_SUM)
+        return _padded(body.replace(_sum_field(_ZERO_SUM), _sum_field(checksum(_padded(body))), 1))
+
+    def header_size(self) -> int:
+        return len(_padded(self._header_json([_ZERO_SUM] * len(self.names), _ZERO_SUM)))
+
+    def _header_json(self, sums: Sequence[str], header_sum: str) -> bytes:
+        entries: dict[str, Any] = {}
+        records = []
+        for i, name in enumerate(self.names):
+            begin, end = self.offsets[i]
+            code = _NATIVE_CODES.get(DTYPES[self.dtypes[i]])
+            shape = self.shapes[i] if code else [end - begin]
+            entries[name] = {"dtype": code or "U8", "shape": shape, "data_offsets": [begin, end]}
+            records.append([name, self.dtypes[i], self.shapes[i], sums[i], self.devices[i]])
+        doc = {
+            "version": FORMAT_VERSION,
+            "skeleton": self.skeleton,
+            "extra": self.extra,
+            "tensors": records,
+        }
+        inner = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        meta = {"format": "tierpoint", "tierpoint": inner, CHECKSUM_KEY: header_sum}
+        return json.dumps(
+            {"__metadata__": meta, **entries}, separators=(",", ":"), allow_nan=False
+        ).encode()
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> PartPlan:
+        return cls(**{**doc, "offsets": [tuple(o) for o in doc["offsets"]]})
+
+
+def plan_part(flat: FlatState, extra: Mapping[str, Any] | None = None) -> PartPlan:
+    """Lay out a flattened state as a part file (validates dtypes; reads no tensor data)."""
+    for t, p in zip(flat.tensors, flat.paths):
+        _check_savable(t, p)
+    sizes = [t.numel() * t.element_size() for t in flat.tensors]
+    order = sorted(range(len(sizes)), key=lambda i: -flat.tensors[i].element_size())
+    offsets: list[tuple[int, int]] = [(0, 0)] * len(sizes)
+    cursor = 0
+    for i in order:
+        offsets[i] = (cursor, cursor + sizes[i])
+        cursor += sizes[i]
+    return PartPlan(
+        skeleton=flat.skeleton,
+        names=_unique_names(flat.paths),
+        dtypes=[str(t.dtype).removeprefix("torch.") for t in flat.tensors],
+        shapes=[list(t.shape) for t in flat.tensors],
+        devices=[str(t.device) for t in flat.tensors],
+        offsets=offsets,
+        data_size=cursor,
+        extra=dict(extra or {}),
+    )
+
+
 def write_flat(
     path: str | os.PathLike,
     flat: FlatState,
@@ -298,47 +350,49 @@ def write_flat(
     ``recycle`` names an expired part file whose pages are reused for this one (rewriting an existing
     tmpfs file is several times faster than filling a new one); the caller guarantees nothing needs it.
     """
+    plan = plan_part(flat, extra)
+    views = [byte_view(_prepare(t)) for t in flat.tensors]
+    return write_planned(path, plan, views, recycle=recycle, dirty_path=dirty_path, fsync=fsync)
+
+
+def write_planned(
+    path: str | os.PathLike,
+    plan: PartPlan,
+    views: Sequence[memoryview],
+    *,
+    data: memoryview | None = None,
+    recycle: str | os.PathLike | None = None,
+    dirty_path: str | os.PathLike | None = None,
+    fsync: bool = True,
+) -> WriteResult:
+    """Write a planned part: ``views`` are each tensor's bytes (skeleton order). ``data``, when given,
+    is the whole data section laid out as planned (a staging buffer) and is written in one piece."""
     start = time.perf_counter()
     path = Path(path)
     dirty = Path(dirty_path) if dirty_path is not None else dirty_name(path)
-    tensors = [_prepare(t, p) for t, p in zip(flat.tensors, flat.paths)]
-    names = _unique_names(flat.paths)
-    # Larger element sizes first keeps every tensor aligned to its element size.
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-    offsets: list[tuple[int, int]] = [(0, 0)] * len(tensors)
-    cursor = 0
-    for i in order:
-        n = tensors[i].numel() * tensors[i].element_size()
-        offsets[i] = (cursor, cursor + n)
-        cursor += n
-    data_size = cursor
-    extra = dict(extra or {})
-    placeholder = _padded(
-        _header_bytes(flat, tensors, names, offsets, [_ZERO_SUM] * len(tensors), extra, _ZERO_SUM)
-    )
-    views = [byte_view(tensors[i]) for i in order]
-
+    header_size = plan.header_size()
+    order = plan.file_order
     with ThreadPoolExecutor(1, thread_name_prefix="tierpoint-hash") as pool:
-        hashes: list[Future[str]] = [pool.submit(checksum, v) for v in views]
+        hashes: list[Future[str]] = [pool.submit(checksum, views[i]) for i in order]
         if recycle is not None and os.path.exists(recycle) and not is_mapped(recycle):
             os.replace(recycle, dirty)
             fd = os.open(dirty, os.O_WRONLY)
         else:
             fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            _write_all(fd, memoryview(struct.pack("<Q", len(placeholder)) + placeholder))
-            _write_data(fd, views)
-            sums = [""] * len(tensors)
+            os.lseek(fd, 8 + header_size, os.SEEK_SET)
+            if data is not None:
+                _write_all(fd, data)
+            else:
+                _write_data(fd, [views[i] for i in order])
+            sums = [""] * len(views)
             for i, h in zip(order, hashes):
                 sums[i] = h.result()
-            body = _header_bytes(flat, tensors, names, offsets, sums, extra, _ZERO_SUM)
-            body = body.replace(_sum_field(_ZERO_SUM), _sum_field(checksum(_padded(body))), 1)
-            final = _padded(body)
-            # Fixed-width checksum fields keep the header length constant.
-            if len(final) != len(placeholder):  # pragma: no cover
+            header = plan.header(sums)
+            if len(header) != header_size:  # pragma: no cover - fixed-width checksum fields
                 raise CheckpointingError("internal error: header length changed while writing")
-            os.pwrite(fd, final, 8)
-            total = 8 + len(final) + data_size
+            os.pwrite(fd, struct.pack("<Q", header_size) + header, 0)
+            total = 8 + header_size + plan.data_size
             os.ftruncate(fd, total)
             if fsync:
                 os.fsync(fd)
