@@ -165,7 +165,7 @@ def _check_savable(t: torch.Tensor, path: str) -> None:
         raise CheckpointingError("tierpoint part files need a little-endian host")
 
 
-def _prepare(t: torch.Tensor) -> torch.Tensor:
+def prepare(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with the same bytes (a copy only where unavoidable)."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -351,7 +351,7 @@ def write_flat(
     tmpfs file is several times faster than filling a new one); the caller guarantees nothing needs it.
     """
     plan = plan_part(flat, extra)
-    views = [byte_view(_prepare(t)) for t in flat.tensors]
+    views = [byte_view(prepare(t)) for t in flat.tensors]
     return write_planned(path, plan, views, recycle=recycle, dirty_path=dirty_path, fsync=fsync)
 
 

@@ -30,7 +30,10 @@ from typing import Any
 
 from .. import dist as tpdist
 from .. import fileformat
+from ..asyncsave.request import AsyncRequest
+from ..asyncsave.worker import write_staged_part
 from ..errors import CheckpointingError, CorruptCheckpointError
+from ..staging import Stager
 from ..tensor_aware import BasicTensorAwareStateDict, TensorAwareStateDict
 from ..tree import FlatState
 from . import naming
@@ -85,6 +88,8 @@ class LocalCheckpointManager:
         self._latest: int | None = None
         self._latest_world_size: int | None = None
         self._newest_seen: tuple[int, int, int] | None = None
+        self._pending: int | None = None
+        self._stager = Stager()
 
     # ------------------------------------------------------------------------------ identity, paths
 
@@ -179,29 +184,52 @@ class LocalCheckpointManager:
 
     def save(
         self, ta_state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False
-    ) -> Any:
-        """Save this rank's part of ``iteration``; returns ``None`` (sync) or an ``AsyncRequest``."""
-        if is_async:
-            raise CheckpointingError(
-                "asynchronous local saves need tierpoint.asyncsave (not available yet)"
-            )
+    ) -> AsyncRequest | None:
+        """Save this rank's part of ``iteration``. Collective.
+
+        Sync: returns ``None`` once every rank committed. Async: returns an :class:`AsyncRequest` to
+        hand to an :class:`~tierpoint.asyncsave.AsyncCallsQueue`; scheduling it snapshots the state into
+        reused staging memory and the worker process writes it; the previous checkpoint is retired only
+        when the queue finalizes the request on every rank.
+        """
         if type(iteration) is not int or iteration < 0:
             raise CheckpointingError(f"iteration must be a non-negative integer, got {iteration!r}")
         if not isinstance(ta_state_dict, TensorAwareStateDict):
             raise CheckpointingError(
                 f"save expects a TensorAwareStateDict (e.g. BasicTensorAwareStateDict(state)), got {type(ta_state_dict).__name__}"
             )
+        if self._pending is not None and not is_async:
+            raise CheckpointingError(
+                f"the async save of iteration {self._pending} is not finalized yet: call "
+                "AsyncCallsQueue.maybe_finalize_async_calls(blocking=True) before a sync save"
+            )
         start = time.perf_counter()
         keep = self._agree_on_iteration(iteration)
-        what = f"saving local checkpoint iteration {iteration}"
         try:
-            with tpdist.agree(what):
+            with tpdist.agree(f"saving local checkpoint iteration {iteration}"):
                 flat = ta_state_dict.to_flat()
-                nbytes = self._write_part(flat, iteration)
+                plan = fileformat.plan_part(flat, self._extra(iteration))
+                if not is_async:
+                    self._write_part(flat, plan, iteration)
         except CheckpointingError:
-            self._remove_iteration(iteration)
-            self._latest = None
+            self._abort_iteration(iteration)
             raise
+        if not is_async:
+            self._commit(iteration, keep, plan.data_size, start)
+            return None
+        return self._async_request(flat, plan, iteration, keep)
+
+    def _extra(self, iteration: int) -> dict[str, Any]:
+        return {
+            "iteration": iteration,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "session_id": self.session_id,
+        }
+
+    def _commit(self, iteration: int, keep: set[int], nbytes: int, start: float) -> None:
+        """Every rank committed ``iteration``: make it the latest and retire what is not kept."""
+        self._pending = None
         self._latest, self._latest_world_size = iteration, self.world_size
         self._retire(keep | {iteration})
         seconds = time.perf_counter() - start
@@ -213,7 +241,36 @@ class LocalCheckpointManager:
             seconds,
             nbytes / seconds / 1e9,
         )
-        return None
+
+    def _abort_iteration(self, iteration: int) -> None:
+        self._pending = None
+        self._remove_iteration(iteration)
+        self._latest = None
+
+    def _async_request(
+        self, flat: FlatState, plan: fileformat.PartPlan, iteration: int, keep: set[int]
+    ) -> AsyncRequest:
+        path = self._part_path(iteration)
+        start = time.perf_counter()
+
+        def snapshot() -> dict[str, Any]:
+            # Runs when the queue schedules the request: after the previous save was finalized, so
+            # the staging buffer and the spare file are free.
+            self._pending = iteration
+            spare = self._take_spare() if self.recycle else None
+            t0 = time.perf_counter()
+            buffer = self._stager.stage(flat, plan)
+            logger.debug("snapshot of iteration %d: %.3f s", iteration, time.perf_counter() - t0)
+            return {"buffer": buffer, "recycle": str(spare) if spare else None}
+
+        return AsyncRequest(
+            write_staged_part,
+            (str(path), plan.to_json()),
+            [lambda: self._commit(iteration, keep, plan.data_size, start)],
+            preload_fn=snapshot,
+            abort_fns=[lambda: self._abort_iteration(iteration)],
+            description=f"async save of local checkpoint iteration {iteration}",
+        )
 
     def _agree_on_iteration(self, iteration: int) -> set[int]:
         """Check (on every rank alike) that all ranks save the same, new iteration; return what to keep."""
@@ -236,25 +293,18 @@ class LocalCheckpointManager:
         older = sorted((i for i in complete if i < iteration), reverse=True)
         return set(older[: self.keep_last - 1])
 
-    def _write_part(self, flat: FlatState, iteration: int) -> int:
+    def _write_part(self, flat: FlatState, plan: fileformat.PartPlan, iteration: int) -> None:
         path = self._part_path(iteration)
-        extra = {
-            "iteration": iteration,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "session_id": self.session_id,
-        }
         spare = self._take_spare() if self.recycle else None
-        t0 = time.perf_counter()
-        result = fileformat.write_flat(path, flat, extra=extra, recycle=spare)
+        views = [fileformat.byte_view(fileformat.prepare(t)) for t in flat.tensors]
+        result = fileformat.write_planned(path, plan, views, recycle=spare)
         logger.debug(
             "wrote %s (%d bytes, %.3f s, %s)",
             path,
             result.nbytes,
-            time.perf_counter() - t0,
+            result.seconds,
             "recycled" if spare else "new",
         )
-        return result.nbytes
 
     def _take_spare(self) -> Path | None:
         for entry in os.scandir(self.local_ckpt_dir):

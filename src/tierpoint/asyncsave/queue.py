@@ -1,0 +1,313 @@
+"""AsyncCallsQueue: schedules AsyncRequests on a persistent worker and finalizes them when every rank is done.
+
+Call order (every rank at the same points, as with NVRx)::
+
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(manager.save(state, it, is_async=True))   # snapshot, then dispatch
+    ...
+    queue.maybe_finalize_async_calls(blocking=False)   # each step: cheap until something finished
+    ...
+    queue.close()
+
+Invariants:
+- Back-pressure: at most ``max_in_flight`` (default 1) unfinalized calls; scheduling another first
+  finalizes the oldest (blocking, bounded by the timeout) instead of allocating more memory.
+- Agreement: when a call finished locally (or failed, or its worker died), this rank posts one
+  non-blocking all-gather of its outcome on the queue's own gloo group; polls only test whether it
+  completed, so no poll blocks and no poll runs a collective while nothing finished locally. Every
+  rank posts exactly one gather per call, in call order, so they always match.
+- A failure anywhere makes every rank run the call's ``abort_fns`` and raise the same
+  :class:`CheckpointingError`; finalize functions run only when every rank succeeded.
+- Every blocking wait has a deadline (``timeout``, default ``TIERPOINT_TIMEOUT``).
+- A dead worker is detected by its exit status and replaced at the next schedule.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import dist as tpdist
+from ..errors import CheckpointingError, CoordinationTimeoutError, agreed_error
+from .request import AsyncRequest
+from .worker import Worker
+
+logger = logging.getLogger("tierpoint")
+
+_STATUS_BYTES = 2048
+
+
+@dataclass
+class _Call:
+    id: int
+    request: AsyncRequest
+    scheduled_at: float
+    snapshot: threading.Thread | None = None
+    snapshot_error: BaseException | None = None
+    dispatched: bool = False
+    local: tuple[bool, Any, str | None] | None = None  # (ok, result or message, error type)
+    work: Any = None
+    gathered: list[torch.Tensor] = field(default_factory=list)
+
+
+class AsyncCallsQueue:
+    """Runs checkpoint work in a persistent background process per rank; see the module docstring.
+
+    Args:
+        persistent: accepted for NVRx compatibility; the worker is always a persistent process.
+        max_in_flight: unfinalized calls allowed before scheduling waits.
+        timeout: seconds any blocking wait may take (default: ``TIERPOINT_TIMEOUT`` or 300).
+        overlap_snapshot: copy into staging memory on a background thread, so that
+            ``schedule_async_request`` returns at once; call :meth:`wait_for_snapshot` (or install
+            :meth:`install_optimizer_hook`) before the state is modified.
+    """
+
+    def __init__(
+        self,
+        persistent: bool = True,
+        *,
+        max_in_flight: int = 1,
+        timeout: float | None = None,
+        overlap_snapshot: bool = False,
+    ) -> None:
+        if max_in_flight < 1:
+            raise CheckpointingError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.max_in_flight = max_in_flight
+        self.timeout = timeout if timeout is not None else tpdist.default_timeout().total_seconds()
+        self.overlap_snapshot = overlap_snapshot
+        self._worker: Worker | None = Worker()
+        self._calls: deque[_Call] = deque()
+        self._ids = itertools.count()
+        self._group: Any = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------------ scheduling
+
+    def schedule_async_request(self, request: AsyncRequest) -> int:
+        """Snapshot (``preload_fn``) and dispatch ``request``; returns its call id."""
+        if self._closed:
+            raise CheckpointingError("the AsyncCallsQueue is closed")
+        if len(self._calls) >= self.max_in_flight:
+            self._finalize(
+                blocking=True, no_dist=False, limit=len(self._calls) - self.max_in_flight + 1
+            )
+        if tpdist.is_distributed() and self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
+        if self._worker is None or self._worker.exitcode is not None:
+            logger.warning("starting a new background worker (the previous one exited)")
+            self._worker = Worker()
+        call = _Call(next(self._ids), request, time.monotonic())
+        self._calls.append(call)
+        if self.overlap_snapshot and request.preload_fn is not None:
+            call.snapshot = threading.Thread(
+                target=self._preload_and_dispatch, args=(call,), daemon=True
+            )
+            call.snapshot.start()
+        else:
+            self._preload_and_dispatch(call)
+            if call.snapshot_error is not None:
+                self._calls.remove(call)
+                _run_all(request.abort_fns)
+                raise CheckpointingError(
+                    f"{request.description}: snapshot failed"
+                ) from call.snapshot_error
+        return call.id
+
+    def _preload_and_dispatch(self, call: _Call) -> None:
+        request = call.request
+        try:
+            kwargs = dict(request.async_fn_kwargs or {})
+            if request.preload_fn is not None:
+                kwargs.update(request.preload_fn() or {})
+            if request.async_fn is None:
+                call.local = (True, None, None)
+            else:
+                assert self._worker is not None
+                self._worker.submit(call.id, request.async_fn, tuple(request.async_fn_args), kwargs)
+            call.dispatched = True
+        except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
+            call.snapshot_error = e
+            call.local = (False, f"snapshot failed: {type(e).__name__}: {e}", type(e).__name__)
+
+    def wait_for_snapshot(self, timeout: float | None = None) -> None:
+        """Block until every scheduled snapshot copy finished (the state may be modified after)."""
+        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        for call in list(self._calls):
+            if call.snapshot is not None:
+                call.snapshot.join(max(0.0, deadline - time.monotonic()))
+                if call.snapshot.is_alive():
+                    raise CoordinationTimeoutError(
+                        f"{call.request.description}: snapshot did not finish in time"
+                    )
+
+    def install_optimizer_hook(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for pending snapshots first. Returns the hook handle."""
+        return optimizer.register_step_pre_hook(lambda *_: self.wait_for_snapshot())
+
+    # ------------------------------------------------------------------------------ completion
+
+    def get_num_unfinalized_calls(self) -> int:
+        return len(self._calls)
+
+    def maybe_finalize_async_calls(
+        self, blocking: bool = False, no_dist: bool = False
+    ) -> list[int]:
+        """Finalize calls that finished on every rank (all of them, waiting, when ``blocking``)."""
+        return self._finalize(blocking=blocking, no_dist=no_dist, limit=None)
+
+    def _finalize(self, *, blocking: bool, no_dist: bool, limit: int | None) -> list[int]:
+        done: list[int] = []
+        deadline = time.monotonic() + self.timeout
+        while self._calls and (limit is None or len(done) < limit):
+            call = self._calls[0]
+            statuses = self._outcome(call, no_dist)
+            if statuses is None:
+                if not blocking:
+                    break
+                if time.monotonic() > deadline:
+                    raise CoordinationTimeoutError(
+                        f"{call.request.description}: not finished on every rank within {self.timeout:.0f} s"
+                    )
+                self._pump(0.02)
+                continue
+            self._calls.popleft()
+            self._conclude(call, statuses)
+            done.append(call.id)
+        return done
+
+    def _pump(self, wait: float) -> None:
+        """Collect finished calls from the worker; note a dead worker against the oldest pending call."""
+        worker = self._worker
+        if worker is None:
+            return
+        by_id = {c.id: c for c in self._calls}
+        for call_id, ok, payload, kind in worker.results(wait):
+            if call_id in by_id:
+                by_id[call_id].local = (ok, payload, kind)
+        if worker.exitcode is not None:
+            for call in self._calls:
+                if call.local is None and call.dispatched:
+                    call.local = (
+                        False,
+                        f"background worker process died (exit code {worker.exitcode})",
+                        None,
+                    )
+
+    def _outcome(
+        self, call: _Call, no_dist: bool
+    ) -> dict[int, tuple[bool, str, str | None]] | None:
+        """Every rank's outcome of ``call`` once known everywhere; ``None`` while still pending."""
+        if call.local is None:
+            self._pump(0.0)
+        if call.local is None or (call.snapshot is not None and call.snapshot.is_alive()):
+            return None
+        ok, payload, kind = call.local
+        mine = (ok, "" if ok else str(payload), kind)
+        if no_dist or self._group is None:
+            return {tpdist.get_rank(): mine}
+        if call.work is None:
+            self._post_gather(call, mine)
+        if not call.work.is_completed():
+            return None
+        try:
+            call.work.wait()
+        except RuntimeError as e:
+            raise CheckpointingError(
+                f"{call.request.description}: ranks could not agree on the outcome ({e})"
+            ) from e
+        return {rank: _decode(t) for rank, t in enumerate(call.gathered)}
+
+    def _post_gather(self, call: _Call, mine: tuple[bool, str, str | None]) -> None:
+        world = dist.get_world_size(self._group)
+        mine_tensor = _encode(mine)
+        call.gathered = [torch.zeros(_STATUS_BYTES, dtype=torch.uint8) for _ in range(world)]
+        call.work = dist.all_gather(call.gathered, mine_tensor, group=self._group, async_op=True)
+
+    def _conclude(self, call: _Call, statuses: dict[int, tuple[bool, str, str | None]]) -> None:
+        failures = {rank: msg for rank, (ok, msg, _) in statuses.items() if not ok}
+        request = call.request
+        if failures:
+            _run_all(request.abort_fns)
+            kinds = {statuses[r][2] for r in failures}
+            detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
+            ranks = ", ".join(str(r) for r in failures)
+            raise agreed_error(
+                kinds.pop() if len(kinds) == 1 and None not in kinds else "",
+                f"{request.description} failed on rank{'s' if len(failures) > 1 else ''} {ranks}: {detail}",
+                failures,
+            )
+        for fn in request.finalize_fns:
+            fn()
+        logger.debug(
+            "%s finalized %.3f s after scheduling",
+            request.description,
+            time.monotonic() - call.scheduled_at,
+        )
+
+    # ------------------------------------------------------------------------------ shutdown
+
+    def close(self, abort: bool = False) -> None:
+        """Finalize everything (or, with ``abort=True``, kill the worker and undo pending calls)."""
+        if self._closed:
+            return
+        try:
+            if abort:
+                if self._worker is not None:
+                    self._worker.kill()
+                for call in self._calls:
+                    if call.snapshot is not None:
+                        call.snapshot.join(self.timeout)
+                    _run_all(call.request.abort_fns)
+                self._calls.clear()
+            else:
+                self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            self._closed = True
+            if self._worker is not None:
+                self._worker.stop()
+                self._worker = None
+
+    def __enter__(self) -> AsyncCallsQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(abort=exc[0] is not None)
+
+    def __del__(self) -> None:
+        worker = getattr(self, "_worker", None)
+        if worker is not None and worker.exitcode is None:
+            worker.kill()
+
+
+def _encode(status: tuple[bool, str, str | None]) -> torch.Tensor:
+    ok, message, kind = status
+    raw = json.dumps([ok, message[:300], kind]).encode()  # <= 6 bytes a char: fits
+    out = torch.zeros(_STATUS_BYTES, dtype=torch.uint8)
+    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
+
+
+def _decode(t: torch.Tensor) -> tuple[bool, str, str | None]:
+    raw = bytes(t.numpy()).rstrip(b"\0")
+    try:
+        ok, message, kind = json.loads(raw)
+    except ValueError:
+        return False, "unreadable status from a peer", None
+    return bool(ok), str(message), kind
+
+
+def _run_all(fns: Any) -> None:
+    for fn in fns:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - clean-up must not hide the original failure
+            logger.exception("clean-up after a failed checkpoint call raised")

@@ -1,0 +1,42 @@
+"""AsyncRequest: one unit of background work and what to do when every rank has finished it.
+
+Field names follow NVRx: ``async_fn(*async_fn_args, **async_fn_kwargs)`` runs in the background worker
+process; ``finalize_fns`` run in the training process once every rank's ``async_fn`` succeeded;
+``preload_fn`` runs in the training process when the request is scheduled, before ``async_fn`` is
+dispatched (tierpoint uses it for the snapshot into staging memory); a dict it returns is merged into
+``async_fn_kwargs``. tierpoint adds ``abort_fns``: run on every rank when the call failed on any rank
+or was aborted, to remove what the call left behind.
+
+Arguments travel to the worker by pickle over a private pipe between the two processes (never from
+a file). :class:`~tierpoint.staging.StagingBuffer` arguments travel as shared memory, not as bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class AsyncRequest:
+    async_fn: Callable[..., Any] | None
+    async_fn_args: tuple = ()
+    finalize_fns: Sequence[Callable[[], Any]] = ()
+    async_fn_kwargs: dict[str, Any] | None = None
+    preload_fn: Callable[[], dict[str, Any] | None] | None = None
+    abort_fns: Sequence[Callable[[], Any]] = field(default_factory=list)
+    description: str = "async checkpoint call"
+
+    def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
+        self.finalize_fns = [*self.finalize_fns, fn]
+
+    def execute_sync(self) -> Any:
+        """Run the whole request in this process (no worker): preload, call, finalize."""
+        kwargs = dict(self.async_fn_kwargs or {})
+        if self.preload_fn is not None:
+            kwargs.update(self.preload_fn() or {})
+        result = self.async_fn(*self.async_fn_args, **kwargs) if self.async_fn is not None else None
+        for fn in self.finalize_fns:
+            fn()
+        return result

@@ -1,0 +1,161 @@
+"""The persistent background worker process (one per rank) and the handle the training process holds.
+
+Call order (training process): ``Worker()`` spawns the process once; ``submit(call_id, fn, args,
+kwargs)`` sends a call (staging buffers in the arguments are shared by file descriptor the first time
+and referred to by id afterwards); ``results()`` collects finished calls without blocking;
+``exitcode`` tells whether the process died; ``stop()`` / ``kill()`` end it.
+
+Worker process: receives calls over its pipe, runs them one at a time, answers
+``(call_id, ok, result_or_message, error_type)``. It exits when the pipe closes (its trainer died), so
+no worker outlives its rank.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..fileformat import PartPlan, write_planned
+from ..staging import StagingBuffer
+
+_buffers: dict[str, memoryview] = {}
+"""Worker side: staging buffers mapped from the trainer, by id."""
+
+
+@dataclass(frozen=True)
+class BufferRef:
+    """A staging buffer as the worker knows it."""
+
+    id: str
+    nbytes: int
+
+
+def resolve_buffer(buffer: StagingBuffer | BufferRef) -> memoryview:
+    """The bytes of a staging buffer, in the trainer (direct) or in the worker (mapped by id)."""
+    if isinstance(buffer, StagingBuffer):
+        return memoryview(buffer.tensor.numpy())
+    return _buffers[buffer.id][: buffer.nbytes]
+
+
+def write_staged_part(
+    path: str, plan: dict[str, Any], buffer: StagingBuffer | BufferRef, recycle: str | None = None
+) -> int:
+    """Write a part file from a staging buffer laid out as ``plan`` (runs in the worker)."""
+    part_plan = PartPlan.from_json(plan)
+    data = resolve_buffer(buffer)
+    views = [data[begin:end] for begin, end in part_plan.offsets]
+    return write_planned(path, part_plan, views, data=data, recycle=recycle).nbytes
+
+
+def worker_main(conn: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    maps: dict[str, mmap.mmap] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the trainer is gone
+        kind = msg[0]
+        if kind == "stop":
+            return
+        if kind == "buffer":
+            _, buf_id, nbytes = msg
+            fd = reduction.recv_handle(conn)
+            maps[buf_id] = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+            os.close(fd)
+            _buffers[buf_id] = memoryview(maps[buf_id])
+        elif kind == "drop":
+            _buffers.pop(msg[1], None)
+            m = maps.pop(msg[1], None)
+            if m is not None:
+                m.close()
+        elif kind == "call":
+            _, call_id, fn, args, kwargs = msg
+            try:
+                conn.send((call_id, True, fn(*args, **kwargs), None))
+            except BaseException as e:  # noqa: BLE001 - reported to the trainer, which decides
+                conn.send((call_id, False, f"{type(e).__name__}: {e}", type(e).__name__))
+
+
+class Worker:
+    """Handle on one background worker process.
+
+    The worker is started as ``python -m tierpoint.asyncsave._entry`` (not by multiprocessing's spawn,
+    which would re-import the user's training script) and talks over an inherited socket pair.
+    """
+
+    def __init__(self) -> None:
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tierpoint.asyncsave._entry", str(child_sock.fileno())],
+            pass_fds=[child_sock.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child_sock.close()
+        self._conn = Connection(parent_sock.detach())
+        self._sent: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.poll()
+
+    def _transport(self, value: Any) -> Any:
+        if isinstance(value, StagingBuffer):
+            if value.id not in self._sent:
+                self._conn.send(("buffer", value.id, value.nbytes))
+                reduction.send_handle(self._conn, value.fd, self.process.pid)
+                self._sent.add(value.id)
+            return BufferRef(value.id, value.nbytes)
+        return value
+
+    def submit(self, call_id: int, fn: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        with self._lock:
+            args = tuple(self._transport(a) for a in args)
+            kwargs = {k: self._transport(v) for k, v in kwargs.items()}
+            self._conn.send(("call", call_id, fn, args, kwargs))
+
+    def drop_buffers(self, keep: set[str]) -> None:
+        """Unmap staging buffers the trainer no longer uses."""
+        with self._lock:
+            for buf_id in self._sent - keep:
+                self._conn.send(("drop", buf_id))
+            self._sent &= keep
+
+    def results(self, wait: float = 0.0) -> list[tuple[int, bool, Any, str | None]]:
+        """Finished calls, waiting at most ``wait`` seconds for the first one."""
+        out = []
+        try:
+            while self._conn.poll(wait if not out else 0):
+                out.append(self._conn.recv())
+        except (EOFError, OSError):
+            pass  # the worker died; exitcode tells
+        return out
+
+    def stop(self, timeout: float = 10.0) -> None:
+        try:
+            with self._lock:
+                self._conn.send(("stop",))
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._conn.close()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)

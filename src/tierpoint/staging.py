@@ -1,0 +1,121 @@
+"""Staging buffers: shared host memory laid out as a part file's data section, reused across saves.
+
+Call order: ``stager.stage(flat, plan)`` copies the state's tensors into a :class:`StagingBuffer` laid
+out as ``plan`` (one memcpy per tensor; this is the only part of an async save the training thread
+pays for) and returns the buffer; a worker process maps the same memory (its ``fd`` is passed over a
+Unix socket) and writes it to a file in one piece.
+
+Invariants:
+- A buffer is allocated once per layout (dtypes, shapes, offsets) and reused while the layout is
+  unchanged; host memory stays flat across saves. A new layout allocates a new buffer and frees the
+  old one (callers guarantee, through back-pressure, that no save still reads it).
+- The memory is an anonymous ``memfd``: nothing to clean up in /dev/shm, freed when the last process
+  holding it exits, crashed or not.
+- CUDA tensors are copied with ``non_blocking=True`` on a side stream into page-locked staging memory
+  and synchronised before the buffer is handed on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+from collections.abc import Sequence
+
+import torch
+
+from .fileformat import DTYPES, PartPlan
+from .tree import FlatState
+
+_ids = itertools.count(1)
+
+
+class StagingBuffer:
+    """``nbytes`` of shared memory, visible as a uint8 tensor and to other processes through ``fd``."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.id = f"{os.getpid()}-{next(_ids)}"
+        self.nbytes = nbytes
+        self.fd = os.memfd_create(f"tierpoint-staging-{self.id}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, max(nbytes, 1))
+        self._map = mmap.mmap(self.fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
+        self._pinned = False
+        self.offsets: list[tuple[int, int]] | None = None
+        self.dtypes: list[str] | None = None
+
+    def pin(self) -> None:
+        """Page-lock the buffer for fast asynchronous device-to-host copies (CUDA only)."""
+        if self._pinned or not torch.cuda.is_available() or self.nbytes == 0:
+            return
+        result = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+        self._pinned = int(result) == 0
+
+    def views(self, plan: PartPlan) -> list[torch.Tensor]:
+        """One tensor per planned tensor, viewing its place in the buffer."""
+        out = []
+        for (begin, end), dtype_name, shape in zip(plan.offsets, plan.dtypes, plan.shapes):
+            raw = self.tensor[begin:end]
+            dtype = DTYPES[dtype_name]
+            out.append(
+                raw.view(dtype).view(shape) if end > begin else torch.empty(shape, dtype=dtype)
+            )
+        return out
+
+    def close(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self._pinned = False
+        del self.tensor
+        try:
+            self._map.close()
+        except BufferError:  # views still alive somewhere: the mapping goes when they do
+            pass
+        os.close(self.fd)
+
+
+class Stager:
+    """Keeps the staging buffer for the current layout and copies states into it."""
+
+    def __init__(self) -> None:
+        self.buffer: StagingBuffer | None = None
+
+    def buffer_for(self, plan: PartPlan) -> StagingBuffer:
+        buf = self.buffer
+        if buf is None or buf.offsets != plan.offsets or buf.dtypes != plan.dtypes:
+            if buf is not None:
+                buf.close()
+            buf = StagingBuffer(plan.data_size)
+            buf.offsets, buf.dtypes = list(plan.offsets), list(plan.dtypes)
+            self.buffer = buf
+        return buf
+
+    def stage(self, flat: FlatState, plan: PartPlan) -> StagingBuffer:
+        """Copy every tensor of ``flat`` into the staging buffer for ``plan`` (blocking)."""
+        buf = self.buffer_for(plan)
+        targets = buf.views(plan)
+        _copy_all(flat.tensors, targets, buf)
+        return buf
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+
+
+def _copy_all(
+    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], buf: StagingBuffer
+) -> None:
+    on_device = [s for s in sources if s.device.type == "cuda"]
+    with torch.no_grad():
+        if not on_device:
+            for src, dst in zip(sources, targets):
+                dst.copy_(src.detach())
+            return
+        buf.pin()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for src, dst in zip(sources, targets):
+                dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+        stream.synchronize()
