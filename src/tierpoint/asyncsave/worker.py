@@ -19,11 +19,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..errors import CheckpointingError, CoordinationTimeoutError
 from ..fileformat import PartPlan, write_planned
 from ..staging import StagingBuffer
 
@@ -59,6 +61,7 @@ def write_staged_part(
 def worker_main(conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     maps: dict[str, mmap.mmap] = {}
+    conn.send(("ready", os.getpid()))
     while True:
         try:
             msg = conn.recv()
@@ -106,6 +109,8 @@ class Worker:
         self._conn = Connection(parent_sock.detach())
         self._sent: set[str] = set()
         self._lock = threading.Lock()
+        self.ready = False
+        self._early: list[tuple[int, bool, Any, str | None]] = []
 
     @property
     def exitcode(self) -> int | None:
@@ -135,13 +140,31 @@ class Worker:
 
     def results(self, wait: float = 0.0) -> list[tuple[int, bool, Any, str | None]]:
         """Finished calls, waiting at most ``wait`` seconds for the first one."""
-        out = []
+        out, self._early = self._early, []
         try:
             while self._conn.poll(wait if not out else 0):
-                out.append(self._conn.recv())
+                msg = self._conn.recv()
+                if msg[0] == "ready":
+                    self.ready = True
+                else:
+                    out.append(msg)
         except (EOFError, OSError):
             pass  # the worker died; exitcode tells
         return out
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until the worker finished starting (imports done); raise if it died or timed out."""
+        deadline = time.monotonic() + timeout
+        while not self.ready:
+            if self.exitcode is not None:
+                raise CheckpointingError(
+                    f"the background worker exited while starting (code {self.exitcode})"
+                )
+            if time.monotonic() > deadline:
+                raise CoordinationTimeoutError(
+                    f"the background worker did not start within {timeout:.0f} s"
+                )
+            self._early.extend(self.results(0.05))
 
     def stop(self, timeout: float = 10.0) -> None:
         try:

@@ -1,0 +1,245 @@
+"""Asynchronous local saves on real gloo ranks: equivalence with sync saves, no torn snapshots,
+worker death, abort, back-pressure, flat memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierpoint import fileformat
+from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
+from tierpoint.errors import CheckpointingError
+from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
+from tierpoint.spawn import run_ranks
+
+WORLD = 4
+
+
+def make_state(rank: int, iteration: int, numel: int = 4096) -> dict:
+    g = torch.Generator().manual_seed(rank * 100_000 + iteration)
+    return {
+        "model": {
+            "w": torch.randn(numel, generator=g),
+            "h": torch.randn(16, 8, generator=g).half(),
+        },
+        "optimizer": {"step": iteration, "m": [torch.randn(numel // 4, generator=g)]},
+    }
+
+
+def flat_bytes(state: dict) -> list[bytes]:
+    flat = BasicTensorAwareStateDict(state).tensors
+    return [bytes(fileformat.byte_view(t.contiguous())) for t in flat]
+
+
+def _async_equals_sync(rank: int, world: int, root: str) -> bool:
+    state = make_state(rank, 1)
+    sync = LocalCheckpointManager(os.path.join(root, "sync"), session_id="j")
+    sync.save(BasicTensorAwareStateDict(state), 1)
+    queue = AsyncCallsQueue()
+    asyn = LocalCheckpointManager(os.path.join(root, "async"), session_id="j")
+    queue.schedule_async_request(asyn.save(BasicTensorAwareStateDict(state), 1, is_async=True))
+    queue.close()
+    a, _ = LocalCheckpointManager(os.path.join(root, "async"), session_id="j").load()
+    s, _ = LocalCheckpointManager(os.path.join(root, "sync"), session_id="j").load()
+    return (
+        flat_bytes(a.state_dict) == flat_bytes(s.state_dict)
+        and a.state_dict["optimizer"]["step"] == 1
+    )
+
+
+def test_async_and_sync_saves_load_identically(tmp_path):
+    assert run_ranks(_async_equals_sync, WORLD, str(tmp_path)) == [True] * WORLD
+
+
+def _hundred_saves(rank: int, world: int, root: str) -> int:
+    manager = LocalCheckpointManager(root, session_id="j")
+    queue = AsyncCallsQueue()
+    live = make_state(rank, 0)
+    checked = 0
+    for it in range(1, 101):
+        expected = make_state(rank, it)
+        for t, e in zip(
+            BasicTensorAwareStateDict(live).tensors, BasicTensorAwareStateDict(expected).tensors
+        ):
+            t.copy_(e)
+        live["optimizer"]["step"] = it
+        queue.schedule_async_request(
+            manager.save(BasicTensorAwareStateDict(live), it, is_async=True)
+        )
+        for t in BasicTensorAwareStateDict(live).tensors:
+            t.fill_(-1)  # the training step changes everything right after the snapshot
+        queue.maybe_finalize_async_calls(blocking=True)
+        stored = fileformat.read(manager.local_ckpt_dir / f"iter_{it:07d}_{rank}_local.safetensors")
+        assert flat_bytes(stored) == flat_bytes(expected), f"iteration {it} is torn or stale"
+        assert stored["optimizer"]["step"] == it
+        checked += 1
+    queue.close()
+    return checked
+
+
+def test_hundred_async_saves_each_hold_their_snapshot(tmp_path):
+    assert run_ranks(_hundred_saves, WORLD, str(tmp_path), timeout=300) == [100] * WORLD
+
+
+def _kill_worker_mid_save(rank: int, world: int, root: str) -> dict:
+    manager = LocalCheckpointManager(root, session_id="j")
+    queue = AsyncCallsQueue(timeout=60)
+    big = make_state(rank, 1, numel=8 << 20)  # 32 MiB: the write takes a while
+    queue.schedule_async_request(manager.save(BasicTensorAwareStateDict(big), 1, is_async=True))
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.schedule_async_request(
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 2, 8 << 20)), 2, is_async=True)
+    )
+    if rank == 1:
+        os.kill(queue._worker.process.pid, signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        error = "no error"
+    except CheckpointingError as e:
+        error = str(e)
+    seconds = time.monotonic() - start
+    latest = LocalCheckpointManager(root, session_id="j").find_latest()
+    # The next save works: a new worker is started.
+    queue.schedule_async_request(
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 3)), 3, is_async=True)
+    )
+    queue.close()
+    ta, _ = LocalCheckpointManager(root, session_id="j").load()
+    return {
+        "error": error,
+        "seconds": seconds,
+        "latest_after_failure": latest,
+        "final_ok": flat_bytes(ta.state_dict) == flat_bytes(make_state(rank, 3)),
+    }
+
+
+def test_killed_worker_fails_the_save_on_every_rank_and_the_next_save_works(tmp_path):
+    results = run_ranks(_kill_worker_mid_save, WORLD, str(tmp_path), timeout=300)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert "rank 1" in error and "worker process died" in error
+    for r in results:
+        assert r["seconds"] < 60
+        assert r["latest_after_failure"] == 1
+        assert r["final_ok"]
+
+
+def _abort_in_flight(rank: int, world: int, root: str) -> list[str]:
+    manager = LocalCheckpointManager(root, session_id="j")
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 1)), 1, is_async=True)
+    )
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.schedule_async_request(
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 2, 8 << 20)), 2, is_async=True)
+    )
+    queue.close(abort=True)
+    return sorted(
+        p.name for p in manager.local_ckpt_dir.iterdir() if not p.name.startswith("spare_")
+    )
+
+
+def test_close_with_abort_leaves_no_partial_checkpoint(tmp_path):
+    results = run_ranks(_abort_in_flight, 2, str(tmp_path))
+    for rank, names in enumerate(results):
+        assert names == [f"iter_0000001_{rank}_local.safetensors"]
+    assert run_ranks(_find_latest, 2, str(tmp_path)) == [1, 1]
+
+
+def _find_latest(rank: int, world: int, root: str) -> int:
+    return LocalCheckpointManager(root, session_id="j").find_latest()
+
+
+def _slow(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_polling_is_cheap_and_back_pressure_waits(tmp_path):
+    queue = AsyncCallsQueue()
+    done: list[int] = []
+    first = queue.schedule_async_request(AsyncRequest(_slow, (1.0,), [lambda: done.append(1)]))
+    start = time.monotonic()
+    assert queue.maybe_finalize_async_calls(blocking=False) == []
+    assert time.monotonic() - start < 0.5
+    assert queue.get_num_unfinalized_calls() == 1
+    second = queue.schedule_async_request(AsyncRequest(_slow, (0.1,), [lambda: done.append(2)]))
+    assert done == [1], "scheduling a second call first finalized the one in flight"
+    assert queue.maybe_finalize_async_calls(blocking=True) == [second] and first != second
+    assert done == [1, 2]
+    queue.close()
+
+
+def _raise_in_worker() -> None:
+    raise OSError("disk full")
+
+
+def test_a_failing_call_raises_and_runs_abort_fns():
+    queue = AsyncCallsQueue()
+    aborted: list[bool] = []
+    queue.schedule_async_request(
+        AsyncRequest(
+            _raise_in_worker,
+            (),
+            [lambda: pytest.fail("finalize ran")],
+            abort_fns=[lambda: aborted.append(True)],
+        )
+    )
+    with pytest.raises(CheckpointingError, match="rank 0: OSError: disk full"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert aborted == [True]
+    queue.close()
+
+
+def test_sync_save_while_async_pending_is_refused(tmp_path):
+    manager = LocalCheckpointManager(tmp_path, session_id="j")
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(
+        manager.save(BasicTensorAwareStateDict(make_state(0, 1)), 1, is_async=True)
+    )
+    with pytest.raises(CheckpointingError, match="not finalized"):
+        manager.save(BasicTensorAwareStateDict(make_state(0, 2)), 2)
+    queue.close()
+    manager.save(BasicTensorAwareStateDict(make_state(0, 2)), 2)
+    assert manager.find_latest() == 2
+
+
+def _pss_kib(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_host_memory_is_flat_across_saves_and_bounded_in_flight(tmp_path):
+    state = make_state(0, 0, numel=16 << 20)  # ~84 MiB
+    nbytes = sum(t.numel() * t.element_size() for t in BasicTensorAwareStateDict(state).tensors)
+    manager = LocalCheckpointManager(tmp_path, session_id="j")
+    queue = AsyncCallsQueue()
+    pids = [os.getpid(), queue._worker.process.pid]
+    queue._worker.wait_ready()
+    before = _pss_kib(pids)
+    peak_extra = 0
+    after: dict[int, int] = {}
+    for it in range(1, 101):
+        state["optimizer"]["step"] = it
+        queue.schedule_async_request(
+            manager.save(BasicTensorAwareStateDict(state), it, is_async=True)
+        )
+        peak_extra = max(peak_extra, _pss_kib(pids) - before)
+        queue.maybe_finalize_async_calls(blocking=True)
+        if it in (2, 100):
+            after[it] = _pss_kib(pids)
+    queue.close()
+    assert after[100] <= after[2] * 1.05, after
+    assert peak_extra * 1024 <= 1.1 * nbytes, (peak_extra * 1024, nbytes)
