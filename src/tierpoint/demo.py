@@ -2,8 +2,9 @@
 
 ``python -m tierpoint.demo`` (or ``./run demo``) runs three torchrun jobs on 127.0.0.1:
 
-1. train a small MLP with data-parallel SGD (gloo all-reduce), checkpointing to the local tier every
-   ``--save-every`` steps, until rank 1 kills itself with SIGKILL at ``--crash-at``;
+1. train a small MLP with data-parallel SGD (gloo all-reduce), saving asynchronously to the local tier
+   every ``--save-every`` steps (a background worker process writes; training pays for a memory copy),
+   until rank 1 kills itself with SIGKILL at ``--crash-at``;
 2. relaunch: every rank agrees on the newest complete checkpoint, loads it (checksums verified) and
    trains on to ``--steps``;
 3. the same training without any crash or checkpoint, as the reference.
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import fileformat
+from .asyncsave import AsyncCallsQueue
 from .local import BasicTensorAwareStateDict, LocalCheckpointManager
 
 WIDTH = 512
@@ -75,6 +77,9 @@ def worker(args: argparse.Namespace) -> None:
     )
     model, opt = build_model()
     manager = LocalCheckpointManager(args.root, session_id="demo") if args.checkpoint else None
+    queue = AsyncCallsQueue() if args.checkpoint else None
+    if queue is not None:
+        queue.wait_ready()  # the worker's start (a torch import) would otherwise delay the first save
     start_step = 0
     if manager is not None:
         latest = manager.find_latest()
@@ -94,15 +99,28 @@ def worker(args: argparse.Namespace) -> None:
         loss = train_step(model, opt, step, rank, world)
         if rank == 0 and step % 5 == 0:
             print(f"  step {step:3d}  loss {loss:.5f}")
-        if manager is not None and step % args.save_every == 0:
+        if queue is not None:
+            queue.maybe_finalize_async_calls(
+                blocking=False
+            )  # cheap: no collective until a save is done
+        if manager is not None and queue is not None and step % args.save_every == 0:
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
-            manager.save(BasicTensorAwareStateDict(state), step)
+            t0 = time.perf_counter()
+            queue.schedule_async_request(
+                manager.save(BasicTensorAwareStateDict(state), step, is_async=True)
+            )
+            if rank == 0:
+                print(
+                    f"  step {step:3d}  async checkpoint scheduled; training blocked {1e3 * (time.perf_counter() - t0):.1f} ms"
+                )
         if step == args.crash_at and rank == 1:
             print(
                 f"  [rank 1] step {step}: killing myself with SIGKILL (simulated node crash)",
                 flush=True,
             )
             os.kill(os.getpid(), signal.SIGKILL)
+    if queue is not None:
+        queue.close()
     if rank == 0:
         fileformat.write(args.result, model.state_dict())
     dist.destroy_process_group()

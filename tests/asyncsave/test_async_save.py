@@ -227,7 +227,7 @@ def test_host_memory_is_flat_across_saves_and_bounded_in_flight(tmp_path):
     manager = LocalCheckpointManager(tmp_path, session_id="j")
     queue = AsyncCallsQueue()
     pids = [os.getpid(), queue._worker.process.pid]
-    queue._worker.wait_ready()
+    queue.wait_ready()
     before = _pss_kib(pids)
     peak_extra = 0
     after: dict[int, int] = {}

@@ -90,6 +90,11 @@ class AsyncCallsQueue:
         self._group: Any = None
         self._closed = False
 
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the worker process has started (it imports torch, which takes a few seconds)."""
+        if self._worker is not None:
+            self._worker.wait_ready(timeout if timeout is not None else self.timeout)
+
     # ------------------------------------------------------------------------------ scheduling
 
     def schedule_async_request(self, request: AsyncRequest) -> int:
