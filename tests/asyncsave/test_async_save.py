@@ -212,34 +212,57 @@ def test_sync_save_while_async_pending_is_refused(tmp_path):
     assert manager.find_latest() == 2
 
 
-def _pss_kib(pids: list[int]) -> int:
-    total = 0
+def _kib_fields(path: str) -> dict[str, int]:
+    fields = {}
+    for line in Path(path).read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if rest.strip().endswith("kB"):
+            fields[key] = int(rest.split()[0])
+    return fields
+
+
+def _host_kib(pids: list[int]) -> int:
+    """Memory of the trainer and its worker: anonymous memory of each plus their shared staging memory
+    once. File-backed pages (libraries) are left out: their per-process share moves whenever another
+    process on the machine maps the same library."""
+    anon, shared = 0, 0
     for pid in pids:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                total += int(line.split()[1])
-    return total
+        anon += _kib_fields(f"/proc/{pid}/smaps_rollup")["Pss_Anon"]
+        shared = max(shared, _kib_fields(f"/proc/{pid}/status")["RssShmem"])
+    return anon + shared
 
 
-def test_host_memory_is_flat_across_saves_and_bounded_in_flight(tmp_path):
+def _memory_profile(rank: int, world: int, root: str) -> dict[str, float]:
     state = make_state(0, 0, numel=16 << 20)  # ~84 MiB
     nbytes = sum(t.numel() * t.element_size() for t in BasicTensorAwareStateDict(state).tensors)
-    manager = LocalCheckpointManager(tmp_path, session_id="j")
+    manager = LocalCheckpointManager(root, session_id="j")
     queue = AsyncCallsQueue()
     pids = [os.getpid(), queue._worker.process.pid]
     queue.wait_ready()
-    before = _pss_kib(pids)
+    # Warm up the code paths (imports, thread pools) with a tiny state, whose staging buffer the big
+    # state's layout then replaces: the baseline is "saving works, nothing big is staged".
+    queue.schedule_async_request(
+        manager.save(BasicTensorAwareStateDict(make_state(0, 0)), 1, is_async=True)
+    )
+    queue.maybe_finalize_async_calls(blocking=True)
+    before = _host_kib(pids)
     peak_extra = 0
     after: dict[int, int] = {}
-    for it in range(1, 101):
+    for it in range(2, 102):
         state["optimizer"]["step"] = it
         queue.schedule_async_request(
             manager.save(BasicTensorAwareStateDict(state), it, is_async=True)
         )
-        peak_extra = max(peak_extra, _pss_kib(pids) - before)
+        peak_extra = max(peak_extra, _host_kib(pids) - before)
         queue.maybe_finalize_async_calls(blocking=True)
-        if it in (2, 100):
-            after[it] = _pss_kib(pids)
+        if it in (3, 101):
+            after[it] = _host_kib(pids)
     queue.close()
-    assert after[100] <= after[2] * 1.05, after
-    assert peak_extra * 1024 <= 1.1 * nbytes, (peak_extra * 1024, nbytes)
+    return {"flat": after[101] / after[3], "peak": peak_extra * 1024 / nbytes}
+
+
+def test_host_memory_is_flat_across_saves_and_bounded_in_flight(tmp_path):
+    # A fresh process, so that other tests' garbage does not move the numbers.
+    (profile,) = run_ranks(_memory_profile, 1, str(tmp_path), timeout=300)
+    assert profile["flat"] <= 1.05, profile
+    assert profile["peak"] <= 1.1, profile
