@@ -321,6 +321,10 @@ def test_a_mapped_file_is_never_recycled(tmp_path: Path) -> None:
     assert torch.equal(mapped, torch.arange(1000.0))  # the mapped pages were not rewritten
     mapped.add_(1)  # copy-on-write: the file itself is unchanged
     assert torch.equal(fileformat.read(old)["x"], torch.arange(1000.0))
+    del mapped  # once its tensors are gone, the file may be recycled again
+    assert not fileformat.is_mapped(old)
+    fileformat.write(tmp_path / "newer", {"x": torch.zeros(1000)}, recycle=old)
+    assert not old.exists()
 
 
 def test_recycle_path_that_does_not_exist_is_ignored(tmp_path: Path) -> None:

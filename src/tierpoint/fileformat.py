@@ -35,8 +35,10 @@ import os
 import struct
 import sys
 import time
+import weakref
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,6 +223,32 @@ def _write_data(fd: int, views: Sequence[memoryview]) -> None:
     flush()
 
 
+_HASH_CHUNK = 1 << 20
+
+
+def _write_and_hash(fd: int, views: Sequence[memoryview]) -> list[str]:
+    """Write the views back to back and return their checksums. Large views go in chunks, each hashed
+    right after it was written, while it is still in the CPU cache (one pass over memory, not two);
+    small ones are gathered into few writes."""
+    sums = []
+    small: list[memoryview] = []
+    for v in views:
+        if len(v) < _SMALL_TENSOR:
+            small.append(v)
+            sums.append(checksum(v))
+            continue
+        _write_data(fd, small)
+        small = []
+        hasher = xxhash.xxh3_64()
+        for offset in range(0, len(v), _HASH_CHUNK):
+            piece = v[offset : offset + _HASH_CHUNK]
+            _write_all(fd, piece)
+            hasher.update(piece)
+        sums.append(hasher.hexdigest())
+    _write_data(fd, small)
+    return sums
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -360,47 +388,41 @@ def write_planned(
     plan: PartPlan,
     views: Sequence[memoryview],
     *,
-    data: memoryview | None = None,
     recycle: str | os.PathLike | None = None,
     dirty_path: str | os.PathLike | None = None,
     fsync: bool = True,
 ) -> WriteResult:
-    """Write a planned part: ``views`` are each tensor's bytes (skeleton order). ``data``, when given,
-    is the whole data section laid out as planned (a staging buffer) and is written in one piece."""
+    """Write a planned part: ``views`` are each tensor's bytes (skeleton order), e.g. slices of a
+    staging buffer laid out as planned."""
     start = time.perf_counter()
     path = Path(path)
     dirty = Path(dirty_path) if dirty_path is not None else dirty_name(path)
     header_size = plan.header_size()
     order = plan.file_order
-    with ThreadPoolExecutor(1, thread_name_prefix="tierpoint-hash") as pool:
-        hashes: list[Future[str]] = [pool.submit(checksum, views[i]) for i in order]
-        if recycle is not None and os.path.exists(recycle) and not is_mapped(recycle):
-            os.replace(recycle, dirty)
-            fd = os.open(dirty, os.O_WRONLY)
-        else:
-            fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.lseek(fd, 8 + header_size, os.SEEK_SET)
-            if data is not None:
-                _write_all(fd, data)
-            else:
-                _write_data(fd, [views[i] for i in order])
-            sums = [""] * len(views)
-            for i, h in zip(order, hashes):
-                sums[i] = h.result()
-            header = plan.header(sums)
-            if len(header) != header_size:  # pragma: no cover - fixed-width checksum fields
-                raise CheckpointingError("internal error: header length changed while writing")
-            os.pwrite(fd, struct.pack("<Q", header_size) + header, 0)
-            total = 8 + header_size + plan.data_size
-            os.ftruncate(fd, total)
-            if fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(dirty)
-            raise
+    if recycle is not None and os.path.exists(recycle) and not is_mapped(recycle):
+        os.replace(recycle, dirty)
+        fd = os.open(dirty, os.O_WRONLY)
+    else:
+        fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.lseek(fd, 8 + header_size, os.SEEK_SET)
+        ordered = _write_and_hash(fd, [views[i] for i in order])
+        sums = [""] * len(views)
+        for i, h in zip(order, ordered):
+            sums[i] = h
+        header = plan.header(sums)
+        if len(header) != header_size:  # pragma: no cover - fixed-width checksum fields
+            raise CheckpointingError("internal error: header length changed while writing")
+        os.pwrite(fd, struct.pack("<Q", header_size) + header, 0)
+        total = 8 + header_size + plan.data_size
+        os.ftruncate(fd, total)
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
         os.close(fd)
+        _unlink_quietly(dirty)
+        raise
+    os.close(fd)
     os.replace(dirty, path)
     if fsync:
         fsync_dir(path.parent)
@@ -633,31 +655,40 @@ def _plan_targets(
 
 
 def _read_tensors(f: Any, header: PartHeader, tensors: list[torch.Tensor], verify: bool) -> None:
-    """Read every tensor in file order; checksums run on a second thread while the next one is read."""
+    """Read every tensor in file order; with ``verify``, each chunk is hashed right after it was read,
+    while it is still in the CPU cache."""
     records = header.records
-    with ThreadPoolExecutor(1, thread_name_prefix="tierpoint-verify") as pool:
-        pending: list[tuple[int, Future[str]]] = []
-        f.seek(header.data_start)
-        for i in sorted(range(len(records)), key=lambda i: records[i].begin):
-            view = byte_view(tensors[i])
-            _read_exact(f, view, header.path, records[i].name)
+    f.seek(header.data_start)
+    for i in sorted(range(len(records)), key=lambda i: records[i].begin):
+        view = byte_view(tensors[i])
+        hasher = xxhash.xxh3_64()
+        for offset in range(0, len(view), _HASH_CHUNK):
+            piece = view[offset : offset + _HASH_CHUNK]
+            _read_exact(f, piece, header.path, records[i].name)
             if verify:
-                pending.append((i, pool.submit(checksum, view)))
-        for i, fut in pending:
-            if fut.result() != records[i].checksum:
-                raise _fail(header.path, f"checksum mismatch in tensor {records[i].name!r}")
+                hasher.update(piece)
+        if verify and hasher.hexdigest() != records[i].checksum:
+            raise _fail(header.path, f"checksum mismatch in tensor {records[i].name!r}")
 
 
-_mapped_inodes: set[tuple[int, int]] = set()
+_mapped_inodes: Counter[tuple[int, int]] = Counter()
+"""Live copy-on-write mappings per file (device, inode); an entry goes when its tensors are freed."""
 
 
 def is_mapped(path: str | os.PathLike) -> bool:
-    """Whether this process mapped the file with ``read_flat(mmap=True)`` (it must not be rewritten)."""
+    """Whether tensors of a ``read_flat(mmap=True)`` mapping of this file are alive in this process
+    (then it must not be rewritten in place)."""
     try:
         st = os.stat(path)
     except OSError:
         return False
-    return (st.st_dev, st.st_ino) in _mapped_inodes
+    return _mapped_inodes[(st.st_dev, st.st_ino)] > 0
+
+
+def _unmapped(key: tuple[int, int]) -> None:
+    _mapped_inodes[key] -= 1
+    if _mapped_inodes[key] <= 0:
+        del _mapped_inodes[key]
 
 
 def _map_tensors(f: Any, header: PartHeader) -> list[torch.Tensor]:
@@ -670,7 +701,9 @@ def _map_tensors(f: Any, header: PartHeader) -> list[torch.Tensor]:
         flags=mmap_module.MAP_PRIVATE,
         prot=mmap_module.PROT_READ | mmap_module.PROT_WRITE,
     )
-    _mapped_inodes.add((st.st_dev, st.st_ino))
+    key = (st.st_dev, st.st_ino)
+    _mapped_inodes[key] += 1
+    weakref.finalize(mapping, _unmapped, key)
     base = torch.frombuffer(mapping, dtype=torch.uint8)
     out = []
     for rec in header.records:

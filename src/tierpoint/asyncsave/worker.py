@@ -55,7 +55,7 @@ def write_staged_part(
     part_plan = PartPlan.from_json(plan)
     data = resolve_buffer(buffer)
     views = [data[begin:end] for begin, end in part_plan.offsets]
-    return write_planned(path, part_plan, views, data=data, recycle=recycle).nbytes
+    return write_planned(path, part_plan, views, recycle=recycle).nbytes
 
 
 def worker_main(conn: Any) -> None:

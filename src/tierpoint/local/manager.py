@@ -205,6 +205,7 @@ class LocalCheckpointManager:
             )
         start = time.perf_counter()
         keep = self._agree_on_iteration(iteration)
+        logger.debug("save %d: iteration agreed in %.3f s", iteration, time.perf_counter() - start)
         try:
             with tpdist.agree(f"saving local checkpoint iteration {iteration}"):
                 flat = ta_state_dict.to_flat()
@@ -215,6 +216,9 @@ class LocalCheckpointManager:
             self._abort_iteration(iteration)
             raise
         if not is_async:
+            logger.debug(
+                "save %d: written and agreed after %.3f s", iteration, time.perf_counter() - start
+            )
             self._commit(iteration, keep, plan.data_size, start)
             return None
         return self._async_request(flat, plan, iteration, keep)
