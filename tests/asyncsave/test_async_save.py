@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -299,3 +301,47 @@ def test_overlapped_snapshot_with_optimizer_hook_saves_pre_step_values(tmp_path)
     assert _overlapped_saves(tmp_path / "hook", hook=True) == []
     # Without the hook the same loop tears snapshots: the test above can fail.
     assert _overlapped_saves(tmp_path / "nohook", hook=False) != []
+
+
+def _failing_snapshot() -> None:
+    raise RuntimeError("copy to staging failed")
+
+
+def test_a_failed_snapshot_is_reported_at_finalize_and_aborts():
+    queue = AsyncCallsQueue()
+    aborted: list[bool] = []
+    request = AsyncRequest(
+        _slow, (0.0,), [], preload_fn=_failing_snapshot, abort_fns=[lambda: aborted.append(True)]
+    )
+    queue.schedule_async_request(request)  # does not raise alone: the outcome is agreed first
+    with pytest.raises(
+        CheckpointingError, match="snapshot failed: RuntimeError: copy to staging failed"
+    ):
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert aborted == [True]
+    queue.close()
+
+
+_ORPHAN_SCRIPT = """
+import os, signal, sys
+from tierpoint.asyncsave import AsyncCallsQueue
+queue = AsyncCallsQueue()
+queue.wait_ready()
+print(queue._worker.process.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_worker_dies_with_its_trainer():
+    out = subprocess.run(
+        [sys.executable, "-c", _ORPHAN_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    worker_pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"worker {worker_pid} outlived its killed trainer")

@@ -52,7 +52,6 @@ class _Call:
     request: AsyncRequest
     scheduled_at: float
     snapshot: threading.Thread | None = None
-    snapshot_error: BaseException | None = None
     dispatched: bool = False
     local: tuple[bool, Any, str | None] | None = None  # (ok, result or message, error type)
     work: Any = None
@@ -118,13 +117,9 @@ class AsyncCallsQueue:
             )
             call.snapshot.start()
         else:
+            # A failed snapshot is this rank's outcome of the call: it is agreed like any other, so
+            # every rank raises it at the next finalize instead of this rank alone raising now.
             self._preload_and_dispatch(call)
-            if call.snapshot_error is not None:
-                self._calls.remove(call)
-                _run_all(request.abort_fns)
-                raise CheckpointingError(
-                    f"{request.description}: snapshot failed"
-                ) from call.snapshot_error
         return call.id
 
     def _preload_and_dispatch(self, call: _Call) -> None:
@@ -140,7 +135,7 @@ class AsyncCallsQueue:
                 self._worker.submit(call.id, request.async_fn, tuple(request.async_fn_args), kwargs)
             call.dispatched = True
         except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
-            call.snapshot_error = e
+            logger.exception("%s: snapshot failed", request.description)
             call.local = (False, f"snapshot failed: {type(e).__name__}: {e}", type(e).__name__)
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:

@@ -12,6 +12,7 @@ no worker outlives its rank.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import signal
@@ -58,8 +59,20 @@ def write_staged_part(
     return write_planned(path, part_plan, views, recycle=recycle).nbytes
 
 
-def worker_main(conn: Any) -> None:
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when the trainer dies, so that no orphan keeps writing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux: the closed pipe still ends us
+        pass
+
+
+def worker_main(conn: Any, parent_pid: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    _die_with_parent()
+    if parent_pid is not None and os.getppid() != parent_pid:
+        return  # the trainer died before we were ready
     maps: dict[str, mmap.mmap] = {}
     conn.send(("ready", os.getpid()))
     while True:
@@ -100,7 +113,13 @@ class Worker:
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tierpoint.asyncsave._entry", str(child_sock.fileno())],
+            [
+                sys.executable,
+                "-m",
+                "tierpoint.asyncsave._entry",
+                str(child_sock.fileno()),
+                str(os.getpid()),
+            ],
             pass_fds=[child_sock.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
