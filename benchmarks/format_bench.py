@@ -58,6 +58,7 @@ from typing import Any
 import safetensors
 import safetensors.torch
 import torch
+from floor import preallocate, raw_read, raw_write
 
 from tierpoint import fileformat
 from tierpoint.tree import flatten
@@ -189,34 +190,8 @@ def build_state(d: int, seed: int = 0) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ helpers
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def write_all(fd: int, view: memoryview) -> None:
-    while len(view):
-        view = view[os.write(fd, view) :]
-
-
-def read_into(f: Any, view: memoryview) -> None:
-    while len(view):
-        n = f.readinto(view)
-        if not n:
-            raise EOFError("raw file is shorter than the state")
-        view = view[n:]
-
-
 def unlink(path: Path) -> None:
     path.unlink(missing_ok=True)
-
-
-def preallocate(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Empty tensors like ``tensors``, each page touched so it exists before timing."""
-    targets = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    for t in targets:
-        t.zero_()
-    return targets
 
 
 def copy_into(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
@@ -302,22 +277,6 @@ class Contender:
     @property
     def median(self) -> float:
         return statistics.median(self.times)
-
-
-def raw_write(path: Path, tensors: Sequence[torch.Tensor]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for t in tensors:
-            write_all(fd, tensor_bytes(t))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def raw_read(path: Path, targets: Sequence[torch.Tensor]) -> None:
-    with open(path, "rb", buffering=0) as f:
-        for t in targets:
-            read_into(f, tensor_bytes(t))
 
 
 @dataclass(frozen=True)

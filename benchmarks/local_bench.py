@@ -17,7 +17,6 @@ Everything is written under a temporary directory in /dev/shm and removed at the
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from floor import preallocate, raw_read, raw_write
 
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tierpoint.spawn import run_ranks
@@ -66,26 +66,6 @@ def tensors_of(state: dict) -> list[torch.Tensor]:
     return out
 
 
-def raw_write(path: Path, tensors: list[torch.Tensor]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for t in tensors:
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            while len(view):
-                view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def raw_read(path: Path, targets: list[torch.Tensor]) -> None:
-    with open(path, "rb", buffering=0) as f:
-        for t in targets:
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            while len(view):
-                view = view[f.readinto(view) :]
-
-
 def timed(fn, *args) -> float:  # noqa: ANN001
     dist.barrier()
     start = time.perf_counter()
@@ -101,9 +81,7 @@ def bench_rank(rank: int, world: int, root: str, mib: float, reps: int) -> dict[
     scratch = Path(root) / f"scratch{rank}"
     scratch.mkdir(parents=True)
     manager = LocalCheckpointManager(Path(root) / "tier", session_id="bench")
-    targets = [torch.empty_like(t) for t in tensors]
-    for t in targets:
-        t.zero_()  # fault the pages in: the floor reads into memory that already exists
+    targets = preallocate(tensors)  # the floor reads into memory that already exists
     times: dict[str, list[float]] = {
         k: [] for k in ("tp_save", "torch_save", "raw_write", "tp_load", "torch_load", "raw_read")
     }
