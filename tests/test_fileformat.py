@@ -547,10 +547,10 @@ CORPUS: dict[str, Damage] = {
 
 def good_state() -> dict[str, Any]:
     return {
-        "w": torch.arange(16, dtype=torch.float32).reshape(4, 4),  # data bytes 88..152
+        "w": torch.arange(16, dtype=torch.float32).reshape(4, 4),  # data bytes 64..128
         "b": torch.arange(8, dtype=torch.int64),  # 0..64
-        "z": torch.tensor([1 + 2j, -0.5j, 3.0], dtype=torch.complex64),  # 64..88, stored as U8
-        "e": torch.empty(0),  # 152..152
+        "z": torch.tensor([1 + 2j, -0.5j, 3.0], dtype=torch.complex64),  # 128..152, stored as U8
+        "e": torch.empty(0),  # 128..128
         "step": 7,
     }
 
@@ -564,7 +564,7 @@ def good_part(tmp_path: Path) -> Path:
 
 def test_good_file_has_the_layout_the_corpus_assumes(good_part: Path) -> None:
     offsets = {r.name: (r.begin, r.end) for r in fileformat.verify(good_part).records}
-    assert offsets == {"w": (88, 152), "b": (0, 64), "z": (64, 88), "e": (152, 152)}
+    assert offsets == {"b": (0, 64), "w": (64, 128), "e": (128, 128), "z": (128, 152)}
 
 
 def test_rewrite_helper_without_edits_keeps_the_file_valid(good_part: Path) -> None:
@@ -662,3 +662,21 @@ def test_huge_tensor_over_2GiB_round_trip_through_dev_shm() -> None:
         assert torch.equal(out["tail"], state["tail"])
     finally:
         shutil.rmtree(directory)
+
+
+def test_tensors_of_whole_cache_lines_start_on_64_byte_boundaries() -> None:
+    # Adam-like state: odd-sized scalars between the big tensors must not misalign them.
+    state = {
+        f"p{i}": {
+            "w": torch.zeros(1000, 64),
+            "step": torch.tensor(float(i)),
+            "pos": torch.arange(3),
+        }
+        for i in range(5)
+    }
+    plan = fileformat.plan_part(tree.flatten(state))
+    for (begin, end), dtype in zip(plan.offsets, plan.dtypes):
+        size = end - begin
+        assert begin % fileformat.DTYPES[dtype].itemsize == 0
+        if size % 64 == 0:
+            assert begin % 64 == 0, (begin, size, dtype)

@@ -89,6 +89,7 @@ class LocalCheckpointManager:
         self._latest_world_size: int | None = None
         self._newest_seen: tuple[int, int, int] | None = None
         self._pending: int | None = None
+        self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int]]] = {}
         self._stager = Stager()
 
     # ------------------------------------------------------------------------------ identity, paths
@@ -117,30 +118,45 @@ class LocalCheckpointManager:
     # ------------------------------------------------------------------------------ discovery
 
     def _scan(self) -> list[list[int]]:
-        """This rank's committed, structurally valid parts: ``[iteration, origin rank, world size]``."""
+        """This rank's committed, structurally valid parts: ``[iteration, origin rank, world size]``.
+
+        A header is validated once per file version (inode, size, mtime), so saves do not re-read it.
+        """
         if not self.local_ckpt_dir.is_dir():
             return []
         found = []
+        seen: dict[str, tuple[tuple[int, int, int], list[int]]] = {}
         for entry in os.scandir(self.local_ckpt_dir):
             parsed = naming.parse_part_name(entry.name)
             if parsed is None:
                 continue
-            iteration, origin = parsed
-            try:
-                header = fileformat.read_header(entry.path)
-                meta = header.extra
-                if meta.get("iteration") != iteration or meta.get("rank") != origin:
-                    raise CorruptCheckpointError(
-                        entry.path, "file name disagrees with its metadata"
-                    )
-                world = meta.get("world_size")
-                if type(world) is not int or world < 1:
-                    raise CorruptCheckpointError(entry.path, "bad world size in metadata")
-            except (OSError, CheckpointingError) as e:
-                logger.warning("ignoring unusable local part %s: %s", entry.path, e)
-                continue
-            found.append([iteration, origin, world])
+            st = entry.stat()
+            version = (st.st_ino, st.st_size, st.st_mtime_ns)
+            cached = self._scan_cache.get(entry.name)
+            if cached is not None and cached[0] == version:
+                part = cached[1]
+            else:
+                part = self._validate_part(entry.path, *parsed)
+                if part is None:
+                    continue
+            seen[entry.name] = (version, part)
+            found.append(part)
+        self._scan_cache = seen
         return found
+
+    @staticmethod
+    def _validate_part(path: str, iteration: int, origin: int) -> list[int] | None:
+        try:
+            meta = fileformat.read_header(path).extra
+            if meta.get("iteration") != iteration or meta.get("rank") != origin:
+                raise CorruptCheckpointError(path, "file name disagrees with its metadata")
+            world = meta.get("world_size")
+            if type(world) is not int or world < 1:
+                raise CorruptCheckpointError(path, "bad world size in metadata")
+        except (OSError, CheckpointingError) as e:
+            logger.warning("ignoring unusable local part %s: %s", path, e)
+            return None
+        return [iteration, origin, world]
 
     @staticmethod
     def _complete_iterations(listings: list[list[list[int]]]) -> dict[int, int]:

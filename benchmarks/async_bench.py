@@ -1,0 +1,595 @@
+"""Async saving: what a tierpoint async save costs the training thread, against the floor and DCP.
+
+Single process, CPU only, everything on the /dev/shm tmpfs. Measured on a ~``--gib`` GiB state shaped
+like a transformer with Adam state (~300 tensors: fp32 weights, ``exp_avg``, ``exp_avg_sq``, bf16
+norm weights, int64 step counters, small tensors, a plain int):
+
+- memcpy floor: ``dst.copy_(src)`` of every tensor into tensors allocated and touched beforehand;
+  and, as a diagnostic, the same into one preallocated buffer at the offsets tierpoint's part file
+  (hence its staging buffer) uses, which tells what the staging layout alone costs;
+- tierpoint blocking time: ``manager.save(BasicTensorAwareStateDict(state), it, is_async=True)``
+  plus ``queue.schedule_async_request(request)`` (flatten, plan, snapshot into the reused staging
+  memory: all the training thread pays), split into its two calls; and the time to durable (from the
+  start of ``save`` until ``maybe_finalize_async_calls(blocking=True)`` returns). Steady state: two
+  untimed warm-up saves first, and the previous save is finalized before each timed one;
+- ``torch.distributed.checkpoint.async_save`` (``no_dist=True``, thread executor): blocking time and
+  time to durable (until its future's result), with the default staging (a fresh copy per save)
+  and, where this torch has it, a ``DefaultStager`` kept across saves (cached staging memory; pinned
+  only with CUDA); one untimed warm-up save each;
+- ``torch.save`` (sync) into a new file.
+
+Then a training loop (an MLP with fused Adam, ``torch.set_num_threads(2)``, its model + optimizer
+state ~``--train-mib`` MiB, default 100 x ``--gib``) runs ``--train-steps`` steps, ``--train-reps``
+times (default 2 x ``--reps``, as short runs drift less apart), (a) without checkpoints, (b) with a
+tierpoint async save every 5 steps and ``maybe_finalize_async_calls(blocking=False)`` every step,
+(c) the same with ``AsyncCallsQueue(overlap_snapshot=True)`` and ``install_optimizer_hook``, so that
+the snapshot copy overlaps forward/backward. A run's time includes its final blocking finalize.
+
+Contenders run interleaved (A B C A B C ...) because this machine's speed drifts; tables give
+medians over ``--reps`` repetitions, and the checks use the median of per-repetition ratios
+(neighbours in time, so drift cancels). GB/s is 10**9 bytes of tensor payload per second. The last
+line tells how much CPU other processes took meanwhile, the usual cause of noise.
+
+Run: ``./run bench async [--gib 2 --reps 5]`` or ``.venv/bin/python benchmarks/async_bench.py``;
+``--gib 0.2 --reps 3`` is a quick run (about half a minute, mostly worker start-up and the training
+loop). Everything written lives in one fresh directory under /dev/shm, removed at the end (also on
+Ctrl-C or SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import itertools
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tierpoint import fileformat
+from tierpoint.asyncsave import AsyncCallsQueue
+from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
+from tierpoint.tree import flatten
+
+GIB = 2**30
+LAYERS = 16
+VOCAB = 8192
+WARMUP_SAVES = 2
+CKPT_EVERY = 5
+TRAIN_DEPTH = 4
+TRAIN_BATCH = 8
+
+Times = dict[str, list[float]]
+Metrics = dict[str, float]
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+# ------------------------------------------------------------------------------------ the state
+
+
+def hidden_size_for(gib: float) -> int:
+    """Hidden size (a multiple of 64) giving ~``gib`` GiB: per layer 12 h^2 fp32 weights x 3 (Adam)."""
+    target = gib * GIB
+    a, b = LAYERS * 12 * 4 * 3, VOCAB * 4 * 3  # bytes per h^2 and per h
+    h = (-b + math.sqrt(b * b + 4 * a * target)) / (2 * a)
+    return max(64, round(h / 64) * 64)
+
+
+def _adam(weight: torch.Tensor, step: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "step": torch.tensor(step, dtype=torch.int64),
+        "exp_avg": torch.randn(weight.shape, generator=g) * 1e-3,
+        "exp_avg_sq": torch.rand(weight.shape, generator=g) * 1e-6,
+    }
+
+
+def make_state(gib: float, seed: int = 0) -> dict[str, Any]:
+    """Transformer-like model and Adam state: ~19 tensors per layer, ~300 in all."""
+    g = torch.Generator().manual_seed(seed)
+    h = hidden_size_for(gib)
+    model: dict[str, torch.Tensor] = {"embed.weight": torch.randn(VOCAB, h, generator=g)}
+    optim: dict[str, dict[str, torch.Tensor]] = {"embed.weight": _adam(model["embed.weight"], 7, g)}
+    shapes = {
+        "attn.qkv": (3 * h, h),
+        "attn.proj": (h, h),
+        "mlp.fc1": (4 * h, h),
+        "mlp.fc2": (h, 4 * h),
+    }
+    for i in range(LAYERS):
+        for name, shape in shapes.items():
+            key = f"layers.{i}.{name}.weight"
+            model[key] = torch.randn(shape, generator=g)
+            optim[key] = _adam(model[key], 7, g)
+        model[f"layers.{i}.attn.qkv.bias"] = torch.zeros(3 * h)
+        model[f"layers.{i}.ln1.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        model[f"layers.{i}.ln2.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    model["final_ln.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    model["position_ids"] = torch.arange(4096, dtype=torch.int64)
+    return {"model": model, "optimizer": optim, "iteration": 0}
+
+
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors_of(v)]
+    return []
+
+
+def nbytes_of(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ------------------------------------------------------------------------------------ contenders
+
+
+class TierpointSaver:
+    """One LocalCheckpointManager and its AsyncCallsQueue, saving ``state_fn()`` at rising iterations."""
+
+    def __init__(
+        self, root: Path, state_fn: Callable[[], Any], stack: contextlib.ExitStack, **queue_kw: Any
+    ) -> None:
+        self.manager = LocalCheckpointManager(root, session_id="bench")
+        self.queue = stack.enter_context(AsyncCallsQueue(**queue_kw))
+        self.state_fn = state_fn
+        self.iteration = 0
+
+    def save(self) -> tuple[float, float]:
+        """Save and schedule one checkpoint: (seconds in ``save``, seconds in ``schedule``)."""
+        self.iteration += 1
+        start = time.perf_counter()
+        request = self.manager.save(
+            BasicTensorAwareStateDict(self.state_fn()), self.iteration, is_async=True
+        )
+        planned = time.perf_counter()
+        self.queue.schedule_async_request(request)
+        return planned - start, time.perf_counter() - planned
+
+    def finalize(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def measure(self) -> Metrics:
+        self.finalize()  # the previous save is durable before the clock starts
+        start = time.perf_counter()
+        plan, snapshot = self.save()
+        self.finalize()
+        durable = time.perf_counter() - start
+        return {
+            "tp_block": plan + snapshot,
+            "tp_plan": plan,
+            "tp_snapshot": snapshot,
+            "tp_durable": durable,
+        }
+
+
+def memcpy_floor(tensors: Sequence[torch.Tensor]) -> Callable[[], Metrics]:
+    targets = [torch.empty_like(t) for t in tensors]
+    for t in targets:
+        t.zero_()  # fault the pages in once: the floor copies into memory that exists
+
+    def run() -> Metrics:
+        start = time.perf_counter()
+        for dst, src in zip(targets, tensors):
+            dst.copy_(src)
+        return {"floor": time.perf_counter() - start}
+
+    return run
+
+
+def part_layout_floor(state: Any) -> tuple[Callable[[], Metrics], str]:
+    """Diagnostic: ``copy_`` into one preallocated buffer at the offsets of tierpoint's part file
+    (the staging layout), and a note on how many bytes land off a 64-byte boundary there."""
+    flat = flatten(state)
+    plan = fileformat.plan_part(flat)
+    buffer = torch.zeros(plan.data_size, dtype=torch.uint8)  # 64-byte aligned, pages touched
+    targets = [
+        buffer[begin:end].view(t.dtype).view(t.shape)
+        for (begin, end), t in zip(plan.offsets, flat.tensors)
+    ]
+    off = [(b, e) for b, e in plan.offsets if b % 64]
+    note = (
+        f"{len(off)} of {len(targets)} tensors, {sum(e - b for b, e in off) / plan.data_size:.0%}"
+        " of the bytes, start off a 64-byte boundary in the part-file layout"
+    )
+
+    def run() -> Metrics:
+        start = time.perf_counter()
+        for dst, src in zip(targets, flat.tensors):
+            dst.copy_(src)
+        return {"layout_floor": time.perf_counter() - start}
+
+    return run, note
+
+
+def reusable_stager() -> tuple[Any, str]:
+    """A DCP DefaultStager to keep across saves (None where this torch lacks one), and a note."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None, "reused stager: unavailable (this torch has no DefaultStager)"
+    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+        return None, "reused stager: unavailable (this torch's async_save takes no async_stager)"
+    cuda = torch.cuda.is_available()
+    options = StagingOptions(
+        use_pinned_memory=cuda,
+        use_shared_memory=False,
+        use_async_staging=False,  # stage in the call, as tierpoint does by default
+        use_non_blocking_copy=cuda,
+    )
+    pinned = "pinned" if cuda else "cached, not pinned (no CUDA)"
+    note = f"reused stager: DefaultStager kept across saves, {pinned}, staging in the call"
+    return DefaultStager(options), note
+
+
+def dcp_contender(root: Path, state: Any, key: str, stager: Any) -> Callable[[], Metrics]:
+    counter = itertools.count()
+
+    def run() -> Metrics:
+        path = root / f"dcp-{key}-{next(counter)}"
+        start = time.perf_counter()
+        response = dcp.async_save(state, checkpoint_id=path, no_dist=True, async_stager=stager)
+        returned = time.perf_counter()
+        getattr(response, "upload_completion", response).result()
+        durable = time.perf_counter() - start
+        shutil.rmtree(path)
+        return {f"{key}_block": returned - start, f"{key}_durable": durable}
+
+    return run
+
+
+def torch_save_contender(root: Path, state: Any) -> Callable[[], Metrics]:
+    path = root / "torch.pt"
+
+    def run() -> Metrics:
+        start = time.perf_counter()
+        torch.save(state, path)
+        seconds = time.perf_counter() - start
+        path.unlink()  # the next run writes a new file; meanwhile the memory is free
+        return {"torch_save": seconds}
+
+    return run
+
+
+def run_interleaved(contenders: Sequence[Callable[[], Metrics]], reps: int) -> Times:
+    times: Times = defaultdict(list)
+    for _ in range(reps):
+        for run in contenders:
+            for key, value in run().items():
+                times[key].append(value)
+    return times
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+@dataclass
+class Trainer:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    x: torch.Tensor
+    y: torch.Tensor
+    fused: bool
+    steps_done: int = 0
+
+    def step(self) -> None:
+        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+        self.optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        self.optimizer.step()
+        self.steps_done += 1
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.steps_done,
+        }
+
+
+def make_trainer(state_mib: float) -> Trainer:
+    """An MLP whose weights + Adam moments take ~``state_mib`` MiB (12 bytes a parameter)."""
+    torch.manual_seed(0)
+    params = state_mib * 2**20 / 12
+    width = max(128, round(math.sqrt(params / TRAIN_DEPTH) / 128) * 128)
+    layers: list[torch.nn.Module] = []
+    for _ in range(TRAIN_DEPTH):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    try:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-5, fused=True)
+        fused = True
+    except (RuntimeError, TypeError):  # no fused CPU Adam in this torch
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
+        fused = False
+    x, y = torch.randn(TRAIN_BATCH, width), torch.randn(TRAIN_BATCH, width)
+    return Trainer(model, optimizer, x, y, fused)
+
+
+def train_run(trainer: Trainer, steps: int, saver: TierpointSaver | None) -> tuple[float, float]:
+    """``steps`` training steps, checkpointing every CKPT_EVERY: (seconds, seconds in save calls)."""
+    blocked = 0.0
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        trainer.step()
+        if saver is None:
+            continue
+        saver.queue.maybe_finalize_async_calls(blocking=False)
+        if i % CKPT_EVERY == 0 and i < steps:
+            plan, snapshot = saver.save()
+            blocked += plan + snapshot
+    if saver is not None:
+        saver.finalize()
+    return time.perf_counter() - start, blocked
+
+
+def training_contenders(
+    trainer: Trainer, steps: int, plain: TierpointSaver, overlap: TierpointSaver
+) -> list[Callable[[], Metrics]]:
+    def no_ckpt() -> Metrics:
+        return {"train_a": train_run(trainer, steps, None)[0]}
+
+    def with_ckpt() -> Metrics:
+        seconds, blocked = train_run(trainer, steps, plain)
+        return {"train_b": seconds, "train_b_blocked": blocked}
+
+    def overlapped() -> Metrics:
+        hook = overlap.queue.install_optimizer_hook(trainer.optimizer)
+        try:
+            seconds, blocked = train_run(trainer, steps, overlap)
+        finally:
+            hook.remove()
+        return {"train_c": seconds, "train_c_blocked": blocked}
+
+    return [no_ckpt, with_ckpt, overlapped]
+
+
+# ------------------------------------------------------------------------------------ reporting
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    machine_busy: float
+    own: float
+    wall: float
+
+
+def cpu_sample() -> CpuSample:
+    """CPU seconds the machine spent busy (/proc/stat), this process's CPU seconds, wall time."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    # the worker processes are our children: their CPU counts as ours once they exit
+    return CpuSample(
+        busy, own.user + own.system + own.children_user + own.children_system, time.perf_counter()
+    )
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def paired(times: Times, num: str, den: str) -> float:
+    """Median over repetitions of ``num / den`` (each pair ran next to each other)."""
+    return median([a / b for a, b in zip(times[num], times[den])])
+
+
+def print_save_table(
+    times: Times, nbytes: int, count: int, reps: int, notes: Sequence[str]
+) -> None:
+    print(
+        f"\nasync save of {nbytes / GIB:.2f} GiB in {count} tensors, {reps} interleaved repetitions"
+        f" (medians; tierpoint after {WARMUP_SAVES} warm-up saves)"
+    )
+    print(f"{'contender':52s} {'seconds':>8s} {'GB/s':>7s}")
+    rows = [
+        ("memcpy floor (copy_ into preallocated tensors)", "floor"),
+        ("  diagnostic: copy_ into one buffer, part-file layout", "layout_floor"),
+        ("tierpoint async: blocking (save + schedule)", "tp_block"),
+        ("  of which manager.save (flatten, agree, plan)", "tp_plan"),
+        ("  of which schedule (snapshot into staging)", "tp_snapshot"),
+        ("tierpoint async: time to durable", "tp_durable"),
+        ("tierpoint async: first save, blocking (cold)", "tp_first_block"),
+        ("tierpoint async: first save, durable (worker start)", "tp_first_durable"),
+        ("DCP async_save (default staging): blocking", "dcp_default_block"),
+        ("DCP async_save (default staging): time to durable", "dcp_default_durable"),
+        ("DCP async_save (reused stager): blocking", "dcp_stager_block"),
+        ("DCP async_save (reused stager): time to durable", "dcp_stager_durable"),
+        ("torch.save (sync, new file)", "torch_save"),
+    ]
+    for label, key in rows:
+        if times.get(key):
+            seconds = median(times[key])
+            print(f"{label:52s} {seconds:8.3f} {nbytes / seconds / 1e9:7.2f}")
+    for note in notes:
+        print(note)
+
+
+def print_train_table(
+    times: Times, trainer: Trainer, state_bytes: int, steps: int, reps: int
+) -> None:
+    saves = (steps - 1) // CKPT_EVERY
+    print(
+        f"\ntraining loop: MLP {TRAIN_DEPTH} x {trainer.x.shape[1]}, batch {TRAIN_BATCH},"
+        f" {'fused' if trainer.fused else 'foreach'} Adam, {torch.get_num_threads()} threads,"
+        f" state {state_bytes / 2**20:.0f} MiB, {steps} steps and {saves} saves a run,"
+        f" {reps} interleaved repetitions (medians)"
+    )
+    print("vs (a): throughput relative to (a), median of per-repetition ratios;")
+    print("ms/save: what the training thread spent in save + schedule per checkpoint")
+    print(f"{'variant':52s} {'ms/step':>8s} {'vs (a)':>7s} {'ms/save':>8s}")
+    rows = [
+        ("(a) no checkpoints", "train_a", None),
+        ("(b) tierpoint async every 5 steps", "train_b", "train_b_blocked"),
+        ("(c) (b) + overlap_snapshot + optimizer hook", "train_c", "train_c_blocked"),
+    ]
+    for label, key, blocked in rows:
+        step_ms = median(times[key]) / steps * 1e3
+        ratio = paired(times, "train_a", key)
+        save_ms = f"{median(times[blocked]) / saves * 1e3:8.1f}" if blocked and saves else ""
+        print(f"{label:52s} {step_ms:8.1f} {ratio:6.2f}x {save_ms:>8s}")
+
+
+def print_checks(times: Times, stager_available: bool) -> None:
+    dcp_key = "dcp_stager_block" if stager_available else "dcp_default_block"
+    dcp_label = "reused stager" if stager_available else "default staging: no reusable stager"
+    checks = [
+        ("tierpoint blocking <= 1.2x memcpy floor", paired(times, "tp_block", "floor"), 1.2),
+        (
+            f"tierpoint blocking <= 0.8x DCP async_save ({dcp_label})",
+            paired(times, "tp_block", dcp_key),
+            0.8,
+        ),
+    ]
+    print()
+    for label, ratio, target in checks:
+        print(f"{label:62s} {ratio:5.2f}x  {'PASS' if ratio <= target else 'MISS'}")
+    ratio = paired(times, "train_a", "train_c")
+    label = "overlapped training throughput >= 0.9x no checkpoints"
+    print(f"{label:62s} {ratio:5.2f}x  {'PASS' if ratio >= 0.9 else 'MISS'}")
+
+
+def print_machine(start: CpuSample) -> None:
+    end = cpu_sample()
+    wall = end.wall - start.wall
+    own = end.own - start.own
+    others = max(0.0, end.machine_busy - start.machine_busy - own)
+    print(
+        f"\nmachine: {os.cpu_count()} CPUs; over {wall:.0f} s this benchmark used {own:.0f} CPU-s,"
+        f" other processes {others:.0f} CPU-s ({others / wall:.2f} CPUs on average)"
+    )
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def check_room(gib: float, train_mib: float) -> bool:
+    """Refuse to start where the run would not fit in memory (an OOM kill skips clean-up);
+    return whether one more copy of the state, for the layout diagnostic, fits too."""
+    h = hidden_size_for(gib)
+    state = LAYERS * 144 * h * h + 12 * VOCAB * h
+    # state, floor, staging, DCP cache, DCP fresh copy and its file, 2 tierpoint files
+    need = 8 * state + 6 * train_mib * 2**20 + GIB // 2
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvail"))
+    if available < need:
+        raise SystemExit(
+            f"not enough memory: {available / GIB:.1f} GiB available, this run needs about"
+            f" {need / GIB:.1f} GiB; use a smaller --gib"
+        )
+    return available >= need + state
+
+
+def bench_saves(
+    root: Path, gib: float, reps: int, layout: bool, stack: contextlib.ExitStack
+) -> tuple[Times, bool]:
+    """The save contenders, interleaved; also whether a reusable DCP stager was available."""
+    state = make_state(gib)
+    tensors = tensors_of(state)
+    stack.callback(shutil.rmtree, root / "tier", ignore_errors=True)  # after the queue closed
+    tierpoint = TierpointSaver(root / "tier", lambda: state, stack)
+    first = [tierpoint.measure() for _ in range(WARMUP_SAVES)][0]
+    stager, stager_note = reusable_stager()
+    if stager is not None:
+        stack.callback(stager.close)
+    layout_floor, layout_note = (
+        part_layout_floor(state) if layout else (None, "layout diagnostic skipped: low memory")
+    )
+    contenders = [
+        memcpy_floor(tensors),
+        *([layout_floor] if layout_floor is not None else []),
+        tierpoint.measure,
+        dcp_contender(root, state, "dcp_default", None),
+        *([dcp_contender(root, state, "dcp_stager", stager)] if stager is not None else []),
+        torch_save_contender(root, state),
+    ]
+    run_interleaved(contenders, 1)  # warm-up: DCP's first save allocates its cache
+    times = run_interleaved(contenders, reps)
+    times["tp_first_block"] = [first["tp_block"]]
+    times["tp_first_durable"] = [first["tp_durable"]]
+    check_round_trip(tierpoint.manager, tensors)
+    print_save_table(times, nbytes_of(tensors), len(tensors), reps, [layout_note, stager_note])
+    return times, stager is not None
+
+
+def check_round_trip(manager: LocalCheckpointManager, tensors: list[torch.Tensor]) -> None:
+    """Untimed sanity check: the last tierpoint checkpoint loads back bit-exact."""
+    loaded, _ = manager.load()
+    if not all(torch.equal(a, b) for a, b in zip(loaded.tensors, tensors, strict=True)):
+        raise SystemExit("tierpoint round trip is NOT bit-exact")
+
+
+def bench_training(
+    root: Path, train_mib: float, steps: int, reps: int, stack: contextlib.ExitStack
+) -> Times:
+    torch.set_num_threads(2)
+    trainer = make_trainer(train_mib)
+    for _ in range(3):
+        trainer.step()  # builds the Adam state
+    plain = TierpointSaver(root / "train-b", trainer.state, stack)
+    overlap = TierpointSaver(root / "train-c", trainer.state, stack, overlap_snapshot=True)
+    for saver in (plain, overlap):
+        for _ in range(WARMUP_SAVES):
+            saver.measure()
+    contenders = training_contenders(trainer, steps, plain, overlap)
+    times = run_interleaved(contenders, reps)
+    print_train_table(times, trainer, nbytes_of(tensors_of(trainer.state())), steps, reps)
+    return times
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2.0)")
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default 5)")
+    p.add_argument(
+        "--train-mib",
+        type=float,
+        default=None,
+        help="training model + Adam state in MiB (default 100 x --gib, at least 16)",
+    )
+    p.add_argument("--train-steps", type=int, default=30, help="steps per training run")
+    p.add_argument(
+        "--train-reps", type=int, default=None, help="training repetitions (default 2 x --reps)"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    train_mib = args.train_mib if args.train_mib is not None else max(16.0, 100 * args.gib)
+    train_reps = args.train_reps if args.train_reps is not None else 2 * args.reps
+    layout = check_room(args.gib, train_mib)
+    # SIGTERM unwinds like Ctrl-C: queues close and the directory goes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    start = cpu_sample()
+    root = Path(tempfile.mkdtemp(prefix="tierpoint-async-bench-", dir="/dev/shm"))
+    try:
+        with contextlib.ExitStack() as stack:
+            times, stager_available = bench_saves(root, args.gib, args.reps, layout, stack)
+        gc.collect()
+        with contextlib.ExitStack() as stack:
+            times.update(bench_training(root, train_mib, args.train_steps, train_reps, stack))
+        print_checks(times, stager_available)
+        print_machine(start)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
