@@ -38,7 +38,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,30 +219,55 @@ def _write_data(fd: int, views: Sequence[memoryview]) -> None:
     flush()
 
 
-_HASH_CHUNK = 1 << 20
+_HASH_CHUNK = 4 << 20
+
+
+class _ChunkHasher:
+    """Hashes chunks on one background thread, in submission order, while the caller moves the next
+    chunk: each chunk is hashed just after it was copied (still in the CPU cache), and the two
+    cores share the work when both are free."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierpoint-hash")
+        self._pending: list[Future[None]] = []
+
+    def update(self, hasher: Any, piece: memoryview) -> None:
+        self._pending.append(self._pool.submit(hasher.update, piece))
+        if len(self._pending) > 64:
+            self._pending.pop(0).result()
+
+    def drain(self) -> None:
+        for fut in self._pending:
+            fut.result()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def _write_and_hash(fd: int, views: Sequence[memoryview]) -> list[str]:
-    """Write the views back to back and return their checksums. Large views go in chunks, each hashed
-    right after it was written, while it is still in the CPU cache (one pass over memory, not two);
-    small ones are gathered into few writes."""
-    sums = []
-    small: list[memoryview] = []
-    for v in views:
-        if len(v) < _SMALL_TENSOR:
-            small.append(v)
-            sums.append(checksum(v))
-            continue
+    """Write the views back to back and return their checksums (see :class:`_ChunkHasher`); small
+    views are gathered into few writes."""
+    hashers = [xxhash.xxh3_64() for _ in views]
+    chunks = _ChunkHasher()
+    try:
+        small: list[memoryview] = []
+        for v, hasher in zip(views, hashers):
+            if len(v) < _SMALL_TENSOR:
+                small.append(v)
+                hasher.update(v)
+                continue
+            _write_data(fd, small)
+            small = []
+            for offset in range(0, len(v), _HASH_CHUNK):
+                piece = v[offset : offset + _HASH_CHUNK]
+                _write_all(fd, piece)
+                chunks.update(hasher, piece)
         _write_data(fd, small)
-        small = []
-        hasher = xxhash.xxh3_64()
-        for offset in range(0, len(v), _HASH_CHUNK):
-            piece = v[offset : offset + _HASH_CHUNK]
-            _write_all(fd, piece)
-            hasher.update(piece)
-        sums.append(hasher.hexdigest())
-    _write_data(fd, small)
-    return sums
+        chunks.drain()
+    finally:
+        chunks.close()
+    return [h.hexdigest() for h in hashers]
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -657,20 +682,28 @@ def _plan_targets(
 
 
 def _read_tensors(f: Any, header: PartHeader, tensors: list[torch.Tensor], verify: bool) -> None:
-    """Read every tensor in file order; with ``verify``, each chunk is hashed right after it was read,
-    while it is still in the CPU cache."""
+    """Read every tensor in file order; with ``verify``, each chunk is hashed right after it was read
+    (see :class:`_ChunkHasher`)."""
     records = header.records
-    f.seek(header.data_start)
-    for i in sorted(range(len(records)), key=lambda i: records[i].begin):
-        view = byte_view(tensors[i])
-        hasher = xxhash.xxh3_64()
-        for offset in range(0, len(view), _HASH_CHUNK):
-            piece = view[offset : offset + _HASH_CHUNK]
-            _read_exact(f, piece, header.path, records[i].name)
-            if verify:
-                hasher.update(piece)
-        if verify and hasher.hexdigest() != records[i].checksum:
-            raise _fail(header.path, f"checksum mismatch in tensor {records[i].name!r}")
+    order = sorted(range(len(records)), key=lambda i: records[i].begin)
+    hashers = {i: xxhash.xxh3_64() for i in order}
+    chunks = _ChunkHasher()
+    try:
+        f.seek(header.data_start)
+        for i in order:
+            view = byte_view(tensors[i])
+            for offset in range(0, len(view), _HASH_CHUNK):
+                piece = view[offset : offset + _HASH_CHUNK]
+                _read_exact(f, piece, header.path, records[i].name)
+                if verify:
+                    chunks.update(hashers[i], piece)
+        chunks.drain()
+    finally:
+        chunks.close()
+    if verify:
+        for i in order:
+            if hashers[i].hexdigest() != records[i].checksum:
+                raise _fail(header.path, f"checksum mismatch in tensor {records[i].name!r}")
 
 
 _mapped_inodes: Counter[tuple[int, int]] = Counter()

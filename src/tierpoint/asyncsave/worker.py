@@ -71,6 +71,9 @@ def _die_with_parent() -> None:
 def worker_main(conn: Any, parent_pid: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     _die_with_parent()
+    # Yield the CPU to training: checkpoint writes only need what training leaves idle (and still
+    # progress when it leaves none, at a small share).
+    os.nice(int(os.environ.get("TIERPOINT_WORKER_NICE", "19")))
     if parent_pid is not None and os.getppid() != parent_pid:
         return  # the trainer died before we were ready
     maps: dict[str, mmap.mmap] = {}
