@@ -44,7 +44,6 @@ import gc
 import inspect
 import itertools
 import math
-import os
 import shutil
 import signal
 import statistics
@@ -60,6 +59,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from machine import CpuSample, cpu_sample, machine_line
 
 from tierpoint import fileformat
 from tierpoint.asyncsave import AsyncCallsQueue
@@ -362,25 +362,6 @@ def training_contenders(
 # ------------------------------------------------------------------------------------ reporting
 
 
-@dataclass(frozen=True)
-class CpuSample:
-    machine_busy: float
-    own: float
-    wall: float
-
-
-def cpu_sample() -> CpuSample:
-    """CPU seconds the machine spent busy (/proc/stat), this process's CPU seconds, wall time."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-    own = os.times()
-    # the worker processes are our children: their CPU counts as ours once they exit
-    return CpuSample(
-        busy, own.user + own.system + own.children_user + own.children_system, time.perf_counter()
-    )
-
-
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
@@ -466,14 +447,7 @@ def print_checks(times: Times, stager_available: bool) -> None:
 
 
 def print_machine(start: CpuSample) -> None:
-    end = cpu_sample()
-    wall = end.wall - start.wall
-    own = end.own - start.own
-    others = max(0.0, end.machine_busy - start.machine_busy - own)
-    print(
-        f"\nmachine: {os.cpu_count()} CPUs; over {wall:.0f} s this benchmark used {own:.0f} CPU-s,"
-        f" other processes {others:.0f} CPU-s ({others / wall:.2f} CPUs on average)"
-    )
+    print(f"\n{machine_line(start)}")
 
 
 # ------------------------------------------------------------------------------------ main

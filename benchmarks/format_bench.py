@@ -59,6 +59,7 @@ import safetensors
 import safetensors.torch
 import torch
 from floor import preallocate, raw_read, raw_write
+from machine import CpuSample, cpu_sample, machine_line, others_cpu_seconds
 
 from tierpoint import fileformat
 from tierpoint.tree import flatten
@@ -203,28 +204,6 @@ def same_tensors(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(
         x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True)
     )
-
-
-@dataclass(frozen=True)
-class CpuSample:
-    machine_busy: float
-    """CPU seconds the whole machine spent busy (all processes, from /proc/stat)."""
-    own: float
-    """CPU seconds this process spent."""
-    wall: float
-
-
-def cpu_sample() -> CpuSample:
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]
-    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-    own = os.times()
-    return CpuSample(busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.perf_counter())
-
-
-def others_cpu_seconds(start: CpuSample, end: CpuSample) -> float:
-    """CPU seconds other processes took between two samples: the usual cause of drift."""
-    return max(0.0, (end.machine_busy - start.machine_busy) - (end.own - start.own))
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -512,15 +491,8 @@ def print_checks(writes: Sequence[Contender], reads: Sequence[Contender]) -> Non
 
 
 def print_machine(start: CpuSample) -> None:
-    end = cpu_sample()
-    wall = end.wall - start.wall
-    others = others_cpu_seconds(start, end)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
-    print(
-        f"\nmachine: {os.cpu_count()} CPUs; over {wall:.0f} s this process used"
-        f" {end.own - start.own:.0f} CPU-s, other processes {others:.0f} CPU-s"
-        f" ({others / wall:.2f} CPUs on average); peak RSS {peak_rss:.1f} GiB"
-    )
+    print(f"\n{machine_line(start)}; peak RSS {peak_rss:.1f} GiB")
 
 
 # ------------------------------------------------------------------------------------ main
