@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tierpoint import fileformat
-from tierpoint.errors import CheckpointingError, CorruptCheckpointError
+from tierpoint.errors import CheckpointingError
 from tierpoint.local import (
     BasicTensorAwareStateDict,
     CheckpointingException,
@@ -72,6 +72,15 @@ def load_latest(root: str, rank: int) -> int:
         assert ckpt_id == CkptID(iteration, rank, "job")
         assert_bitwise_equal(ta.state_dict, make_state(rank, iteration))
     return iteration
+
+
+def load_error(root: str) -> str:
+    """``"<error class>: <message>"`` of a fresh manager's ``load()``, or ``"loaded"``."""
+    try:
+        LocalCheckpointManager(root, session_id="job").load()
+    except CheckpointingError as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
 
 
 def _load_latest(rank: int, world: int, root: str) -> int:
@@ -292,17 +301,13 @@ def _flip_and_load(rank: int, world: int, root: str) -> str:
             byte = f.read(1)
             f.seek(-3, os.SEEK_END)
             f.write(bytes([byte[0] ^ 0x10]))
-    fresh = LocalCheckpointManager(root, session_id="job")
-    try:
-        fresh.load()
-    except CorruptCheckpointError as e:
-        return str(e)
-    return "loaded"
+    return load_error(root)
 
 
 def test_flipped_byte_raises_corrupt_error_naming_rank_and_file(tmp_path):
     results = run_ranks(_flip_and_load, WORLD, str(tmp_path))
     assert len(set(results)) == 1
+    assert results[0].startswith("CorruptCheckpointError: ")
     assert "rank 1" in results[0] and "iter_0000004_1_local.safetensors" in results[0]
     assert "checksum mismatch" in results[0]
 
@@ -343,12 +348,7 @@ def _save_world(rank: int, world: int, root: str) -> None:
 
 
 def _load_other_world(rank: int, world: int, root: str) -> str:
-    manager = LocalCheckpointManager(root, session_id="job")
-    try:
-        manager.load()
-    except CheckpointingError as e:
-        return str(e)
-    return "loaded"
+    return load_error(root)
 
 
 def test_world_size_mismatch_is_named(tmp_path):
