@@ -88,11 +88,6 @@ def coordination_group(timeout: timedelta | None = None) -> Any:
     return group
 
 
-def _reset_for_tests() -> None:
-    _groups.clear()
-    _layouts.clear()
-
-
 def _run_collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)

@@ -345,3 +345,23 @@ def test_the_worker_dies_with_its_trainer():
             return
         time.sleep(0.1)
     pytest.fail(f"worker {worker_pid} outlived its killed trainer")
+
+
+def test_request_runs_synchronously_with_added_finalize_fns():
+    calls: list[str] = []
+    request = AsyncRequest(calls.append, ("work",), [lambda: calls.append("finalize")])
+    request.add_finalize_fn(lambda: calls.append("added"))
+    request.execute_sync()
+    assert calls == ["work", "finalize", "added"]
+
+
+def test_a_changed_layout_releases_the_old_staging_buffer_in_the_worker(tmp_path):
+    manager = LocalCheckpointManager(tmp_path, session_id="j")
+    queue = AsyncCallsQueue()
+    for it, numel in enumerate([4096, 8192, 4096], start=1):
+        queue.schedule_async_request(
+            manager.save(BasicTensorAwareStateDict(make_state(0, it, numel)), it, is_async=True)
+        )
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert len(queue._worker._sent) == 1  # only the current layout's buffer stays mapped
+    queue.close()

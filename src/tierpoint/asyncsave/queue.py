@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .. import dist as tpdist
 from ..errors import CheckpointingError, CoordinationTimeoutError, agreed_error
+from ..staging import StagingBuffer
 from .request import AsyncRequest
 from .worker import Worker
 
@@ -56,6 +57,7 @@ class _Call:
     local: tuple[bool, Any, str | None] | None = None  # (ok, result or message, error type)
     work: Any = None
     gathered: list[torch.Tensor] = field(default_factory=list)
+    buffers: set[str] = field(default_factory=set)  # staging buffers the call's arguments use
 
 
 class AsyncCallsQueue:
@@ -132,7 +134,13 @@ class AsyncCallsQueue:
                 call.local = (True, None, None)
             else:
                 assert self._worker is not None
-                self._worker.submit(call.id, request.async_fn, tuple(request.async_fn_args), kwargs)
+                args = tuple(request.async_fn_args)
+                call.buffers = {
+                    v.id for v in (*args, *kwargs.values()) if isinstance(v, StagingBuffer)
+                }
+                # Staging buffers no pending call uses any more (a layout changed) leave the worker.
+                self._worker.drop_buffers(set().union(*(c.buffers for c in self._calls)))
+                self._worker.submit(call.id, request.async_fn, args, kwargs)
             call.dispatched = True
         except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
             logger.exception("%s: snapshot failed", request.description)
