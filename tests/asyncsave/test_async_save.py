@@ -270,7 +270,7 @@ def test_host_memory_is_flat_across_saves_and_bounded_in_flight(tmp_path):
     assert profile["peak"] <= 1.1, profile
 
 
-def _overlapped_saves(root: Path, hook: bool) -> list[int]:
+def _overlapped_saves(root: Path, hook: bool, iterations: int) -> list[int]:
     """Save with an overlapped snapshot and step right away; return the iterations saved torn."""
     model = torch.nn.Linear(4096, 2048)  # 32 MiB: the copy takes a while
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -279,7 +279,7 @@ def _overlapped_saves(root: Path, hook: bool) -> list[int]:
     if hook:
         queue.install_optimizer_hook(optimizer)
     torn = []
-    for it in range(1, 6):
+    for it in range(1, iterations + 1):
         model(torch.randn(4, 4096)).sum().backward()
         expected = {k: v.clone() for k, v in model.state_dict().items()}
         start = time.monotonic()
@@ -298,9 +298,9 @@ def _overlapped_saves(root: Path, hook: bool) -> list[int]:
 
 
 def test_overlapped_snapshot_with_optimizer_hook_saves_pre_step_values(tmp_path):
-    assert _overlapped_saves(tmp_path / "hook", hook=True) == []
+    assert _overlapped_saves(tmp_path / "hook", hook=True, iterations=5) == []
     # Without the hook the same loop tears snapshots: the test above can fail.
-    assert _overlapped_saves(tmp_path / "nohook", hook=False) != []
+    assert _overlapped_saves(tmp_path / "nohook", hook=False, iterations=10) != []
 
 
 def _failing_snapshot() -> None:
