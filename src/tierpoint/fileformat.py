@@ -163,7 +163,7 @@ def _check_savable(t: torch.Tensor, path: str) -> None:
         raise CheckpointingError("tierpoint part files need a little-endian host")
 
 
-def prepare(t: torch.Tensor) -> torch.Tensor:
+def _prepare(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with the same bytes (a copy only where unavoidable)."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -396,17 +396,19 @@ def write_flat(
     flat: FlatState,
     *,
     extra: Mapping[str, Any] | None = None,
+    plan: PartPlan | None = None,
     recycle: str | os.PathLike | None = None,
     dirty_path: str | os.PathLike | None = None,
     fsync: bool = True,
 ) -> WriteResult:
     """Write a flattened state to ``path`` through a dirty name (see module invariants).
 
+    ``plan`` is ``plan_part(flat, extra)`` when the caller already made it (``extra`` is then unused).
     ``recycle`` names an expired part file whose pages are reused for this one (rewriting an existing
     tmpfs file is several times faster than filling a new one); the caller guarantees nothing needs it.
     """
-    plan = plan_part(flat, extra)
-    views = [byte_view(prepare(t)) for t in flat.tensors]
+    plan = plan if plan is not None else plan_part(flat, extra)
+    views = [byte_view(_prepare(t)) for t in flat.tensors]
     return write_planned(path, plan, views, recycle=recycle, dirty_path=dirty_path, fsync=fsync)
 
 

@@ -316,8 +316,7 @@ class LocalCheckpointManager:
     def _write_part(self, flat: FlatState, plan: fileformat.PartPlan, iteration: int) -> None:
         path = self._part_path(iteration)
         spare = self._take_spare() if self.recycle else None
-        views = [fileformat.byte_view(fileformat.prepare(t)) for t in flat.tensors]
-        result = fileformat.write_planned(path, plan, views, recycle=spare)
+        result = fileformat.write_flat(path, flat, plan=plan, recycle=spare)
         logger.debug(
             "wrote %s (%d bytes, %.3f s, %s)",
             path,
