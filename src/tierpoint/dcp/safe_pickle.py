@@ -1,0 +1,413 @@
+"""Load a torch DCP ``.metadata`` pickle without running anything the file asks for.
+
+torch writes a checkpoint's ``.metadata`` with ``pickle.dump(Metadata(...))``; ``pickle.load`` on it
+would call any function the file names. ``safe_loads(data, what)`` instead runs the pickle machine
+with an allow-list: the only globals a file may name are the ones torch's own writers put there
+(found by disassembling files written by ``dcp.save`` with DTensor, ShardedTensor, bytes, int, str
+and nested states), and none of them resolves to a torch class or function. Each resolves to a
+stand-in:
+
+- the DCP dataclasses (``Metadata``, ``TensorStorageMetadata``, ``BytesStorageMetadata``,
+  ``ChunkStorageMetadata``, ``TensorProperties``, ``MetadataIndex``, ``StorageMeta`` and the
+  filesystem writer's ``_StorageInfo``) become private record classes that only keep the state the
+  pickle hands them; a ``BUILD`` aimed at a record class itself (to patch a class) fails;
+- ``torch.Size``, the memory-format enum, ``torch.serialization._get_layout`` and ``pathlib`` paths
+  become small functions that check their arguments and return inert values;
+- dtypes resolve to the ``torch.dtype`` objects themselves (immutable, not callable).
+
+Every other global (``os.system``, ``builtins.eval``, ``getattr``, ``functools.partial``, torch's
+tensor rebuild functions, ``torch.load``, ...) stops the load with :class:`CorruptCheckpointError`
+naming the file and the global, before anything is called. After the pickle machine stops, the
+records are checked field by field (types, known field names, non-negative sizes, chunks inside their
+tensor, storage file names that are plain names, non-negative offsets and lengths, no duplicates) and
+only then turned into real torch objects by this module's own code.
+
+Call order: ``safe_loads(data, what)`` -> ``Metadata``. ``what`` names the source in errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+from collections.abc import Callable
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ..errors import CorruptCheckpointError
+
+MAX_DEPTH = 64
+"""Deepest nesting of plain containers accepted in ``planner_data``."""
+MAX_DIMS = 64
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
+
+
+class CorruptDCPError(CorruptCheckpointError):
+    """A DCP checkpoint file (``path``) is malformed, truncated, hostile or missing (``reason``).
+
+    Unlike its base class it survives pickling, which torch DCP needs: it gathers every rank's
+    exception with ``all_gather_object`` and raises them together as a ``CheckpointException``.
+    """
+
+    def __reduce__(self) -> tuple[type, tuple[Any, str]]:
+        return type(self), (self.path, self.reason)
+
+
+class _Refused(Exception):
+    """The pickle asked for something outside the allow-list (raised from inside the pickle machine)."""
+
+
+class _Record:
+    """Stand-in for one torch DCP dataclass instance: keeps the state BUILD gives it, nothing else."""
+
+    __slots__ = ("state",)
+    real: type
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+def _record_class(real: type) -> type[_Record]:
+    return type(f"_{real.__name__}Record", (_Record,), {"__slots__": (), "real": real})
+
+
+_RECORDS: dict[type, type[_Record]] = {
+    cls: _record_class(cls)
+    for cls in (
+        Metadata,
+        TensorStorageMetadata,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        MetadataIndex,
+        StorageMeta,
+        _StorageInfo,
+    )
+}
+
+
+def _size(dims: Any = ()) -> torch.Size:
+    if not isinstance(dims, (tuple, list)) or len(dims) > MAX_DIMS:
+        raise _Refused(f"torch.Size of {type(dims).__name__} (want a short tuple of ints)")
+    if not all(type(d) is int and d >= 0 for d in dims):
+        raise _Refused(f"torch.Size with a negative or non-int entry: {dims!r:.80}")
+    return torch.Size(dims)
+
+
+class _MemFormatCode(int):
+    """The value of torch's ``_MEM_FORMAT_ENCODING`` enum, kept as an int until conversion."""
+
+
+_MEMORY_FORMATS = {
+    0: torch.contiguous_format,
+    1: torch.channels_last,
+    2: torch.preserve_format,
+}
+
+
+def _mem_format(value: Any) -> _MemFormatCode:
+    if type(value) is not int or value not in _MEMORY_FORMATS:
+        raise _Refused(f"unknown memory format code {value!r:.40}")
+    return _MemFormatCode(value)
+
+
+_LAYOUTS = {
+    f"torch.{name}": obj for name, obj in vars(torch).items() if isinstance(obj, torch.layout)
+}
+
+
+def _layout(name: Any) -> torch.layout:
+    if not isinstance(name, str) or name not in _LAYOUTS:
+        raise _Refused(f"unknown layout {name!r:.40}")
+    return _LAYOUTS[name]
+
+
+def _path_of(flavour: type) -> Callable[..., str]:
+    def build(*parts: Any) -> str:
+        if not all(isinstance(p, str) for p in parts):
+            raise _Refused("a path made of something other than strings")
+        return str(flavour(*parts))
+
+    return build
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    (_METADATA_MODULE, cls.__name__): rec
+    for cls, rec in _RECORDS.items()
+    if cls is not _StorageInfo
+}
+_ALLOWED.update(
+    {
+        (_FILESYSTEM_MODULE, "_StorageInfo"): _RECORDS[_StorageInfo],
+        (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): _mem_format,
+        ("torch", "Size"): _size,
+        ("torch.serialization", "_get_layout"): _layout,
+        # StorageMeta.checkpoint_id is the path the writer was given, often a pathlib.Path.
+        ("pathlib", "PosixPath"): _path_of(PurePosixPath),
+        ("pathlib", "PurePosixPath"): _path_of(PurePosixPath),
+        ("pathlib", "WindowsPath"): _path_of(PureWindowsPath),
+        ("pathlib", "PureWindowsPath"): _path_of(PureWindowsPath),
+    }
+)
+_ALLOWED.update(
+    {("torch", name): obj for name, obj in vars(torch).items() if isinstance(obj, torch.dtype)}
+)
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED[(module, name)]
+        except (KeyError, TypeError):
+            raise _Refused(f"forbidden global {module}.{name}") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused("forbidden persistent id (a .metadata file has none)")
+
+
+def safe_loads(data: bytes, what: str) -> Metadata:
+    """The ``Metadata`` pickled in ``data`` (the bytes of a DCP ``.metadata`` file named ``what``).
+
+    Raises :class:`CorruptCheckpointError` (naming ``what`` and the reason) for anything that is not a
+    well-formed DCP metadata pickle built only from allowed globals; nothing named by the file is
+    ever called.
+    """
+    if not data:
+        raise CorruptDCPError(what, "empty file (no DCP metadata)")
+    stream = io.BytesIO(data)
+    try:
+        root = _Unpickler(stream).load()
+    except _Refused as e:
+        raise CorruptDCPError(what, str(e)) from None
+    except MemoryError:
+        raise CorruptDCPError(what, "the pickle claims an impossibly large object") from None
+    except Exception as e:  # noqa: BLE001 - the pickle machine only ran stand-ins; all are format errors
+        raise CorruptDCPError(what, f"not a DCP metadata pickle ({e!r:.200})") from None
+    if stream.tell() != len(data):
+        raise CorruptDCPError(
+            what, f"{len(data) - stream.tell()} stray bytes after the end of the pickle"
+        )
+    try:
+        return _Converter().metadata(root)
+    except _Bad as e:
+        raise CorruptDCPError(what, str(e)) from None
+
+
+# ------------------------------------------------------------------------------ records -> torch
+
+
+class _Bad(Exception):
+    """A structurally wrong field; the message says which."""
+
+
+def file_name_problem(name: Any) -> str | None:
+    """Why ``name`` is not a plain file name inside the checkpoint directory (None if it is)."""
+    if not isinstance(name, str) or not name:
+        return f"storage file name {name!r:.80} is not a non-empty string"
+    if name in (".", "..") or any(c in name for c in "/\\\0:"):
+        return f"storage file name {name!r:.80} is not a plain name in the checkpoint directory"
+    return None
+
+
+def _int(value: Any, field: str) -> int:
+    if type(value) is not int or value < 0:
+        raise _Bad(f"{field} is {value!r:.40}, want a non-negative int")
+    return value
+
+
+def _opt_str(value: Any, field: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise _Bad(f"{field} is {type(value).__name__}, want a string or None")
+    return value
+
+
+class _Converter:
+    def _state(self, obj: Any, real: type, where: str) -> dict[str, Any]:
+        rec = _RECORDS[real]
+        if type(obj) is not rec:
+            raise _Bad(f"{where} is {_describe(obj)}, want {real.__name__}")
+        state = getattr(obj, "state", None)
+        if state is None:
+            return {}
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise _Bad(f"{where}: state of {real.__name__} is {type(state).__name__}")
+        unknown = set(state) - {f.name for f in dataclasses.fields(real)}
+        if unknown:
+            raise _Bad(f"{where}: unknown {real.__name__} fields {sorted(unknown)}")
+        return state
+
+    def metadata(self, obj: Any) -> Metadata:
+        state = self._state(obj, Metadata, "the pickled object")
+        sdm_in = state.get("state_dict_metadata")
+        if not isinstance(sdm_in, dict):
+            raise _Bad("state_dict_metadata is missing or not a dict")
+        sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        for fqn, md in sdm_in.items():
+            if not isinstance(fqn, str):
+                raise _Bad(f"state_dict_metadata key {fqn!r:.80} is not a string")
+            sdm[fqn] = self.storage_md(md, f"state_dict_metadata[{fqn!r}]")
+        storage_data = state.get("storage_data")
+        if storage_data is not None:
+            storage_data = self.storage_data(storage_data, sdm)
+        storage_meta = state.get("storage_meta")
+        if storage_meta is not None:
+            storage_meta = self.storage_meta(storage_meta)
+        return Metadata(
+            state_dict_metadata=sdm,
+            planner_data=self.plain(state.get("planner_data"), "planner_data", 0, set()),
+            storage_data=storage_data,
+            storage_meta=storage_meta,
+            version=_opt_str(state.get("version"), "version"),
+        )
+
+    def storage_md(self, obj: Any, where: str) -> TensorStorageMetadata | BytesStorageMetadata:
+        if type(obj) is _RECORDS[BytesStorageMetadata]:
+            self._state(obj, BytesStorageMetadata, where)
+            return BytesStorageMetadata()
+        state = self._state(obj, TensorStorageMetadata, where)
+        size = state.get("size")
+        if type(size) is not torch.Size:
+            raise _Bad(f"{where}.size is {_describe(size)}, want torch.Size")
+        chunks_in = state.get("chunks")
+        if not isinstance(chunks_in, list):
+            raise _Bad(f"{where}.chunks is {_describe(chunks_in)}, want a list")
+        chunks = [self.chunk(c, size, f"{where}.chunks[{i}]") for i, c in enumerate(chunks_in)]
+        return TensorStorageMetadata(
+            properties=self.properties(state.get("properties"), f"{where}.properties"),
+            size=size,
+            chunks=chunks,
+        )
+
+    def chunk(self, obj: Any, size: torch.Size, where: str) -> ChunkStorageMetadata:
+        state = self._state(obj, ChunkStorageMetadata, where)
+        offsets, sizes = state.get("offsets"), state.get("sizes")
+        if type(offsets) is not torch.Size or type(sizes) is not torch.Size:
+            raise _Bad(f"{where}: offsets and sizes must be torch.Size")
+        if not len(offsets) == len(sizes) == len(size):
+            raise _Bad(f"{where}: {len(offsets)}/{len(sizes)} dims for a {len(size)}-dim tensor")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+            raise _Bad(f"{where}: chunk at {list(offsets)} of {list(sizes)} exceeds {list(size)}")
+        return ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+
+    def properties(self, obj: Any, where: str) -> TensorProperties:
+        rec = _RECORDS[TensorProperties]
+        if type(obj) is not rec:
+            raise _Bad(f"{where} is {_describe(obj)}, want TensorProperties")
+        state = getattr(obj, "state", None)
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise _Bad(f"{where}: state is {_describe(state)}, want a 5-tuple")
+        dtype, layout, requires_grad, mem_code, pin_memory = state
+        if not isinstance(dtype, torch.dtype) or not isinstance(layout, torch.layout):
+            raise _Bad(f"{where}: dtype {dtype!r:.40} / layout {layout!r:.40} of the wrong type")
+        if type(mem_code) is not _MemFormatCode:
+            raise _Bad(f"{where}: memory format {mem_code!r:.40} is not a memory format code")
+        if type(requires_grad) is not bool or type(pin_memory) is not bool:
+            raise _Bad(f"{where}: requires_grad / pin_memory must be bools")
+        return TensorProperties(
+            dtype=dtype,
+            layout=layout,
+            requires_grad=requires_grad,
+            memory_format=_MEMORY_FORMATS[int(mem_code)],
+            pin_memory=pin_memory,
+        )
+
+    def storage_data(
+        self, obj: Any, sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata]
+    ) -> dict[MetadataIndex, _StorageInfo]:
+        if not isinstance(obj, dict):
+            raise _Bad(f"storage_data is {_describe(obj)}, want a dict")
+        out: dict[MetadataIndex, _StorageInfo] = {}
+        for key, value in obj.items():
+            index = self.index(key, sdm)
+            if index in out:
+                raise _Bad(f"storage_data holds {index.fqn!r} at {index.offset} twice")
+            out[index] = self.storage_info(value, f"storage_data[{index.fqn!r}]")
+        return out
+
+    def index(
+        self, obj: Any, sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata]
+    ) -> MetadataIndex:
+        state = self._state(obj, MetadataIndex, "a storage_data key")
+        fqn, offset, index = state.get("fqn"), state.get("offset"), state.get("index")
+        if not isinstance(fqn, str) or fqn not in sdm:
+            raise _Bad(f"storage_data names {fqn!r:.80}, which state_dict_metadata lacks")
+        md = sdm[fqn]
+        where = f"storage_data key {fqn!r}"
+        if isinstance(md, TensorStorageMetadata):
+            if type(offset) is not torch.Size or len(offset) != len(md.size):
+                raise _Bad(
+                    f"{where}: offset {offset!r:.80} does not fit a {len(md.size)}-dim tensor"
+                )
+        elif offset is not None:
+            raise _Bad(f"{where}: a bytes item with a tensor offset")
+        if index is not None:
+            _int(index, f"{where}.index")
+        return MetadataIndex(fqn=fqn, offset=offset, index=index)
+
+    def storage_info(self, obj: Any, where: str) -> _StorageInfo:
+        state = self._state(obj, _StorageInfo, where)
+        transforms = state.get("transform_descriptors")
+        if transforms is not None and (
+            not isinstance(transforms, list) or not all(isinstance(t, str) for t in transforms)
+        ):
+            raise _Bad(f"{where}: transform_descriptors must be a list of strings")
+        name = state.get("relative_path")
+        problem = file_name_problem(name)
+        if problem:
+            raise _Bad(f"{where}: {problem}")
+        return _StorageInfo(
+            relative_path=name,
+            offset=_int(state.get("offset"), f"{where}.offset"),
+            length=_int(state.get("length"), f"{where}.length"),
+            transform_descriptors=transforms,
+        )
+
+    def storage_meta(self, obj: Any) -> StorageMeta:
+        state = self._state(obj, StorageMeta, "storage_meta")
+        modules = state.get("modules", [])
+        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+            raise _Bad("storage_meta.modules must be a list of strings")
+        return StorageMeta(
+            checkpoint_id=_opt_str(state.get("checkpoint_id"), "storage_meta.checkpoint_id"),
+            save_id=_opt_str(state.get("save_id"), "storage_meta.save_id"),
+            load_id=_opt_str(state.get("load_id"), "storage_meta.load_id"),
+            modules=modules,
+        )
+
+    def plain(self, obj: Any, where: str, depth: int, active: set[int]) -> Any:
+        """``obj`` if it is plain data (None, bool, int, float, str, bytes, and lists, tuples and
+        dicts of those, acyclic, at most MAX_DEPTH deep), else raise ``_Bad``."""
+        if obj is None or type(obj) in (bool, int, float, str, bytes):
+            return obj
+        if type(obj) not in (list, tuple, dict):
+            raise _Bad(f"{where} holds {_describe(obj)}, want plain data")
+        if depth >= MAX_DEPTH or id(obj) in active:
+            raise _Bad(f"{where} nests too deep or refers to itself")
+        active.add(id(obj))
+        items = obj.items() if type(obj) is dict else enumerate(obj)
+        for key, value in items:
+            if type(obj) is dict:
+                self.plain(key, f"{where} key", depth + 1, active)
+            self.plain(value, f"{where}[{key!r:.40}]", depth + 1, active)
+        active.discard(id(obj))
+        return obj
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, _Record):
+        return f"a {type(obj).real.__name__}"
+    return f"{type(obj).__name__} {obj!r:.60}" if obj is None else type(obj).__name__
