@@ -1,0 +1,151 @@
+"""Where one rank's share of a DCP checkpoint goes: which ``.distcp`` file, at which offset.
+
+Call order: ``plan_files(final_local_plan, prefix, thread_count)`` once per layout (the result depends
+only on the plan, so it is reused while the plan is unchanged); :meth:`RankFiles.write_results` after
+the non-tensor values are serialized (their sizes vary from save to save).
+
+File format (what torch's ``FileSystemReader`` reads): each tensor is a ``torch.save`` record (see
+:mod:`tierpoint.dcp.tensor_record`) starting at a 64-byte aligned offset, so its data is 64-byte
+aligned in the file; gaps between records are zero bytes. Non-tensor values (``torch.save`` bytes of
+the object, as torch DCP writes them) follow the tensors of the first file, back to back. Files are
+named ``<prefix><k>.distcp`` (torch's names, ``prefix`` is ``__<rank>_``).
+
+Invariants:
+- Tensors are spread over at most ``thread_count`` files, largest first onto the least-filled file,
+  so that one writer thread per file finishes at about the same time.
+- The tensor section of every file is a fixed byte layout (heads, tails and padding depend only on
+  dtypes and shapes): :attr:`RankFiles.staging_bytes` bytes hold all files' tensor sections back to
+  back, each starting 64-byte aligned, so a staged copy of a file is one contiguous range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .tensor_record import RecordTemplate, aligned, record_template
+
+SUFFIX = ".distcp"
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One tensor record: plan item ``item`` at file offset ``offset``."""
+
+    item: int
+    offset: int
+    template: RecordTemplate
+
+    @property
+    def data_offset(self) -> int:
+        return self.offset + len(self.template.head)
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One ``.distcp`` file: its tensors, then the non-tensor values ``byte_items``."""
+
+    name: str
+    tensors: tuple[TensorSlot, ...]
+    tensor_bytes: int
+    byte_items: tuple[int, ...]
+    staging_base: int
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """All files one rank writes for one plan."""
+
+    files: tuple[FileSpec, ...]
+    staging_bytes: int
+    key: tuple
+    """Identifies the tensor layout: equal keys mean identical staging layouts."""
+
+    def write_results(self, plan: SavePlan, byte_sizes: dict[int, int]) -> list[WriteResult]:
+        """The ``WriteResult`` of every item, given the size of each non-tensor value by item."""
+        out: list[WriteResult] = []
+        for f in self.files:
+            for slot in f.tensors:
+                length = slot.template.length
+                out.append(
+                    WriteResult(
+                        index=plan.items[slot.item].index,
+                        size_in_bytes=length,
+                        storage_data=_StorageInfo(f.name, slot.offset, length),
+                    )
+                )
+            offset = f.tensor_bytes
+            for i in f.byte_items:
+                n = byte_sizes[i]
+                out.append(
+                    WriteResult(
+                        index=plan.items[i].index,
+                        size_in_bytes=n,
+                        storage_data=_StorageInfo(f.name, offset, n),
+                    )
+                )
+                offset += n
+        return out
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.files]
+
+
+def _template(item) -> RecordTemplate:  # noqa: ANN001 - a torch WriteItem
+    data = item.tensor_data
+    return record_template(data.properties.dtype, tuple(int(s) for s in data.chunk.sizes))
+
+
+def plan_files(plan: SavePlan, prefix: str, thread_count: int) -> RankFiles:
+    """Assign ``plan``'s items to files (see the module docstring)."""
+    bins = max(1, int(thread_count))
+    tensor_items = [i for i, it in enumerate(plan.items) if it.type != WriteItemType.BYTE_IO]
+    byte_items = tuple(i for i, it in enumerate(plan.items) if it.type == WriteItemType.BYTE_IO)
+    templates = {i: _template(plan.items[i]) for i in tensor_items}
+    members: list[list[int]] = [[] for _ in range(bins)]
+    fill = [0] * bins
+    for i in sorted(tensor_items, key=lambda i: (-templates[i].nbytes, i)):
+        b = min(range(bins), key=lambda k: (fill[k], k))
+        members[b].append(i)
+        fill[b] += aligned(templates[i].length)
+    used = [m for m in members if m] or [[]]
+    files: list[FileSpec] = []
+    base = 0
+    for k, items in enumerate(used):
+        slots: list[TensorSlot] = []
+        offset = 0
+        for i in items:
+            slots.append(TensorSlot(i, offset, templates[i]))
+            offset = aligned(offset + templates[i].length)
+        end = slots[-1].offset + slots[-1].template.length if slots else 0
+        files.append(
+            FileSpec(f"{prefix}{k}{SUFFIX}", tuple(slots), end, byte_items if k == 0 else (), base)
+        )
+        base = aligned(base + end)
+    key = tuple(
+        (f.name, tuple((s.offset, s.template) for s in f.tensors), f.staging_base) for f in files
+    )
+    return RankFiles(tuple(files), base, key)
+
+
+def padding(gap: int) -> bytes:
+    return bytes(gap) if gap > 0 else b""
+
+
+def file_views(spec: FileSpec, data: Sequence[memoryview]) -> list[memoryview | bytes]:
+    """The tensor section of ``spec`` as views: zero padding, head, ``data[k]``, tail per tensor."""
+    out: list[memoryview | bytes] = []
+    pos = 0
+    for slot, raw in zip(spec.tensors, data):
+        if slot.offset > pos:
+            out.append(padding(slot.offset - pos))
+        out.append(slot.template.head)
+        out.append(raw)
+        out.append(slot.template.tail)
+        pos = slot.offset + slot.template.length
+    return out

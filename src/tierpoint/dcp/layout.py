@@ -1,0 +1,137 @@
+"""Where persistent checkpoints live, how a save in flight is marked, and which one is the latest.
+
+Layout under a base path or URL::
+
+    <base>/step-<N>/__<rank>_<k>.distcp    data, torch's names and format
+    <base>/step-<N>/.metadata              torch DCP metadata; written last: the commit point
+    <base>/step-<N>/.unfinished-<rank>     present while rank <rank> may still write into step N
+
+Call order of a save (see :mod:`tierpoint.dcp.writer`): every rank creates its marker before writing
+any data; the coordinator writes ``.metadata`` once every rank's data is durable; markers are
+removed after that. :func:`get_latest_complete_checkpoint` finds the newest step that is committed
+and has no marker on any rank.
+
+Invariants:
+- A step whose save was interrupted (a rank killed, a disk full, ...) is never returned: it has no
+  ``.metadata``, or it still has a marker.
+- Every rank returns the same answer: each lists what it sees, one rank decides from all listings
+  and broadcasts the decision (listings may differ between ranks: node-local disks, stale caches).
+- Names that are not ``step-<digits>`` directories are ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .. import dist as tpdist
+from .. import storage
+
+STEP_PREFIX = "step-"
+METADATA_NAME = ".metadata"
+MARKER_PREFIX = ".unfinished-"
+
+_STEP = re.compile(r"^step-(\d+)$")
+_MARKER = re.compile(r"^\.unfinished-(\d+)$")
+
+
+def step_path(base: str | os.PathLike, step: int) -> str:
+    """The directory (or URL prefix) of step ``step`` under ``base``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return storage.join(base, f"{STEP_PREFIX}{int(step)}")
+
+
+def step_of(name: str) -> int | None:
+    """The step number of a ``step-<N>`` name, else ``None``."""
+    m = _STEP.match(name)
+    return int(m.group(1)) if m else None
+
+
+def marker_name(rank: int) -> str:
+    """The name of rank ``rank``'s unfinished marker inside a checkpoint directory."""
+    return f"{MARKER_PREFIX}{int(rank)}"
+
+
+def marker_rank(name: str) -> int | None:
+    m = _MARKER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def local_view(
+    base: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
+) -> list[list]:
+    """What this process sees under ``base``: ``[step, committed, [marker ranks]]`` per step dir."""
+    out = []
+    for name in storage.listdir(base, storage_options):
+        step = step_of(name)
+        if step is None:
+            continue
+        entries = storage.listdir(storage.join(base, name), storage_options)
+        markers = sorted(r for r in map(marker_rank, entries) if r is not None)
+        out.append([step, METADATA_NAME in entries, markers])
+    return sorted(out)
+
+
+def choose_latest(views: Sequence[Sequence[Sequence]]) -> int | None:
+    """The newest step committed in some view and marked unfinished in none (``views``: one
+    :func:`local_view` per rank)."""
+    committed: set[int] = set()
+    unfinished: set[int] = set()
+    for view in views:
+        for step, has_metadata, markers in view:
+            if has_metadata:
+                committed.add(int(step))
+            if markers:
+                unfinished.add(int(step))
+    complete = committed - unfinished
+    # Peer retrieval of node-local checkpoints plugs in here: the deciding rank holds every rank's
+    # view, so it can also plan which rank fetches which missing file (tierpoint.transfer).
+    return max(complete) if complete else None
+
+
+def get_latest_complete_checkpoint(
+    base: str | os.PathLike,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    group: Any = None,
+) -> str | None:
+    """The path of the newest complete ``step-<N>`` under ``base``, the same on every rank (else
+    ``None``).
+
+    Collective when ``torch.distributed`` is initialised: every rank of ``group`` (default:
+    tierpoint's coordination group) must call it. Without ``torch.distributed`` it decides alone.
+    """
+    mine: list[list] | None = None
+    error: str | None = None
+    try:
+        mine = local_view(base, storage_options)
+    except Exception as e:  # noqa: BLE001 - shared with every rank below
+        error = f"{type(e).__name__}: {e}"
+    views = tpdist.all_gather_json(
+        {"view": mine, "error": error}, f"listing checkpoints under {base}", group=group
+    )
+    failures = {r: v["error"] for r, v in enumerate(views) if v["error"]}
+    if failures:
+        from ..errors import CheckpointingError
+
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
+        raise CheckpointingError(f"listing checkpoints under {base} failed: {detail}", failures)
+    decision = None
+    if tpdist.get_rank() == _decider(group):
+        decision = choose_latest([v["view"] for v in views])
+    step = tpdist.broadcast_json(
+        decision, _decider(group), f"agreeing on the latest checkpoint under {base}", group=group
+    )
+    return None if step is None else step_path(base, int(step))
+
+
+def _decider(group: Any) -> int:
+    """The global rank that decides: the lowest rank of ``group``."""
+    if group is None or not tpdist.is_distributed():
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_global_rank(group, 0)

@@ -1,0 +1,249 @@
+"""The one-call entry points: ``save`` (synchronous) and ``async_save`` (the trainer pays only for
+the snapshot).
+
+Call order (every rank)::
+
+    tierpoint.dcp.save(state_dict, step_path(base, step))          # returns when committed
+
+    future = tierpoint.dcp.async_save(state_dict, step_path(base, step), queue=queue)
+    ...                                    # train; state may change as soon as async_save returns
+    queue.maybe_finalize_async_calls()     # each step (or future.result() to wait)
+
+``async_save`` plans (cached: no planning collectives while the layout is unchanged), copies the
+state into a staging buffer reused across saves, and schedules an :class:`~tierpoint.asyncsave.
+AsyncRequest` on ``queue`` (an :class:`~tierpoint.asyncsave.AsyncCallsQueue`; by default one owned by
+this module). The files are written by the queue's persistent worker process; ``.metadata`` is
+written and markers removed by the finalize step, once every rank's write succeeded. NVRx-style
+callers who schedule requests themselves use :func:`async_save_request`.
+
+Invariants: those of :mod:`tierpoint.dcp.state_dict_saver` and :mod:`tierpoint.dcp.writer`;
+finalization (and so :meth:`SaveFuture.result`) is collective: every rank calls it at the same point.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlanner
+
+from ..asyncsave import AsyncCallsQueue, AsyncRequest
+from ..errors import CheckpointingError, CoordinationTimeoutError
+from .staging_pool import StagingPool
+from .state_dict_saver import (
+    CheckpointMetadataCache,
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
+from .writer import Writer
+
+
+def save(
+    state_dict: dict[str, Any],
+    path_or_url: str | os.PathLike,
+    *,
+    process_group: Any = None,
+    thread_count: int = 2,
+    storage_options: Mapping[str, Any] | None = None,
+    planner: SavePlanner | None = None,
+    coordinator_rank: int = 0,
+    enable_cache: bool = True,
+    metadata_cache: CheckpointMetadataCache | None = None,
+    sync_files: bool = True,
+) -> Metadata | None:
+    """Save ``state_dict`` as a torch DCP checkpoint at ``path_or_url``; returns when it is committed.
+
+    Collective: every rank of ``process_group`` (default: all ranks) calls it. Returns the metadata
+    written (on the coordinator; ``None`` elsewhere). Raises the same
+    :class:`~tierpoint.errors.CheckpointingError` on every rank if any rank failed.
+    """
+    writer = Writer(
+        path_or_url,
+        thread_count=thread_count,
+        storage_options=storage_options,
+        sync_files=sync_files,
+    )
+    writer, metadata, dist_wrapper = save_state_dict_async_plan(
+        state_dict,
+        writer,
+        process_group,
+        coordinator_rank,
+        planner,
+        enable_cache,
+        metadata_cache,
+    )
+    writer.write_now()
+    save_state_dict_async_finalize(writer, metadata, dist_wrapper)
+    return metadata
+
+
+def async_save_request(
+    state_dict: dict[str, Any],
+    path_or_url: str | os.PathLike,
+    *,
+    process_group: Any = None,
+    thread_count: int = 2,
+    storage_options: Mapping[str, Any] | None = None,
+    planner: SavePlanner | None = None,
+    coordinator_rank: int = 0,
+    enable_cache: bool = True,
+    metadata_cache: CheckpointMetadataCache | None = None,
+    staging_pool: StagingPool | None = None,
+    sync_files: bool = True,
+) -> AsyncRequest:
+    """Plan an async save now and return the request to schedule (NVRx style)::
+
+        queue.schedule_async_request(async_save_request(state_dict, path))
+
+    The snapshot happens when the request is scheduled (its ``preload_fn``); the state must not
+    change until then.
+    """
+    writer = Writer(
+        path_or_url,
+        thread_count=thread_count,
+        storage_options=storage_options,
+        staging_pool=staging_pool,
+        sync_files=sync_files,
+    )
+    planned = save_state_dict_async_plan(
+        state_dict,
+        writer,
+        process_group,
+        coordinator_rank,
+        planner,
+        enable_cache,
+        metadata_cache,
+    )
+    async_fn, preload_fn, args = writer.get_save_function_and_args()
+
+    def finalize() -> None:
+        try:
+            save_state_dict_async_finalize(*planned)
+        finally:
+            writer.release_staging()
+
+    def abort() -> None:
+        writer.release_staging()
+        writer.discard()
+
+    return AsyncRequest(
+        async_fn,
+        args,
+        [finalize],
+        preload_fn=preload_fn,
+        abort_fns=[abort],
+        description=f"DCP save to {writer.path}",
+    )
+
+
+class SaveFuture:
+    """Handle on a scheduled async save (like the future torch's ``dcp.async_save`` returns).
+
+    ``done()`` finalizes whatever finished on every rank, without blocking; ``result(timeout)``
+    waits until this save is committed and raises its :class:`~tierpoint.errors.CheckpointingError`
+    if it failed. Both are collective (every rank calls them at the same point).
+    """
+
+    def __init__(self, queue: AsyncCallsQueue, request: AsyncRequest, path: str) -> None:
+        self.queue = queue
+        self.path = path
+        self.call_id: int | None = None
+        self._state = "pending"
+        request.add_finalize_fn(self._committed)
+        request.abort_fns = [*request.abort_fns, self._failed]
+
+    def _committed(self) -> None:
+        self._state = "committed"
+
+    def _failed(self) -> None:
+        self._state = "failed"
+
+    def done(self) -> bool:
+        if self._state == "pending":
+            self.queue.maybe_finalize_async_calls(blocking=False)
+        return self._state != "pending"
+
+    def result(self, timeout: float | None = None) -> str:
+        """Wait until committed; returns the checkpoint path."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._state == "pending":
+            if deadline is not None and time.monotonic() > deadline:
+                raise CoordinationTimeoutError(f"{self.path}: not committed within {timeout} s")
+            self.queue.maybe_finalize_async_calls(blocking=deadline is None)
+            if deadline is not None and self._state == "pending":
+                time.sleep(0.01)
+        if self._state != "committed":
+            raise CheckpointingError(f"the save to {self.path} failed")
+        return self.path
+
+
+_default_queue: AsyncCallsQueue | None = None
+_queue_lock = threading.Lock()
+
+
+def default_queue() -> AsyncCallsQueue:
+    """The queue :func:`async_save` uses when given none (created on first use)."""
+    global _default_queue
+    with _queue_lock:
+        if _default_queue is None:
+            _default_queue = AsyncCallsQueue()
+            atexit.register(_close_default_queue)
+        return _default_queue
+
+
+def _close_default_queue() -> None:
+    global _default_queue
+    if _default_queue is not None:
+        try:
+            _default_queue.close(abort=True)
+        finally:
+            _default_queue = None
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path_or_url: str | os.PathLike,
+    *,
+    queue: AsyncCallsQueue | None = None,
+    process_group: Any = None,
+    thread_count: int = 2,
+    storage_options: Mapping[str, Any] | None = None,
+    planner: SavePlanner | None = None,
+    coordinator_rank: int = 0,
+    enable_cache: bool = True,
+    metadata_cache: CheckpointMetadataCache | None = None,
+    staging_pool: StagingPool | None = None,
+    sync_files: bool = True,
+) -> SaveFuture:
+    """Save asynchronously: plan, snapshot into staging memory, hand the writing to ``queue``'s
+    worker; returns a :class:`SaveFuture` once the snapshot is taken (unless the queue overlaps
+    snapshots, see :class:`~tierpoint.asyncsave.AsyncCallsQueue`).
+
+    Collective, like :func:`save`. With the default queue, call ``result()`` on the future (or
+    :func:`default_queue`\\ ``().close()``) before the process group is destroyed.
+    """
+    request = async_save_request(
+        state_dict,
+        path_or_url,
+        process_group=process_group,
+        thread_count=thread_count,
+        storage_options=storage_options,
+        planner=planner,
+        coordinator_rank=coordinator_rank,
+        enable_cache=enable_cache,
+        metadata_cache=metadata_cache,
+        staging_pool=staging_pool,
+        sync_files=sync_files,
+    )
+    q = queue if queue is not None else default_queue()
+    future = SaveFuture(q, request, os.fspath(path_or_url))
+    future.call_id = q.schedule_async_request(request)
+    return future
+
+
+__all__ = ["SaveFuture", "async_save", "async_save_request", "default_queue", "save"]

@@ -1,0 +1,421 @@
+"""A DCP save split into plan / write / finalize, with planning cached across saves (NVRx names).
+
+Call order (every rank, same points)::
+
+    writer = Writer(step_dir)
+    writer, metadata, dist_wrapper = save_state_dict_async_plan(
+        state_dict, writer, enable_cache=True, metadata_cache=cache)
+    writer.write_now()                   # or: async_fn, preload_fn, args = writer.get_save_function_and_args()
+    save_state_dict_async_finalize(writer, metadata, dist_wrapper)
+
+Planning is torch's: ``DefaultSavePlanner`` (or the planner given) makes each rank's local plan, the
+coordinator merges them into the global plan and the ``Metadata``. With a
+:class:`CheckpointMetadataCache`, every later save recomputes only its local plan (no
+communication) and compares it with the cached one; one all-reduce of one integer tells every rank
+whether all local plans are unchanged. If so, the cached central plan and (on the coordinator)
+the cached metadata are reused: no gather, no scatter. If any rank's layout changed, all ranks plan
+again (a changed layout is never missed).
+
+Finalize: every rank's write results reach every rank (a rank whose results did not change since a
+previous save sends a short digest the coordinator already knows), the coordinator writes
+``.metadata`` (the commit), every rank learns the outcome, then unfinished markers are removed.
+
+Invariants:
+- All collectives run on the given process group, else on tierpoint's coordination group.
+- A failure on any rank (set-up, planning, writing, commit) raises the same
+  :class:`~tierpoint.errors.CheckpointingError` on every rank; ``.metadata`` is written only when
+  every rank's data is durable, and a failed save's data files are removed.
+- Messages of tierpoint's own collectives are JSON; the plans themselves travel the way torch DCP
+  sends them (``_DistWrapper`` object collectives).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import _DistWrapper
+
+from .. import dist as tpdist
+from ..errors import CheckpointingError
+from .writer import Writer
+
+logger = logging.getLogger("tierpoint")
+
+_REMEMBERED_RESULTS = 4
+"""Distinct result sets per rank the coordinator remembers (and each rank knows it remembers)."""
+
+_REUSE, _CHANGED, _FAILED = 1, 0, -1
+
+
+class CheckpointMetadataCache:
+    """What a save can reuse from earlier saves of the same state layout.
+
+    Attributes (NVRx names): ``cached_central_plan`` (this rank's part of the global plan),
+    ``cached_local_plan``, ``cached_global_metadata`` (coordinator only), ``validated_cache_reuse``
+    (the last save reused the cached plan), ``validated_loaded_metadata_reuse`` (the last save reused
+    plans loaded with :meth:`set_cached_global_metadata`), ``loaded_all_plans``.
+    tierpoint adds ``planning_rounds``: how many saves ran the planning collectives.
+
+    One cache serves one sequence of saves of one kind of state on one process group; all ranks
+    must use caching alike.
+    """
+
+    def __init__(self) -> None:
+        self.cached_central_plan: SavePlan | None = None
+        self.cached_local_plan: SavePlan | None = None
+        self.cached_global_metadata: Metadata | None = None
+        self.validated_cache_reuse = False
+        self.validated_loaded_metadata_reuse = False
+        self.loaded_all_plans: list[SavePlan] | None = None
+        self.planning_rounds = 0
+        self._sent: OrderedDict[str, None] = OrderedDict()
+        self._known: dict[int, OrderedDict[str, list]] = {}
+
+    def set_cached_global_metadata(self, cached_global_metadata: Metadata) -> None:
+        """Seed the cache from a loaded checkpoint's metadata. If it carries ``all_local_plans``
+        (every rank's local plan), the next save can skip planning when all ranks' plans match it."""
+        self.cached_global_metadata = cached_global_metadata
+        self.loaded_all_plans = getattr(cached_global_metadata, "all_local_plans", None)
+        if self.loaded_all_plans is None:
+            logger.debug("metadata has no all_local_plans: the first save will plan")
+
+    def set_cache_metadata(
+        self, central_plan: SavePlan, local_plan: SavePlan, global_md_verify_reuse: bool
+    ) -> None:
+        """Record the plans of the save just planned."""
+        self.validated_loaded_metadata_reuse = global_md_verify_reuse
+        self.validated_cache_reuse = central_plan is self.cached_central_plan or bool(
+            central_plan == self.cached_central_plan
+        )
+        self.cached_central_plan = central_plan
+        self.cached_local_plan = local_plan
+
+    def prepare_save_state_dict_ret(
+        self, rank: int, coordinator: int, save_state_dict_ret: tuple
+    ) -> tuple:
+        """Fill in (coordinator) or remember the global metadata of ``save_state_dict_ret``."""
+        writer, metadata, dist_wrapper = save_state_dict_ret
+        if rank != coordinator:
+            return writer, None, dist_wrapper
+        if metadata is None:
+            metadata = self.cached_global_metadata
+        else:
+            self.cached_global_metadata = metadata
+        return writer, metadata, dist_wrapper
+
+    def get_cache_metadata(self) -> tuple:
+        """``(cached_central_plan, cached_local_plan, validated_cache_reuse, loaded_all_plans)``."""
+        return (
+            self.cached_central_plan,
+            self.cached_local_plan,
+            self.validated_cache_reuse,
+            self.loaded_all_plans,
+        )
+
+    def get_metadata_caching_status(self) -> tuple[bool, bool]:
+        return self.validated_cache_reuse, self.validated_loaded_metadata_reuse
+
+    def forget_results(self) -> None:
+        """Drop remembered write results (after a failed finalize, every rank alike)."""
+        self._sent.clear()
+        self._known.clear()
+
+
+_checkpoint_metadata_cache: CheckpointMetadataCache | None = None
+
+
+def init_checkpoint_metadata_cache(cached_global_metadata: Metadata) -> None:
+    """Create the process-wide cache (if needed) and seed it with loaded metadata."""
+    default_metadata_cache().set_cached_global_metadata(cached_global_metadata)
+
+
+def default_metadata_cache() -> CheckpointMetadataCache:
+    """The process-wide cache used when caching is enabled and no cache is given."""
+    global _checkpoint_metadata_cache
+    if _checkpoint_metadata_cache is None:
+        _checkpoint_metadata_cache = CheckpointMetadataCache()
+    return _checkpoint_metadata_cache
+
+
+def get_metadata_caching_status() -> tuple[bool, bool] | None:
+    if _checkpoint_metadata_cache is None:
+        return None
+    return _checkpoint_metadata_cache.get_metadata_caching_status()
+
+
+# --------------------------------------------------------------------------------------- planning
+
+
+def save_state_dict_async_plan(
+    state_dict: dict[str, Any],
+    storage_writer: Writer,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+    planner: SavePlanner | None = None,
+    enable_cache: bool = False,
+    metadata_cache: CheckpointMetadataCache | None = None,
+) -> tuple[Writer, Metadata | None, _DistWrapper]:
+    """Plan a save; returns ``(storage_writer, global_metadata or None, dist_wrapper)`` for
+    :func:`save_state_dict_async_finalize` (``global_metadata`` only on the coordinator)."""
+    use_dist = tpdist.is_distributed()
+    group = (process_group or tpdist.coordination_group()) if use_dist else None
+    dist_wrapper = _DistWrapper(group, use_dist, coordinator_rank)
+    planner = planner if planner is not None else DefaultSavePlanner()
+    cache = (metadata_cache or default_metadata_cache()) if enable_cache else None
+    storage_writer.metadata_cache = cache
+    rank, is_coordinator = dist_wrapper.get_rank(), dist_wrapper.is_coordinator
+
+    local_plan: SavePlan | None = None
+    error: BaseException | None = None
+    try:
+        planner.set_up_planner(
+            state_dict=state_dict,
+            storage_meta=storage_writer.storage_meta(),
+            is_coordinator=is_coordinator,
+        )
+        storage_writer.set_up_storage_writer(is_coordinator, rank=rank)
+        local_plan = storage_writer.prepare_local_plan(planner.create_local_plan())
+    except Exception as e:  # noqa: BLE001 - agreed with every rank below
+        error = e
+
+    central_plan: SavePlan | None = None
+    global_metadata: Metadata | None = None
+    loaded_reuse = False
+    what = f"planning the checkpoint {storage_writer.path}"
+    if cache is not None and cache.cached_central_plan is not None:
+        vote = _CHANGED
+        if error is not None:
+            vote = _FAILED
+        elif local_plan == cache.cached_local_plan and (
+            not is_coordinator or cache.cached_global_metadata is not None
+        ):
+            vote = _REUSE
+        verdict = _min_over_ranks(vote, group, use_dist, what)
+        if verdict == _FAILED:
+            _cleanup_after_failure(storage_writer)
+            _agree(group, use_dist, what, error)
+        if verdict == _REUSE:
+            central_plan = cache.cached_central_plan
+            global_metadata = cache.cached_global_metadata if is_coordinator else None
+    elif cache is not None and cache.loaded_all_plans is not None:
+        vote = _FAILED if error is not None else int(_matches_loaded(local_plan, cache, rank))
+        verdict = _min_over_ranks(vote, group, use_dist, what)
+        if verdict == _FAILED:
+            _cleanup_after_failure(storage_writer)
+            _agree(group, use_dist, what, error)
+        if verdict == _REUSE:  # every rank derives the same global plan from the loaded plans
+            all_plans, global_metadata = planner.create_global_plan(list(cache.loaded_all_plans))
+            all_plans = storage_writer.prepare_global_plan(all_plans)
+            central_plan = all_plans[rank]
+            global_metadata = global_metadata if is_coordinator else None
+            loaded_reuse = True
+        cache.loaded_all_plans = None
+
+    if central_plan is None:
+        if cache is not None:
+            cache.planning_rounds += 1
+
+        def local_step() -> SavePlan:
+            if error is not None:
+                raise error
+            assert local_plan is not None
+            return local_plan
+
+        def global_step(all_local_plans: list[SavePlan]) -> list[SavePlan]:
+            nonlocal global_metadata
+            all_local_plans, global_metadata = planner.create_global_plan(all_local_plans)
+            return storage_writer.prepare_global_plan(all_local_plans)
+
+        try:
+            central_plan = dist_wrapper.reduce_scatter("plan", local_step, global_step)
+        except CheckpointException as e:
+            _cleanup_after_failure(storage_writer)
+            failures = {r: f"{type(x[0]).__name__}: {x[0]}" for r, x in e.failures.items()}
+            detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
+            raise CheckpointingError(f"{what} failed: {detail}", failures) from None
+
+    assert central_plan is not None and local_plan is not None
+    final_plan = planner.finish_plan(central_plan)
+    storage_writer.prepare_write_data(final_plan, planner)
+    ret: tuple = (storage_writer, global_metadata, dist_wrapper)
+    if cache is not None:
+        cache.set_cache_metadata(central_plan, local_plan, loaded_reuse)
+        ret = cache.prepare_save_state_dict_ret(rank, coordinator_rank, ret)
+    return ret
+
+
+def _matches_loaded(local_plan: SavePlan | None, cache: CheckpointMetadataCache, rank: int) -> bool:
+    plans = cache.loaded_all_plans or []
+    if local_plan is None or rank >= len(plans):
+        return False
+    loaded = plans[rank]
+    return all(
+        getattr(local_plan, f.name) == getattr(loaded, f.name)
+        for f in fields(local_plan)
+        if f.name != "storage_data"
+    )
+
+
+def _min_over_ranks(value: int, group: Any, use_dist: bool, what: str) -> int:
+    """One all-reduce of one integer: the smallest ``value`` of all ranks."""
+    if not use_dist:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    except (RuntimeError, dist.DistError) as e:
+        raise CheckpointingError(f"{what}: ranks could not agree ({e})") from e
+    return int(t.item())
+
+
+def _agree(group: Any, use_dist: bool, what: str, error: BaseException | None) -> None:
+    """Collective: if any rank passes an error, every rank raises the same CheckpointingError."""
+    status = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+    statuses = tpdist.all_gather_json(status, what, group=group) if use_dist else [status]
+    failures = {r: s for r, s in enumerate(statuses) if s is not None}
+    if failures:
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
+        ranks = ", ".join(str(r) for r in failures)
+        raise CheckpointingError(
+            f"{what} failed on rank{'s' if len(failures) > 1 else ''} {ranks}: {detail}", failures
+        ) from error
+
+
+def _cleanup_after_failure(writer: Writer) -> None:
+    try:
+        writer.discard()
+    except Exception as e:  # noqa: BLE001 - the save's own failure is what the user must see
+        logger.warning("cleaning up after a failed save of %s: %s", writer.path, e)
+
+
+# --------------------------------------------------------------------------------------- finalize
+
+
+def _encode_results(results: list[WriteResult]) -> list:
+    out = []
+    for wr in results:
+        info = wr.storage_data
+        idx = wr.index
+        offset = list(idx.offset) if idx.offset is not None else None
+        out.append(
+            [
+                idx.fqn,
+                offset,
+                idx.index,
+                wr.size_in_bytes,
+                info.relative_path,
+                info.offset,
+                info.length,
+            ]
+        )
+    return out
+
+
+def _decode_results(encoded: list) -> list[WriteResult]:
+    return [
+        WriteResult(
+            index=MetadataIndex(fqn, offset, index),
+            size_in_bytes=size,
+            storage_data=_StorageInfo(path, file_offset, length),
+        )
+        for fqn, offset, index, size, path, file_offset, length in encoded
+    ]
+
+
+def _remember(lru: OrderedDict, key: str, value: Any) -> None:
+    lru[key] = value
+    lru.move_to_end(key)
+    while len(lru) > _REMEMBERED_RESULTS:
+        lru.popitem(last=False)
+
+
+def save_state_dict_async_finalize(
+    storage_writer: Writer, global_metadata: Metadata | None, dist_wrapper: _DistWrapper
+) -> None:
+    """Commit a planned and written save (every rank; see the module docstring)."""
+    cache: CheckpointMetadataCache | None = getattr(storage_writer, "metadata_cache", None)
+    use_dist = dist_wrapper.use_dist
+    group = dist_wrapper.group if use_dist else None
+    path = storage_writer.path
+    try:
+        payload = _results_payload(storage_writer.retrieve_write_results(), cache)
+    except Exception as e:  # noqa: BLE001 - agreed below
+        payload = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    what = f"writing the checkpoint {path}"
+    try:
+        gathered = tpdist.all_gather_json(payload, what, group=group) if use_dist else [payload]
+    except CheckpointingError:
+        _fail_everywhere(storage_writer, cache)
+        raise
+    failures = {r: p["error"] for r, p in enumerate(gathered) if "error" in p}
+    if failures:
+        _fail_everywhere(storage_writer, cache)
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
+        raise CheckpointingError(f"{what} failed: {detail}", failures)
+
+    error: BaseException | None = None
+    if dist_wrapper.is_coordinator:
+        try:
+            all_results = [_results_of(r, p, cache) for r, p in enumerate(gathered)]
+            if global_metadata is None:
+                raise CheckpointingError("the coordinator has no global metadata to commit")
+            storage_writer.commit(global_metadata, all_results)
+        except Exception as e:  # noqa: BLE001 - agreed below
+            error = e
+    try:
+        _agree(group, use_dist, f"committing the checkpoint {path}", error)
+    except CheckpointingError:
+        _fail_everywhere(storage_writer, cache)
+        raise
+
+    error = None
+    try:
+        storage_writer.remove_markers(every_visible=dist_wrapper.is_coordinator)
+    except Exception as e:  # noqa: BLE001 - agreed below
+        error = e
+    _agree(group, use_dist, f"removing the unfinished markers of {path} (committed)", error)
+
+
+def _results_payload(results: list[WriteResult], cache: CheckpointMetadataCache | None) -> dict:
+    encoded = _encode_results(results)
+    if cache is None:
+        return {"results": encoded}
+    digest = xxhash.xxh3_128_hexdigest(json.dumps(encoded).encode())
+    if digest in cache._sent:
+        _remember(cache._sent, digest, None)
+        return {"same_as": digest}
+    _remember(cache._sent, digest, None)
+    return {"results": encoded, "digest": digest}
+
+
+def _results_of(rank: int, payload: dict, cache: CheckpointMetadataCache | None) -> list:
+    if cache is None:
+        return _decode_results(payload["results"])
+    known = cache._known.setdefault(rank, OrderedDict())
+    if "same_as" in payload:
+        digest = payload["same_as"]
+        if digest not in known:
+            raise CheckpointingError(f"rank {rank} referred to write results this rank never saw")
+        _remember(known, digest, known[digest])
+        return _decode_results(known[digest])
+    _remember(known, payload["digest"], payload["results"])
+    return _decode_results(payload["results"])
+
+
+def _fail_everywhere(writer: Writer, cache: CheckpointMetadataCache | None) -> None:
+    if cache is not None:
+        cache.forget_results()
+    _cleanup_after_failure(writer)

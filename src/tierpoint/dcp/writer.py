@@ -1,0 +1,418 @@
+"""``Writer``: a torch DCP ``StorageWriter`` that writes standard checkpoints fast and crash-safely.
+
+Two ways to drive it:
+
+- torch's own ``torch.distributed.checkpoint.save(state, storage_writer=Writer(path))``: torch calls
+  ``set_up_storage_writer`` → ``prepare_local_plan`` → ``prepare_global_plan`` (coordinator) →
+  ``write_data`` → ``finish`` (coordinator);
+- tierpoint's :func:`tierpoint.dcp.save` / :func:`tierpoint.dcp.async_save`, through
+  :func:`~tierpoint.dcp.state_dict_saver.save_state_dict_async_plan`, which calls
+  ``prepare_write_data`` after planning, then either :meth:`Writer.write_now` or, for async saves,
+  the ``(async_fn, preload_fn, args)`` of :meth:`Writer.get_save_function_and_args` (the snapshot
+  into a reused staging buffer runs in the trainer, the writing in tierpoint's background worker),
+  and finally ``save_state_dict_async_finalize``.
+
+What it writes (see :mod:`tierpoint.dcp.layout` and :mod:`tierpoint.dcp.file_plan`): per rank
+``thread_count`` files ``__<rank>_<k>.distcp`` written by as many threads, each file fsynced, the
+directory fsynced; then ``.metadata`` (pickled torch ``Metadata``, torch's own classes only) written
+by the coordinator via tmp + fsync + rename, or one PUT on object stores: the commit point.
+
+Invariants:
+- Every rank creates its unfinished marker (``.unfinished-<rank>``) in ``set_up_storage_writer``,
+  before any data is written, and a re-save of an existing directory removes the old ``.metadata``
+  first; markers are removed only after ``.metadata`` is written.
+- A failed save leaves no ``.metadata``; :meth:`Writer.discard` removes what this rank wrote.
+- Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import dist as tpdist
+from .. import storage
+from ..errors import CheckpointingError
+from ..staging import StagingBuffer
+from .file_plan import RankFiles, file_views, plan_files
+from .layout import MARKER_PREFIX, METADATA_NAME, marker_name
+from .staging_pool import StagingPool
+
+try:  # the version string torch's own writer records
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+except ImportError:  # pragma: no cover - older torch
+    CURRENT_DCP_VERSION = None
+
+DEFAULT_POOL = StagingPool()
+"""Staging buffers shared by every :class:`Writer` of this process that is given no pool."""
+
+_FILES_CACHE: OrderedDict[tuple[int, int], tuple[SavePlan, RankFiles]] = OrderedDict()
+
+
+def _files_for(plan: SavePlan, prefix: str, thread_count: int) -> RankFiles:
+    """``plan_files`` memoised on the plan object (a cached central plan is the same object)."""
+    key = (id(plan), thread_count)
+    hit = _FILES_CACHE.get(key)
+    if hit is not None and hit[0] is plan:
+        _FILES_CACHE.move_to_end(key)
+        return hit[1]
+    files = plan_files(plan, prefix, thread_count)
+    _FILES_CACHE[key] = (plan, files)
+    while len(_FILES_CACHE) > 8:
+        _FILES_CACHE.popitem(last=False)
+    return files
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without copying."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _as_cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous()
+
+
+class Writer(StorageWriter):
+    """Writes a torch DCP checkpoint to ``path_or_url`` (a directory or an fsspec URL prefix).
+
+    Args:
+        path_or_url: the checkpoint directory, e.g. ``layout.step_path(base, step)``.
+        thread_count: files per rank, written in parallel by as many threads.
+        sync_files: fsync files and directories (turn off only for throw-away checkpoints).
+        storage_options: fsspec options for URLs (e.g. ``{"endpoint_url": ...}`` for s3fs).
+        upload: multipart/retry settings for object stores.
+        staging_pool: where async saves keep their reusable staging buffers (default: one per
+            process).
+        timeout: seconds a synchronous write may take before it fails (default
+            ``TIERPOINT_TIMEOUT``).
+    """
+
+    def __init__(
+        self,
+        path_or_url: str | os.PathLike,
+        *,
+        thread_count: int = 2,
+        sync_files: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        upload: storage.UploadOptions = storage.DEFAULT_UPLOAD,
+        staging_pool: StagingPool | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__()
+        if thread_count < 1:
+            raise CheckpointingError(f"thread_count must be >= 1, got {thread_count}")
+        self.path = os.fspath(path_or_url)
+        self.thread_count = int(thread_count)
+        self.sync_files = sync_files
+        self.storage_options = dict(storage_options or {})
+        self.upload = upload
+        self.pool = staging_pool if staging_pool is not None else DEFAULT_POOL
+        self.timeout = timeout if timeout is not None else tpdist.default_timeout().total_seconds()
+        self.save_id = uuid.uuid4().hex
+        self.rank = 0
+        self.is_coordinator = True
+        self._marker_made = False
+        self._plan: SavePlan | None = None
+        self._planner: SavePlanner | None = None
+        self._files: RankFiles | None = None
+        self._results: list[WriteResult] | None = None
+        self.write_error: str | None = None
+        self._buffer: StagingBuffer | None = None
+
+    # ---------------------------------------------------------------------- StorageWriter
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._marker_made = False
+        self._results = None
+        self.write_error = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Create the directory and this rank's unfinished marker (before any data is written)."""
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        self.rank = int(rank) if rank is not None else tpdist.get_rank()
+        storage.makedirs(self.path, self.storage_options)
+        storage.touch(self._url(marker_name(self.rank)), storage_options=self.storage_options)
+        self._marker_made = True
+        if is_coordinator:  # re-saving into a committed directory un-commits it first
+            storage.remove(self._url(METADATA_NAME), storage_options=self.storage_options)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [
+            dataclasses.replace(p, storage_data=f"__{i}_") if p.storage_data is None else p
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Synchronous write (torch's flow): all files of this rank, then the results."""
+        self.prepare_write_data(plan, planner)
+        self.write_now(raise_errors=True)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(self.retrieve_write_results())
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: commit (``.metadata``), then remove every marker it can see."""
+        self.commit(metadata, results)
+        self.remove_markers(every_visible=True)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # ---------------------------------------------------------------------- tierpoint's flow
+
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        """Remember the final local plan and lay out this rank's files (cached per plan)."""
+        prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
+        self._plan, self._planner = plan, planner
+        self._files = _files_for(plan, prefix, self.thread_count)
+        self._results = None
+        self.write_error = None
+
+    def write_now(self, raise_errors: bool = False) -> None:
+        """Write this rank's files from the live state (synchronous save). A failure is kept in
+        :attr:`write_error` (agreed at finalize) unless ``raise_errors``."""
+        try:
+            plan, files = self._require_plan()
+            byte_records = self._resolve_bytes()
+            jobs = []
+            for k, f in enumerate(files.files):
+                data = [self._resolve_tensor(s.item) for s in f.tensors]
+                views = file_views(f, [_byte_view(t) for t in data])
+                jobs.append((self._url(f.name), [*views, *byte_records[k]]))
+            storage.write_files_parallel(
+                jobs,
+                threads=self.thread_count,
+                storage_options=self.storage_options,
+                fsync=self.sync_files,
+                upload=self.upload,
+                timeout=self.timeout,
+            )
+            self._results = files.write_results(plan, self._byte_sizes(byte_records))
+        except Exception as e:  # noqa: BLE001 - agreed by the caller, or raised below
+            self.write_error = f"{type(e).__name__}: {e}"
+            if raise_errors:
+                raise
+
+    def get_save_function_and_args(self) -> tuple[Any, Any, tuple]:
+        """``(async_fn, preload_fn, async_fn_args)`` for an :class:`~tierpoint.asyncsave.AsyncRequest`.
+
+        ``preload_fn`` snapshots the state into a staging buffer (blocking, in the trainer) and
+        returns the keyword arguments that complete ``async_fn``'s call in the worker.
+        """
+        _, files = self._require_plan()
+        args = (
+            self.path,
+            [(f.name, f.staging_base, f.tensor_bytes) for f in files.files],
+            self.storage_options,
+            self.thread_count,
+            self.sync_files,
+            self.upload,
+            self.timeout,
+        )
+        return write_staged, self.stage, args
+
+    def stage(self) -> dict[str, Any]:
+        """Copy the state's tensors into a (reused) staging buffer; serialize non-tensor values."""
+        plan, files = self._require_plan()
+        buf = self.pool.acquire(files)
+        self._buffer = buf
+        sources, targets = [], []
+        for f in files.files:
+            for slot in f.tensors:
+                item = plan.items[slot.item]
+                begin = f.staging_base + slot.data_offset
+                raw = buf.tensor[begin : begin + slot.template.nbytes]
+                dtype = item.tensor_data.properties.dtype
+                shape = tuple(item.tensor_data.chunk.sizes)
+                src = self._planner_data(slot.item)
+                if tuple(src.shape) != shape or src.dtype != dtype:
+                    raise CheckpointingError(
+                        f"{item.index.fqn}: planned {dtype} {list(shape)}, found {src.dtype} "
+                        f"{list(src.shape)} (the state changed after planning)"
+                    )
+                target = raw.view(dtype).view(shape) if raw.numel() else None
+                if target is not None:
+                    sources.append(src)
+                    targets.append(target)
+        _copy(sources, targets, buf)
+        byte_records = self._resolve_bytes()
+        self._results = files.write_results(plan, self._byte_sizes(byte_records))
+        return {"buffer": buf, "byte_records": byte_records}
+
+    def release_staging(self) -> None:
+        """Give the staging buffer back to the pool (the save is finalized or aborted)."""
+        if self._buffer is not None:
+            self.pool.release(self._buffer)
+            self._buffer = None
+
+    def retrieve_write_results(self) -> list[WriteResult]:
+        if self.write_error is not None:
+            raise CheckpointingError(self.write_error)
+        if self._results is None:
+            raise CheckpointingError(f"{self.path}: no data was written by this rank yet")
+        return self._results
+
+    def commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write ``.metadata`` (atomically): the checkpoint becomes complete once markers go."""
+        storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        md = dataclasses.replace(
+            metadata, storage_data=storage_data, storage_meta=self.storage_meta()
+        )
+        if CURRENT_DCP_VERSION is not None:
+            md.version = CURRENT_DCP_VERSION
+        storage.publish(
+            self._url(METADATA_NAME),
+            pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL),
+            storage_options=self.storage_options,
+            upload=self.upload,
+        )
+
+    def remove_markers(self, every_visible: bool = False) -> None:
+        """Remove this rank's marker (and, with ``every_visible``, every marker listed here)."""
+        names = {marker_name(self.rank)}
+        if every_visible:
+            names |= {
+                n
+                for n in storage.listdir(self.path, self.storage_options)
+                if n.startswith(MARKER_PREFIX)
+            }
+        for name in sorted(names):
+            storage.remove(self._url(name), storage_options=self.storage_options)
+
+    def discard(self) -> None:
+        """Remove what this rank wrote for a failed save: data files, then its marker."""
+        if self._files is not None:
+            for name in self._files.names:
+                storage.remove(self._url(name), storage_options=self.storage_options)
+        if self._marker_made:
+            storage.remove(self._url(marker_name(self.rank)), storage_options=self.storage_options)
+            storage.remove_dir_if_empty(self.path, self.storage_options)
+
+    # ---------------------------------------------------------------------- helpers
+
+    def _url(self, name: str) -> str:
+        return storage.join(self.path, name)
+
+    def _require_plan(self) -> tuple[SavePlan, RankFiles]:
+        if self._plan is None or self._files is None:
+            raise CheckpointingError("Writer: prepare_write_data() must run before writing")
+        return self._plan, self._files
+
+    def _planner_data(self, item_index: int) -> torch.Tensor:
+        assert self._plan is not None and self._planner is not None
+        data = self._planner.resolve_data(self._plan.items[item_index])
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointingError(
+                f"{self._plan.items[item_index].index.fqn}: planned a tensor, got {type(data)}"
+            )
+        return data.detach()
+
+    def _resolve_tensor(self, item_index: int) -> torch.Tensor:
+        return _as_cpu_contiguous(self._planner_data(item_index))
+
+    def _resolve_bytes(self) -> list[list[bytes]]:
+        """The serialized non-tensor values, per file."""
+        plan, files = self._require_plan()
+        assert self._planner is not None
+        out: list[list[bytes]] = []
+        for f in files.files:
+            records = []
+            for i in f.byte_items:
+                data = self._planner.resolve_data(plan.items[i])
+                if isinstance(data, io.BytesIO):
+                    records.append(data.getvalue())
+                elif isinstance(data, (bytes, bytearray)):
+                    records.append(bytes(data))
+                else:
+                    raise CheckpointingError(
+                        f"{plan.items[i].index.fqn}: planned bytes, got {type(data)}"
+                    )
+            out.append(records)
+        return out
+
+    def _byte_sizes(self, byte_records: list[list[bytes]]) -> dict[int, int]:
+        _, files = self._require_plan()
+        return {
+            i: len(b)
+            for f, records in zip(files.files, byte_records)
+            for i, b in zip(f.byte_items, records)
+        }
+
+
+def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor], buf: StagingBuffer) -> None:
+    """Snapshot copy; CUDA sources go through a side stream into page-locked staging memory."""
+    with torch.no_grad():
+        if not any(s.device.type == "cuda" for s in sources):
+            for src, dst in zip(sources, targets):
+                dst.copy_(src)
+            return
+        buf.pin()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for src, dst in zip(sources, targets):
+                dst.copy_(src, non_blocking=src.device.type == "cuda")
+        stream.synchronize()
+
+
+def write_staged(
+    path: str,
+    files: list[tuple[str, int, int]],
+    storage_options: Mapping[str, Any],
+    thread_count: int,
+    sync_files: bool,
+    upload: storage.UploadOptions,
+    timeout: float,
+    *,
+    buffer: Any,
+    byte_records: list[list[bytes]],
+) -> int:
+    """Write staged files (runs in the background worker): file ``k`` is the staging range
+    ``[base, base + length)`` followed by its serialized non-tensor values."""
+    from ..asyncsave.worker import resolve_buffer
+
+    data = resolve_buffer(buffer)
+    jobs = [
+        (storage.join(path, name), [data[base : base + length], *records])
+        for (name, base, length), records in zip(files, byte_records)
+    ]
+    written = storage.write_files_parallel(
+        jobs,
+        threads=thread_count,
+        storage_options=storage_options,
+        fsync=sync_files,
+        upload=upload,
+        timeout=timeout,
+    )
+    return sum(written)
+
+
+__all__ = ["DEFAULT_POOL", "Writer", "write_staged"]

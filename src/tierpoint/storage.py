@@ -1,0 +1,575 @@
+"""Paths and URLs over one small API: local files (direct system calls, fsynced) or any fsspec URL.
+
+Every function takes a local path, a ``file://`` URL or an fsspec URL (``s3://bucket/key``, ...) plus
+optional ``storage_options`` (passed to fsspec, e.g. ``{"endpoint_url": ...}`` for s3fs).
+
+Call order for a checkpoint directory: :func:`makedirs`, :func:`touch` a marker, :func:`write_file`
+each data file, :func:`publish` the commit file last, :func:`remove` the marker. Readers use
+:func:`listdir`, :func:`exists`, :func:`read_bytes`.
+
+Invariants:
+- Local writes are durable when the call returns: files are fsynced, and so is the directory that
+  names them (after create, rename and remove).
+- :func:`publish` is atomic: a reader sees the old content or the new, never a part (local: tmp file,
+  fsync, rename; object stores: one PUT).
+- Large uploads to S3 are multipart, parts sent in parallel and each retried on transient errors
+  (bounded attempts with backoff); a failed upload is aborted, leaving no object behind.
+- Listings never come from fsspec's listing cache (it is invalidated first), so a rank sees what the
+  store holds now.
+- Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the path and the reason.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import posixpath
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CheckpointingError
+
+logger = logging.getLogger("tierpoint")
+
+Views = Sequence["bytes | bytearray | memoryview"]
+
+_IO_CHUNK = 1 << 30
+_WRITEV_BATCH = 512
+_SMALL = 1 << 20
+
+
+@dataclass(frozen=True)
+class UploadOptions:
+    """How objects are sent to object stores.
+
+    Objects larger than ``part_size`` are sent as a multipart upload (S3) with up to ``concurrency``
+    parts in flight; each request is tried ``attempts`` times, waiting ``backoff * 2**k`` seconds.
+    """
+
+    part_size: int = 32 << 20
+    concurrency: int = 4
+    attempts: int = 5
+    backoff: float = 0.2
+
+
+DEFAULT_UPLOAD = UploadOptions()
+
+_S3_MIN_PART = 5 << 20
+_S3_MAX_PARTS = 10_000
+
+
+# ---------------------------------------------------------------------------------------- naming
+
+
+def is_local(url: str | os.PathLike) -> bool:
+    """Whether ``url`` names a local path (plain path or ``file://``)."""
+    text = os.fspath(url)
+    return "://" not in text or text.startswith("file://")
+
+
+def _local_path(url: str | os.PathLike) -> str:
+    text = os.fspath(url)
+    return text[len("file://") :] if text.startswith("file://") else text
+
+
+def join(url: str | os.PathLike, *names: str) -> str:
+    """``url`` with ``names`` appended (``/`` separators for URLs)."""
+    text = os.fspath(url)
+    if is_local(text):
+        return os.path.join(text, *names)
+    return posixpath.join(text.rstrip("/"), *names)
+
+
+def basename(url: str | os.PathLike) -> str:
+    return posixpath.basename(os.fspath(url).rstrip("/"))
+
+
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem for a non-local ``url`` and the path inside it (instances are cached)."""
+    from fsspec.core import url_to_fs
+
+    try:
+        return url_to_fs(url, **dict(storage_options or {}))
+    except (ImportError, ValueError) as e:
+        raise CheckpointingError(f"cannot open storage for {url}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno is not None:
+        name = errno.errorcode.get(e.errno, str(e.errno))
+        return f"{e.strerror or e} [{name}]"
+    return f"{type(e).__name__}: {e}"
+
+
+def _fail(action: str, url: str | os.PathLike, e: BaseException) -> CheckpointingError:
+    if isinstance(e, CheckpointingError):
+        return e
+    err = CheckpointingError(f"{action} {os.fspath(url)} failed: {_reason(e)}")
+    err.path = os.fspath(url)  # type: ignore[attr-defined]
+    return err
+
+
+# ---------------------------------------------------------------------------------------- local
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        n = os.write(fd, view[:_IO_CHUNK])
+        view = view[n:]
+
+
+def _write_views(fd: int, views: Iterable[bytes | bytearray | memoryview]) -> int:
+    """Write views back to back; small ones gathered into one ``writev``. Returns bytes written."""
+    batch: list[memoryview] = []
+    batch_bytes = 0
+    total = 0
+
+    def flush() -> None:
+        nonlocal batch, batch_bytes
+        if batch:
+            written = os.writev(fd, batch)
+            if written != batch_bytes:  # partial writev: finish the rest piece by piece
+                rest = written
+                for v in batch:
+                    if rest >= len(v):
+                        rest -= len(v)
+                        continue
+                    _write_all(fd, v[rest:])
+                    rest = 0
+            batch, batch_bytes = [], 0
+
+    for raw in views:
+        v = memoryview(raw).cast("B") if not isinstance(raw, bytes) else memoryview(raw)
+        total += len(v)
+        if len(v) >= _SMALL:
+            flush()
+            _write_all(fd, v)
+        elif len(v):
+            batch.append(v)
+            batch_bytes += len(v)
+            if len(batch) >= _WRITEV_BATCH or batch_bytes >= _SMALL:
+                flush()
+    flush()
+    return total
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries durable (local paths only; a no-op for URLs)."""
+    if not is_local(path):
+        return
+    fd = os.open(_local_path(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_local(path: str, views: Views, fsync: bool) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        total = _write_views(fd, views)
+        if fsync:
+            os.fsync(fd)
+        return total
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------- remote
+
+
+def _transient(e: BaseException) -> bool:
+    """Whether an object-store error is worth retrying."""
+    if isinstance(e, (PermissionError, FileNotFoundError, IsADirectoryError, ValueError)):
+        return False
+    if isinstance(e, (OSError, ConnectionError, TimeoutError)):
+        return True
+    name = type(e).__name__
+    return any(k in name for k in ("Timeout", "Connection", "Throttl", "Endpoint", "Payload"))
+
+
+def _with_retries(what: str, options: UploadOptions, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    for attempt in range(options.attempts):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - classified below
+            if attempt + 1 >= options.attempts or not _transient(e):
+                raise
+            wait = options.backoff * (2**attempt)
+            logger.warning("%s failed (%s); retrying in %.1f s", what, _reason(e), wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _is_s3(fs: Any) -> bool:
+    return type(fs).__name__ == "S3FileSystem" and hasattr(fs, "_call_s3")
+
+
+def _s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, fs._call_s3, method, **kwargs)
+
+
+def _slice_views(views: Sequence[memoryview], begin: int, end: int) -> bytes:
+    """Bytes ``[begin, end)`` of the concatenation of ``views``."""
+    out = bytearray(end - begin)
+    pos = 0
+    filled = 0
+    for v in views:
+        n = len(v)
+        if pos + n > begin and pos < end:
+            lo = max(begin - pos, 0)
+            hi = min(end - pos, n)
+            out[filled : filled + hi - lo] = v[lo:hi]
+            filled += hi - lo
+        pos += n
+        if pos >= end:
+            break
+    return bytes(out)
+
+
+def _s3_multipart(
+    fs: Any, path: str, views: Sequence[memoryview], total: int, options: UploadOptions
+) -> None:
+    bucket, key, _ = fs.split_path(path)
+    part_size = max(options.part_size, _S3_MIN_PART, -(-total // _S3_MAX_PARTS))
+    ranges = [(b, min(b + part_size, total)) for b in range(0, total, part_size)]
+    created = _with_retries(
+        f"starting the upload of {path}",
+        options,
+        _s3_call,
+        fs,
+        "create_multipart_upload",
+        Bucket=bucket,
+        Key=key,
+    )
+    upload_id = created["UploadId"]
+
+    def put(number: int, begin: int, end: int) -> dict[str, Any]:
+        body = _slice_views(views, begin, end)
+        reply = _with_retries(
+            f"uploading part {number} of {path}",
+            options,
+            _s3_call,
+            fs,
+            "upload_part",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+        )
+        return {"PartNumber": number, "ETag": reply["ETag"]}
+
+    try:
+        with ThreadPoolExecutor(min(options.concurrency, len(ranges))) as pool:
+            futures = [pool.submit(put, i + 1, b, e) for i, (b, e) in enumerate(ranges)]
+            parts = [f.result() for f in futures]
+        _with_retries(
+            f"completing the upload of {path}",
+            options,
+            _s3_call,
+            fs,
+            "complete_multipart_upload",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+    except BaseException:
+        try:
+            _s3_call(fs, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception as e:  # noqa: BLE001 - the original failure matters more
+            logger.warning("aborting the upload of %s failed: %s", path, _reason(e))
+        raise
+
+
+def _write_remote(
+    url: str, views: Views, storage_options: Mapping[str, Any] | None, options: UploadOptions
+) -> int:
+    fs, path = filesystem(url, storage_options)
+    mvs = [memoryview(v).cast("B") if not isinstance(v, bytes) else memoryview(v) for v in views]
+    total = sum(len(v) for v in mvs)
+    if _is_s3(fs) and total > options.part_size:
+        _s3_multipart(fs, path, mvs, total, options)
+    elif total <= options.part_size:
+        data = _slice_views(mvs, 0, total)
+        _with_retries(f"uploading {url}", options, fs.pipe_file, path, data)
+    else:  # another object store: its own streaming (chunked) upload
+
+        def stream() -> None:
+            with fs.open(path, "wb", block_size=options.part_size) as f:
+                for v in mvs:
+                    f.write(v)
+
+        _with_retries(f"uploading {url}", options, stream)
+    fs.invalidate_cache(posixpath.dirname(path))
+    return total
+
+
+# ---------------------------------------------------------------------------------------- API
+
+
+def makedirs(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Create a directory and its parents (durably, for local paths); a no-op on object stores."""
+    try:
+        if is_local(url):
+            path = os.path.abspath(_local_path(url))
+            missing = []
+            while path and not os.path.isdir(path):
+                missing.append(path)
+                path = os.path.dirname(path)
+            for p in reversed(missing):
+                try:
+                    os.mkdir(p)
+                except FileExistsError:
+                    if not os.path.isdir(p):
+                        raise
+                fsync_dir(os.path.dirname(p))
+        else:
+            fs, path = filesystem(os.fspath(url), storage_options)
+            if not _is_s3(fs):
+                fs.makedirs(path, exist_ok=True)
+    except Exception as e:  # noqa: BLE001 - reported with the path
+        raise _fail("creating directory", url, e) from e
+
+
+def write_file(
+    url: str | os.PathLike,
+    views: Views,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    fsync: bool = True,
+    upload: UploadOptions = DEFAULT_UPLOAD,
+) -> int:
+    """Write ``views`` back to back as the whole content of ``url``; returns the byte count.
+
+    Local files are written in place and fsynced (the caller fsyncs the directory once after a batch
+    of files, see :func:`fsync_dir`); object-store files appear only when complete.
+    """
+    try:
+        if is_local(url):
+            return _write_local(_local_path(url), views, fsync)
+        return _write_remote(os.fspath(url), views, storage_options, upload)
+    except Exception as e:  # noqa: BLE001 - reported with the path
+        raise _fail("writing", url, e) from e
+
+
+def publish(
+    url: str | os.PathLike,
+    data: bytes,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    upload: UploadOptions = DEFAULT_UPLOAD,
+) -> None:
+    """Atomically make ``url`` hold ``data`` (local: tmp, fsync, rename, fsync dir; else one PUT)."""
+    try:
+        if is_local(url):
+            path = _local_path(url)
+            tmp = f"{path}.tmp"
+            _write_local(tmp, [data], fsync=True)
+            os.replace(tmp, path)
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+        else:
+            fs, path = filesystem(os.fspath(url), storage_options)
+            _with_retries(f"uploading {url}", upload, fs.pipe_file, path, bytes(data))
+            fs.invalidate_cache(posixpath.dirname(path))
+    except Exception as e:  # noqa: BLE001 - reported with the path
+        raise _fail("publishing", url, e) from e
+
+
+def touch(
+    url: str | os.PathLike,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    upload: UploadOptions = DEFAULT_UPLOAD,
+) -> None:
+    """Create an empty file (a marker), durably."""
+    try:
+        if is_local(url):
+            path = _local_path(url)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            os.close(fd)
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+        else:
+            fs, path = filesystem(os.fspath(url), storage_options)
+            _with_retries(f"creating {url}", upload, fs.pipe_file, path, b"")
+            fs.invalidate_cache(posixpath.dirname(path))
+    except Exception as e:  # noqa: BLE001 - reported with the path
+        raise _fail("creating", url, e) from e
+
+
+def remove(
+    url: str | os.PathLike,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    missing_ok: bool = True,
+    sync_dir: bool = True,
+) -> bool:
+    """Remove a file; returns whether it existed. Local removals are made durable unless
+    ``sync_dir`` is false."""
+    try:
+        if is_local(url):
+            path = _local_path(url)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                if not missing_ok:
+                    raise
+                return False
+            if sync_dir:
+                fsync_dir(os.path.dirname(os.path.abspath(path)))
+            return True
+        fs, path = filesystem(os.fspath(url), storage_options)
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+            return False
+        finally:
+            fs.invalidate_cache(posixpath.dirname(path))
+        return True
+    except Exception as e:  # noqa: BLE001 - reported with the path
+        raise _fail("removing", url, e) from e
+
+
+def remove_dir_if_empty(
+    url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
+) -> None:
+    """Remove an empty local directory (quietly keeps a non-empty one); no-op on object stores."""
+    if not is_local(url):
+        return
+    try:
+        os.rmdir(_local_path(url))
+        fsync_dir(os.path.dirname(os.path.abspath(_local_path(url))))
+    except OSError:
+        pass
+
+
+def listdir(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Names directly under ``url`` (files and directories); empty when it does not exist."""
+    try:
+        if is_local(url):
+            try:
+                return sorted(os.listdir(_local_path(url)))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        fs, path = filesystem(os.fspath(url), storage_options)
+        fs.invalidate_cache(path)
+        try:
+            entries = fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        prefix = path.rstrip("/") + "/"
+        return sorted(
+            {
+                e.rstrip("/")[len(prefix) :]
+                if e.startswith(prefix)
+                else posixpath.basename(e.rstrip("/"))
+                for e in entries
+                if e.rstrip("/") != path.rstrip("/")
+            }
+        )
+    except Exception as e:  # noqa: BLE001 - reported with the path
+        raise _fail("listing", url, e) from e
+
+
+def isdir(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bool:
+    try:
+        if is_local(url):
+            return os.path.isdir(_local_path(url))
+        fs, path = filesystem(os.fspath(url), storage_options)
+        fs.invalidate_cache(path)
+        return bool(fs.isdir(path))
+    except Exception as e:  # noqa: BLE001 - reported with the path
+        raise _fail("inspecting", url, e) from e
+
+
+def exists(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bool:
+    try:
+        if is_local(url):
+            return os.path.exists(_local_path(url))
+        fs, path = filesystem(os.fspath(url), storage_options)
+        fs.invalidate_cache(posixpath.dirname(path))
+        return bool(fs.exists(path))
+    except Exception as e:  # noqa: BLE001 - reported with the path
+        raise _fail("inspecting", url, e) from e
+
+
+def read_bytes(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bytes:
+    try:
+        if is_local(url):
+            with open(_local_path(url), "rb") as f:
+                return f.read()
+        fs, path = filesystem(os.fspath(url), storage_options)
+        return bytes(fs.cat_file(path))
+    except Exception as e:  # noqa: BLE001 - reported with the path
+        raise _fail("reading", url, e) from e
+
+
+def write_files_parallel(
+    jobs: Sequence[tuple[str, Views]],
+    *,
+    threads: int,
+    storage_options: Mapping[str, Any] | None = None,
+    fsync: bool = True,
+    upload: UploadOptions = DEFAULT_UPLOAD,
+    timeout: float | None = None,
+) -> list[int]:
+    """Write several files on ``threads`` threads (each file whole by one thread), then fsync the
+    directories that name them. Raises the first failure (naming its file); waits at most
+    ``timeout`` seconds."""
+    if not jobs:
+        return []
+    results: list[int] = [0] * len(jobs)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    pending = list(enumerate(jobs))
+
+    def run() -> None:
+        while True:
+            with lock:
+                if not pending or errors:
+                    return
+                i, (url, views) = pending.pop(0)
+            try:
+                results[i] = write_file(
+                    url, views, storage_options=storage_options, fsync=fsync, upload=upload
+                )
+            except BaseException as e:  # noqa: BLE001 - raised by the caller below
+                with lock:
+                    errors.append(e)
+                return
+
+    workers = [
+        threading.Thread(target=run, name=f"tierpoint-write-{k}", daemon=True)
+        for k in range(max(1, min(threads, len(jobs))))
+    ]
+    for w in workers:
+        w.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for w in workers:
+        w.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if w.is_alive():
+            raise CheckpointingError(
+                f"writing {len(jobs)} files did not finish within {timeout:.0f} s"
+            )
+    if errors:
+        raise errors[0]
+    if fsync:
+        for d in sorted({os.path.dirname(_local_path(u)) for u, _ in jobs if is_local(u)}):
+            try:
+                fsync_dir(d or ".")
+            except OSError as e:
+                raise _fail("syncing directory", d, e) from e
+    return results
