@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from ..asyncsave import AsyncCallsQueue, AsyncRequest
 from ..errors import CheckpointingError, CoordinationTimeoutError
+from ..storage import DEFAULT_UPLOAD, UploadOptions
 from .staging_pool import StagingPool
 from .state_dict_saver import (
     CheckpointMetadataCache,
@@ -55,6 +56,7 @@ def save(
     enable_cache: bool = True,
     metadata_cache: CheckpointMetadataCache | None = None,
     sync_files: bool = True,
+    upload: UploadOptions = DEFAULT_UPLOAD,
 ) -> Metadata | None:
     """Save ``state_dict`` as a torch DCP checkpoint at ``path_or_url``; returns when it is committed.
 
@@ -67,6 +69,7 @@ def save(
         thread_count=thread_count,
         storage_options=storage_options,
         sync_files=sync_files,
+        upload=upload,
     )
     writer, metadata, dist_wrapper = save_state_dict_async_plan(
         state_dict,
@@ -95,6 +98,7 @@ def async_save_request(
     metadata_cache: CheckpointMetadataCache | None = None,
     staging_pool: StagingPool | None = None,
     sync_files: bool = True,
+    upload: UploadOptions = DEFAULT_UPLOAD,
 ) -> AsyncRequest:
     """Plan an async save now and return the request to schedule (NVRx style)::
 
@@ -109,6 +113,7 @@ def async_save_request(
         storage_options=storage_options,
         staging_pool=staging_pool,
         sync_files=sync_files,
+        upload=upload,
     )
     planned = save_state_dict_async_plan(
         state_dict,
@@ -219,6 +224,7 @@ def async_save(
     metadata_cache: CheckpointMetadataCache | None = None,
     staging_pool: StagingPool | None = None,
     sync_files: bool = True,
+    upload: UploadOptions = DEFAULT_UPLOAD,
 ) -> SaveFuture:
     """Save asynchronously: plan, snapshot into staging memory, hand the writing to ``queue``'s
     worker; returns a :class:`SaveFuture` once the snapshot is taken (unless the queue overlaps
@@ -239,6 +245,7 @@ def async_save(
         metadata_cache=metadata_cache,
         staging_pool=staging_pool,
         sync_files=sync_files,
+        upload=upload,
     )
     q = queue if queue is not None else default_queue()
     future = SaveFuture(q, request, os.fspath(path_or_url))

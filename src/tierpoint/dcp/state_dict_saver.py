@@ -97,9 +97,9 @@ class CheckpointMetadataCache:
     ) -> None:
         """Record the plans of the save just planned."""
         self.validated_loaded_metadata_reuse = global_md_verify_reuse
-        self.validated_cache_reuse = central_plan is self.cached_central_plan or bool(
-            central_plan == self.cached_central_plan
-        )
+        self.validated_cache_reuse = (
+            central_plan is self.cached_central_plan
+        )  # reused, not replanned
         self.cached_central_plan = central_plan
         self.cached_local_plan = local_plan
 

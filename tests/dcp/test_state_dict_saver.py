@@ -1,0 +1,160 @@
+"""Cached planning: saves after the first of an unchanged layout run no planning collectives but one
+all-reduce of one integer, and still write correct checkpoints; a layout change on any single rank
+makes every rank plan again."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from tierpoint.dcp import (
+    CheckpointMetadataCache,
+    Writer,
+    save,
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+    step_path,
+)
+from tierpoint.spawn import run_ranks
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+_COLLECTIVES = (
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce_scatter",
+    "scatter",
+    "scatter_object_list",
+)
+
+
+class CollectiveCounter:
+    """Counts calls of torch.distributed's collectives (by name) while active."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.active = False
+        for name in _COLLECTIVES:
+            original = getattr(dist, name)
+
+            def counted(*a, _name=name, _original=original, **k):
+                if self.active:
+                    self.calls[_name] += 1
+                return _original(*a, **k)
+
+            setattr(dist, name, counted)
+
+    def measure(self, fn, *args, **kwargs):
+        self.calls.clear()
+        self.active = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.active = False
+
+
+def _state(rank: int, step: int, extra: bool) -> dict:
+    g = torch.Generator().manual_seed(step)
+    state = {
+        "w": torch.randn(32, 16, generator=g),
+        "b": torch.randn(16, generator=g),
+        f"own{rank}": torch.full((8,), float(rank * 100 + step)),
+        "step": step,
+    }
+    if extra:
+        state["extra"] = torch.arange(5) + step
+    return state
+
+
+def _planning_counts(rank: int, world: int, root: str) -> list:
+    counter = CollectiveCounter()
+    cache = CheckpointMetadataCache()
+    report = []
+    for step in range(1, 7):
+        extra = step >= 5 and rank == 1  # from step 5, rank 1 alone holds one more tensor
+        state = _state(rank, step, extra)
+        path = step_path(root, step)
+        writer, metadata, wrapper = counter.measure(
+            save_state_dict_async_plan,
+            state,
+            Writer(path),
+            enable_cache=True,
+            metadata_cache=cache,
+        )
+        planning = dict(counter.calls)
+        writer.write_now()
+        save_state_dict_async_finalize(writer, metadata, wrapper)
+        dist.barrier()
+        # Every rank checks the whole checkpoint with torch's own reader.
+        loaded = {k: torch.zeros_like(v) for k, v in _state(0, step, False).items() if k != "step"}
+        for r in range(world):
+            loaded[f"own{r}"] = torch.zeros(8)
+        if step >= 5:
+            loaded["extra"] = torch.zeros(5, dtype=torch.int64)
+        loaded["step"] = 0
+        dcp.load(loaded, storage_reader=FileSystemReader(path), no_dist=True)
+        expected = _state(0, step, step >= 5)
+        ok = all(torch.equal(loaded[k], expected[k]) for k in ("w", "b"))
+        ok &= loaded["step"] == step
+        ok &= all(
+            torch.equal(loaded[f"own{r}"], torch.full((8,), float(r * 100 + step)))
+            for r in range(world)
+        )
+        if step >= 5:
+            ok &= torch.equal(loaded["extra"], torch.arange(5) + step)
+        report.append([planning, bool(ok), cache.validated_cache_reuse, cache.planning_rounds])
+    return report
+
+
+def test_unchanged_layout_skips_planning_collectives(tmp_path):
+    reports = run_ranks(_planning_counts, 2, str(tmp_path), timeout=180)
+    for rank, report in enumerate(reports):
+        counts = [r[0] for r in report]
+        assert all(r[1] for r in report), (rank, report)  # every checkpoint is correct
+        # Save 1 plans (gather + scatter of plans); saves 2-4 only agree with one all-reduce.
+        assert counts[0].get("gather_object") == 1 and counts[0].get("scatter_object_list") == 1
+        for k in (1, 2, 3):
+            assert counts[k] == {"all_reduce": 1}, (rank, k, counts[k])
+        # Save 5: rank 1's layout changed, so every rank plans again; save 6 is cached again.
+        assert counts[4].get("gather_object") == 1 and counts[4].get("all_reduce") == 1
+        assert counts[5] == {"all_reduce": 1}
+        assert [r[2] for r in report] == [False, True, True, True, False, True]
+        assert [r[3] for r in report] == [1, 1, 1, 1, 2, 2]
+
+
+def test_single_process_cache_reuse(tmp_path):
+    cache = CheckpointMetadataCache()
+    for step in range(3):
+        state = {"a": torch.full((4,), float(step)), "n": step}
+        save(state, step_path(tmp_path, step), metadata_cache=cache)
+        out = {"a": torch.zeros(4), "n": 0}
+        dcp.load(out, checkpoint_id=step_path(tmp_path, step))
+        assert torch.equal(out["a"], state["a"]) and out["n"] == step
+    assert cache.planning_rounds == 1
+    assert cache.get_metadata_caching_status() == (True, False)
+    assert sorted(os.listdir(tmp_path)) == ["step-0", "step-1", "step-2"]
+
+
+def test_caching_can_be_disabled(tmp_path):
+    cache = CheckpointMetadataCache()
+    for step in range(2):
+        save(
+            {"a": torch.ones(2)},
+            step_path(tmp_path, step),
+            enable_cache=False,
+            metadata_cache=cache,
+        )
+    assert cache.planning_rounds == 0 and cache.cached_central_plan is None

@@ -1,0 +1,265 @@
+"""The DCP Writer produces standard checkpoints: torch's own FileSystemReader loads them, on 1, 2 and
+4 ranks (DTensor shards, replicated tensors, non-tensor values); the commit protocol runs in order;
+failures are clear and leave nothing committed."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from tierpoint import storage
+from tierpoint.dcp import Writer, get_latest_complete_checkpoint, save, step_path
+from tierpoint.dcp.tensor_record import record_template
+from tierpoint.errors import CheckpointingError
+from tierpoint.spawn import run_ranks
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def local_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(8, 12, generator=g)
+    return {
+        "model": {
+            "w": torch.randn(64, 33, generator=g),
+            "b": torch.randn(33, generator=g).to(torch.bfloat16),
+            "t": wide.t(),  # non-contiguous
+            "mask": torch.rand(17, generator=g) > 0.5,
+            "idx": torch.randint(0, 1000, (5, 3), generator=g),
+            "c": torch.randn(4, 2, generator=g, dtype=torch.complex64),
+            "empty": torch.empty(0, 4),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+        },
+        "step": 1234,
+        "name": "run-α",
+        "opts": {"lr": 0.1, "betas": (0.9, 0.99)},
+    }
+
+
+def zeros_like_state(state: dict) -> dict:
+    def z(v):
+        if isinstance(v, torch.Tensor):
+            return torch.zeros_like(v.contiguous())
+        if isinstance(v, dict):
+            return {k: z(x) for k, x in v.items()}
+        return None
+
+    return z(state)
+
+
+def assert_same(loaded: dict, expected: dict) -> None:
+    for key, value in expected.items():
+        got = loaded[key]
+        if isinstance(value, dict):
+            assert_same(got, value)
+        elif isinstance(value, torch.Tensor):
+            assert got.dtype == value.dtype and got.shape == value.shape, key
+            assert torch.equal(got, value), key
+        else:
+            assert got == value, key
+
+
+def test_torch_reader_loads_every_dtype_and_value(tmp_path):
+    state = local_state()
+    path = step_path(tmp_path, 7)
+    save(state, path, thread_count=3)
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=FileSystemReader(path))
+    assert_same(out, state)
+    assert get_latest_complete_checkpoint(tmp_path) == path
+
+
+def test_plain_dcp_save_with_writer_commits_and_clears_markers(tmp_path):
+    state = local_state(1)
+    path = str(tmp_path / "ckpt")
+    dcp.save(state, storage_writer=Writer(path, thread_count=2))
+    assert ".metadata" in os.listdir(path)
+    assert not [n for n in os.listdir(path) if n.startswith(".unfinished")]
+    out = zeros_like_state(state)
+    dcp.load(out, checkpoint_id=path)
+    assert_same(out, state)
+
+
+def test_tensor_records_are_what_torch_load_reads():
+    for dtype, shape in [(torch.float16, (3, 5)), (torch.int8, (0,)), (torch.float64, ())]:
+        t = torch.arange(max(1, int(torch.tensor(shape).prod().item()) if shape else 1)).to(dtype)
+        t = t[: int(torch.tensor(shape).prod().item()) if shape else 1].reshape(shape)
+        tpl = record_template(dtype, shape)
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        back = torch.load(io.BytesIO(tpl.head + raw + tpl.tail), weights_only=True)
+        assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+        assert len(tpl.head) % 64 == 0 or tpl.nbytes == 0  # data 64-byte aligned in the record
+
+
+def test_data_is_64_byte_aligned_in_files(tmp_path):
+    path = str(tmp_path / "c")
+    save({"a": torch.randn(3), "b": torch.randn(100), "c": torch.randn(7)}, path, thread_count=1)
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    for info in md.storage_data.values():
+        assert info.offset % 64 == 0
+
+
+def test_commit_protocol_order(tmp_path, monkeypatch):
+    """Marker before any data; .metadata after all data; marker removed after .metadata."""
+    events: list[tuple[str, str]] = []
+    for name in ("touch", "publish", "remove", "write_file"):
+        original = getattr(storage, name)
+
+        def recording(url, *a, _name=name, _original=original, **k):
+            events.append((_name, os.path.basename(os.fspath(url))))
+            return _original(url, *a, **k)
+
+        monkeypatch.setattr(storage, name, recording)
+    save(local_state(), str(tmp_path / "c"), thread_count=2)
+    order = [f"{op}:{name}" for op, name in events]
+    assert order[0] == "touch:.unfinished-0"
+    data = [i for i, e in enumerate(order) if e.startswith("write_file:__0_")]
+    assert len(data) == 2
+    commit = order.index("publish:.metadata")
+    unmark = order.index("remove:.unfinished-0", commit)
+    assert max(data) < commit < unmark
+
+
+def test_resaving_a_committed_directory_uncommits_it_first(tmp_path):
+    path = str(tmp_path / "c")
+    save({"a": torch.zeros(4)}, path)
+    w = Writer(path)
+    w.set_up_storage_writer(True, rank=0)  # a new save starts: marker in, old commit out
+    assert sorted(os.listdir(path)) == [".unfinished-0", "__0_0.distcp"]
+    assert get_latest_complete_checkpoint(tmp_path) is None
+
+
+def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    save({"a": torch.ones(1000)}, step_path(tmp_path, 1))
+    os.makedirs(step_path(tmp_path, 2))
+    os.symlink("/dev/full", os.path.join(step_path(tmp_path, 2), "__0_0.distcp"))
+    with pytest.raises(CheckpointingError, match=r"step-2/__0_0.distcp.*ENOSPC"):
+        save({"a": torch.ones(1000)}, step_path(tmp_path, 2), thread_count=1)
+    assert not os.path.exists(os.path.join(step_path(tmp_path, 2), ".metadata"))
+    assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 1)
+
+
+def test_unwritable_path_fails_clearly(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(CheckpointingError, match=r"file/step-1.*ENOTDIR"):
+        save({"a": torch.ones(3)}, step_path(tmp_path / "file", 1))
+
+
+def test_file_size_limit_fails_clearly_in_a_subprocess(tmp_path):
+    """RLIMIT_FSIZE makes writes fail with EFBIG: the save raises naming the file."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import resource, signal, torch, warnings
+        warnings.simplefilter("ignore")
+        from tierpoint.dcp import save, step_path, get_latest_complete_checkpoint
+        from tierpoint.errors import CheckpointingError
+        base = {str(tmp_path)!r}
+        save({{"a": torch.ones(10)}}, step_path(base, 1))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        try:
+            save({{"a": torch.ones(1 << 20)}}, step_path(base, 2))
+        except CheckpointingError as e:
+            print("ERROR", e)
+        print("LATEST", get_latest_complete_checkpoint(base))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    ).stdout
+    assert "ERROR" in out and "__0_0.distcp" in out and "EFBIG" in out, out
+    assert f"LATEST {step_path(tmp_path, 1)}" in out, out
+
+
+# ------------------------------------------------------------------------------ several ranks
+
+
+def _mesh_state(rank: int, world: int, seed: int) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(world * 6, 5, generator=g)
+    replicated = torch.randn(11, generator=g)
+    return {
+        "sharded": distribute_tensor(full, mesh, [Shard(0)]),
+        "replicated": replicated,
+        "meta": {"step": seed, "tag": f"seed-{seed}"},
+    }, full
+
+
+def _round_trip(rank: int, world: int, root: str, use_torch_save: bool) -> bool:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    state, full = _mesh_state(rank, world, 3)
+    path = os.path.join(root, f"w{world}")
+    if use_torch_save:
+        dcp.save(state, storage_writer=Writer(path, thread_count=2))
+    else:
+        save(state, path, thread_count=2)
+    names = os.listdir(path)
+    assert ".metadata" in names and not [n for n in names if n.startswith(".unfinished")]
+    assert f"__{rank}_0.distcp" in names
+    mesh = init_device_mesh("cpu", (world,))
+    out = {
+        "sharded": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]),
+        "replicated": torch.zeros(11),
+        "meta": {"step": 0, "tag": ""},
+    }
+    dcp.load(out, storage_reader=FileSystemReader(path))
+    assert torch.equal(out["sharded"].full_tensor(), full)
+    assert torch.equal(out["replicated"], state["replicated"])
+    assert out["meta"] == {"step": 3, "tag": "seed-3"}
+    dist.barrier()
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ranks_round_trip_through_torchs_reader(tmp_path, world):
+    assert run_ranks(_round_trip, world, str(tmp_path), world == 2, timeout=120) == [True] * world
+
+
+def _one_rank_fails(rank: int, world: int, root: str) -> str:
+    save({"x": torch.full((100,), float(rank))}, step_path(root, 1))
+    target = step_path(root, 2)
+    if rank == 1:
+        os.makedirs(target, exist_ok=True)
+        os.symlink("/dev/full", os.path.join(target, "__1_0.distcp"))
+    state = {f"r{rank}": torch.full((1000,), float(rank))}  # each rank saves its own tensor
+    try:
+        save(state, target, thread_count=1)
+    except CheckpointingError as e:
+        message = str(e)
+    else:
+        message = "no error"
+    latest = get_latest_complete_checkpoint(root)
+    return f"{message}|{latest}"
+
+
+def test_a_failing_rank_fails_the_save_on_every_rank(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    results = run_ranks(_one_rank_fails, 2, str(tmp_path), timeout=120)
+    messages = {r.split("|")[0] for r in results}
+    assert len(messages) == 1, results  # the same error on every rank
+    message = messages.pop()
+    assert "rank 1" in message and "__1_0.distcp" in message and "ENOSPC" in message
+    assert {r.split("|")[1] for r in results} == {step_path(tmp_path, 1)}
+    assert not os.path.exists(os.path.join(step_path(tmp_path, 2), ".metadata"))
+    assert not os.path.exists(os.path.join(step_path(tmp_path, 2), "__0_0.distcp"))  # cleaned up

@@ -1,0 +1,114 @@
+"""tierpoint.storage on local paths: whole-file writes, atomic publish, markers, listing, clear errors.
+
+(Object-store behaviour, multipart and retries, is tested against a real S3 server in
+tests/dcp/test_s3.py.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tierpoint import storage
+from tierpoint.errors import CheckpointingError
+
+
+def test_write_file_writes_views_back_to_back(tmp_path):
+    big = os.urandom(3 << 20)
+    views = [b"head", memoryview(big), bytearray(b"tail"), b"", memoryview(b"x" * 10)[2:5]]
+    n = storage.write_file(tmp_path / "f", views)
+    assert n == 4 + len(big) + 4 + 3
+    assert (tmp_path / "f").read_bytes() == b"head" + big + b"tail" + b"xxx"
+
+
+def test_write_file_replaces_existing_content(tmp_path):
+    (tmp_path / "f").write_bytes(b"a much longer old content")
+    storage.write_file(tmp_path / "f", [b"new"])
+    assert (tmp_path / "f").read_bytes() == b"new"
+
+
+def test_many_small_views_take_the_gathered_path(tmp_path):
+    views = [bytes([i % 256]) * (i % 7) for i in range(3000)]
+    storage.write_file(tmp_path / "f", views)
+    assert (tmp_path / "f").read_bytes() == b"".join(views)
+
+
+def test_publish_is_atomic_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "d" / ".metadata"
+    storage.makedirs(tmp_path / "d")
+    storage.publish(target, b"v1")
+    storage.publish(target, b"v2")
+    assert target.read_bytes() == b"v2"
+    assert storage.listdir(tmp_path / "d") == [".metadata"]
+
+
+def test_touch_remove_exists_listdir(tmp_path):
+    storage.makedirs(tmp_path / "a" / "b")
+    marker = storage.join(tmp_path / "a" / "b", ".unfinished-0")
+    storage.touch(marker)
+    assert storage.exists(marker)
+    assert storage.listdir(tmp_path / "a") == ["b"]
+    assert storage.remove(marker) is True
+    assert storage.remove(marker) is False  # missing is fine by default
+    with pytest.raises(CheckpointingError, match=".unfinished-0"):
+        storage.remove(marker, missing_ok=False)
+    assert storage.listdir(tmp_path / "missing") == []
+    storage.remove_dir_if_empty(tmp_path / "a" / "b")
+    assert not (tmp_path / "a" / "b").exists()
+
+
+def test_file_urls_are_local(tmp_path):
+    url = f"file://{tmp_path}/x"
+    assert storage.is_local(url)
+    storage.write_file(url, [b"abc"])
+    assert storage.read_bytes(tmp_path / "x") == b"abc"
+
+
+def test_unwritable_directory_names_the_path(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(CheckpointingError, match=r"file/ckpt.*ENOTDIR"):
+        storage.makedirs(tmp_path / "file" / "ckpt")
+    with pytest.raises(CheckpointingError, match=r"file/x.distcp.*ENOTDIR"):
+        storage.write_file(tmp_path / "file" / "x.distcp", [b"abc"])
+
+
+def test_full_disk_names_the_file(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    os.symlink("/dev/full", tmp_path / "__0_0.distcp")
+    with pytest.raises(CheckpointingError, match=r"__0_0.distcp.*ENOSPC"):
+        storage.write_file(tmp_path / "__0_0.distcp", [os.urandom(1 << 16)])
+
+
+def test_parallel_writes_report_the_failing_file(tmp_path):
+    ok = [(str(tmp_path / f"f{i}"), [os.urandom(1000)]) for i in range(5)]
+    assert storage.write_files_parallel(ok, threads=3) == [1000] * 5
+    assert sorted(os.listdir(tmp_path)) == [f"f{i}" for i in range(5)]
+    bad = [*ok[:2], (str(tmp_path / "nodir" / "f"), [b"x"])]
+    with pytest.raises(CheckpointingError, match=r"nodir/f.*ENOENT"):
+        storage.write_files_parallel(bad, threads=2)
+
+
+def test_retries_only_transient_errors():
+    calls = []
+
+    def flaky(fail: list[BaseException]):
+        calls.append(1)
+        if fail:
+            raise fail.pop(0)
+        return "ok"
+
+    fast = storage.UploadOptions(attempts=3, backoff=0.0)
+    assert (
+        storage._with_retries("x", fast, flaky, [ConnectionError("reset"), TimeoutError()]) == "ok"
+    )
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(PermissionError):
+        storage._with_retries("x", fast, flaky, [PermissionError("denied")])
+    assert len(calls) == 1
+    calls.clear()
+    with pytest.raises(ConnectionError):
+        storage._with_retries("x", fast, flaky, [ConnectionError()] * 5)
+    assert len(calls) == 3
