@@ -333,7 +333,7 @@ def makedirs(url: str | os.PathLike, storage_options: Mapping[str, Any] | None =
                     os.mkdir(p)
                 except FileExistsError:
                     if not os.path.isdir(p):
-                        raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", p)
+                        raise NotADirectoryError(errno.ENOTDIR, "not a directory", p) from None
                 fsync_dir(os.path.dirname(p))
         else:
             fs, path = filesystem(os.fspath(url), storage_options)
