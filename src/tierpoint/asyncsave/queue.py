@@ -54,7 +54,9 @@ class _Call:
     scheduled_at: float
     snapshot: threading.Thread | None = None
     dispatched: bool = False
-    local: tuple[bool, Any, str | None] | None = None  # (ok, result or message, error type)
+    worker_result: tuple[bool, Any, str | None] | None = None  # (ok, result or message, error type)
+    background: threading.Thread | None = None
+    local: tuple[bool, Any, str | None] | None = None  # this rank's final outcome
     work: Any = None
     gathered: list[torch.Tensor] = field(default_factory=list)
     buffers: set[str] = field(default_factory=set)  # staging buffers the call's arguments use
@@ -90,11 +92,13 @@ class AsyncCallsQueue:
         self._ids = itertools.count()
         self._group: Any = None
         self._closed = False
+        self._pump_lock = threading.Lock()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the worker process has started (it imports torch, which takes a few seconds)."""
         if self._worker is not None:
-            self._worker.wait_ready(timeout if timeout is not None else self.timeout)
+            with self._pump_lock:
+                self._worker.wait_ready(timeout if timeout is not None else self.timeout)
 
     # ------------------------------------------------------------------------------ scheduling
 
@@ -131,7 +135,7 @@ class AsyncCallsQueue:
             if request.preload_fn is not None:
                 kwargs.update(request.preload_fn() or {})
             if request.async_fn is None:
-                call.local = (True, None, None)
+                self._set_worker_result(call, (True, None, None))
             else:
                 assert self._worker is not None
                 args = tuple(request.async_fn_args)
@@ -144,7 +148,31 @@ class AsyncCallsQueue:
             call.dispatched = True
         except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
             logger.exception("%s: snapshot failed", request.description)
-            call.local = (False, f"snapshot failed: {type(e).__name__}: {e}", type(e).__name__)
+            failed = (False, f"snapshot failed: {type(e).__name__}: {e}", type(e).__name__)
+            self._set_worker_result(call, failed)
+        if request.background_fn is not None:
+            # Also after a failure: the background step then tells its peers at once.
+            call.background = threading.Thread(
+                target=self._run_background, args=(call,), daemon=True
+            )
+            call.background.start()
+
+    def _run_background(self, call: _Call) -> None:
+        """Wait (bounded) for the worker's result, then run the request's ``background_fn``."""
+        deadline = time.monotonic() + self.timeout
+        while call.worker_result is None and time.monotonic() < deadline:
+            self._pump(0.05)
+        worker = call.worker_result or (False, "the background worker did not finish in time", None)
+        try:
+            assert call.request.background_fn is not None
+            call.request.background_fn(worker[0])
+            outcome = worker
+        except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
+            logger.debug("%s: background step failed: %s", call.request.description, e)
+            outcome = (
+                worker if not worker[0] else (False, f"{type(e).__name__}: {e}", type(e).__name__)
+            )
+        call.local = outcome
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
         """Block until every scheduled snapshot copy finished (the state may be modified after)."""
@@ -197,18 +225,22 @@ class AsyncCallsQueue:
         worker = self._worker
         if worker is None:
             return
-        by_id = {c.id: c for c in self._calls}
-        for call_id, ok, payload, kind in worker.results(wait):
-            if call_id in by_id:
-                by_id[call_id].local = (ok, payload, kind)
-        if worker.exitcode is not None:
-            for call in self._calls:
-                if call.local is None and call.dispatched:
-                    call.local = (
-                        False,
-                        f"background worker process died (exit code {worker.exitcode})",
-                        None,
-                    )
+        with self._pump_lock:
+            by_id = {c.id: c for c in self._calls}
+            for call_id, ok, payload, kind in worker.results(wait):
+                if call_id in by_id:
+                    self._set_worker_result(by_id[call_id], (ok, payload, kind))
+            if worker.exitcode is not None:
+                for call in self._calls:
+                    if call.worker_result is None and call.dispatched:
+                        died = f"background worker process died (exit code {worker.exitcode})"
+                        self._set_worker_result(call, (False, died, None))
+
+    @staticmethod
+    def _set_worker_result(call: _Call, result: tuple[bool, Any, str | None]) -> None:
+        call.worker_result = result
+        if call.request.background_fn is None:
+            call.local = result
 
     def _outcome(
         self, call: _Call, no_dist: bool
@@ -217,6 +249,8 @@ class AsyncCallsQueue:
         if call.local is None:
             self._pump(0.0)
         if call.local is None or (call.snapshot is not None and call.snapshot.is_alive()):
+            return None
+        if call.background is not None and call.background.is_alive():
             return None
         ok, payload, kind = call.local
         mine = (ok, "" if ok else str(payload), kind)
@@ -272,8 +306,9 @@ class AsyncCallsQueue:
                 if self._worker is not None:
                     self._worker.kill()
                 for call in self._calls:
-                    if call.snapshot is not None:
-                        call.snapshot.join(self.timeout)
+                    for thread in (call.snapshot, call.background):
+                        if thread is not None:
+                            thread.join(self.timeout)
                     _run_all(call.request.abort_fns)
                 self._calls.clear()
             else:

@@ -5,7 +5,10 @@ process; ``finalize_fns`` run in the training process once every rank's ``async_
 ``preload_fn`` runs in the training process when the request is scheduled, before ``async_fn`` is
 dispatched (tierpoint uses it for the snapshot into staging memory); a dict it returns is merged into
 ``async_fn_kwargs``. tierpoint adds ``abort_fns``: run on every rank when the call failed on any rank
-or was aborted, to remove what the call left behind.
+or was aborted, to remove what the call left behind; and ``background_fn(worker_ok)``: run on a thread
+of the training process as soon as ``async_fn`` finished in the worker (whether it succeeded or not),
+before the outcome is agreed, for work that needs ``torch.distributed`` (peer replication); raising
+there fails the call like a failed ``async_fn``.
 
 Arguments travel to the worker by pickle over a private pipe between the two processes (never from
 a file). :class:`~tierpoint.staging.StagingBuffer` arguments travel as shared memory, not as bytes.
@@ -27,6 +30,7 @@ class AsyncRequest:
     preload_fn: Callable[[], dict[str, Any] | None] | None = None
     abort_fns: Sequence[Callable[[], Any]] = field(default_factory=list)
     description: str = "async checkpoint call"
+    background_fn: Callable[[bool], Any] | None = None
 
     def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
         self.finalize_fns = [*self.finalize_fns, fn]
@@ -37,6 +41,8 @@ class AsyncRequest:
         if self.preload_fn is not None:
             kwargs.update(self.preload_fn() or {})
         result = self.async_fn(*self.async_fn_args, **kwargs) if self.async_fn is not None else None
+        if self.background_fn is not None:
+            self.background_fn(True)
         for fn in self.finalize_fns:
             fn()
         return result

@@ -29,15 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from .. import dist as tpdist
-from .. import fileformat
+from .. import fileformat, transfer
 from ..asyncsave.request import AsyncRequest
 from ..asyncsave.worker import write_staged_part
-from ..errors import CheckpointingError, CorruptCheckpointError
+from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
 from ..staging import Stager
 from ..tensor_aware import BasicTensorAwareStateDict, TensorAwareStateDict
 from ..tree import FlatState
 from . import naming
 from .naming import CkptID
+from .replication import CliqueReplicationStrategy
+from .retrieval import HolderStatus, RetrievalPlan, plan_retrieval
 
 logger = logging.getLogger("tierpoint")
 
@@ -80,6 +82,10 @@ class LocalCheckpointManager:
                 f"root_local_ckpt_dir must not contain '..': {self.root_local_ckpt_dir}"
             )
         self.session_id = naming.validate_session_id(session_id)
+        if repl_strategy is not None and not isinstance(repl_strategy, CliqueReplicationStrategy):
+            raise CheckpointingError(
+                f"repl_strategy must be a CliqueReplicationStrategy (or None), got {type(repl_strategy).__name__}"
+            )
         self.repl_strategy = repl_strategy
         self.keep_last = keep_last
         self.recycle = recycle
@@ -90,6 +96,7 @@ class LocalCheckpointManager:
         self._newest_seen: tuple[int, int, int] | None = None
         self._pending: int | None = None
         self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int]]] = {}
+        self._listings: list[list[list[int]]] = []
         self._stager = Stager()
 
     # ------------------------------------------------------------------------------ identity, paths
@@ -104,7 +111,11 @@ class LocalCheckpointManager:
 
     @property
     def local_ckpt_dir(self) -> Path:
-        return self.root_local_ckpt_dir / self.session_id / str(self.rank)
+        return self._dir_of(self.rank)
+
+    def _dir_of(self, holder: int) -> Path:
+        """Where rank ``holder`` keeps its files (on its own node)."""
+        return self.root_local_ckpt_dir / self.session_id / str(holder)
 
     def _part_path(self, iteration: int, origin_rank: int | None = None) -> Path:
         origin = self.rank if origin_rank is None else origin_rank
@@ -181,20 +192,82 @@ class LocalCheckpointManager:
         if self._latest is not None:
             return self._latest
         start = time.perf_counter()
+        self._setup_replication()
         listings = tpdist.all_gather_json(
             self._scan(), "find_latest: gathering local checkpoint listings"
         )
+        self._listings = listings
         complete = self._complete_iterations(listings)
         self._latest = max(complete, default=_NO_CHECKPOINT)
         self._latest_world_size = complete.get(self._latest)
         newest = max((tuple(p) for listing in listings for p in listing), default=None)
         self._newest_seen = newest
         if newest is not None and newest[0] > self._latest:
-            logger.info(
-                "local iteration %d is incomplete (a save was interrupted); ignoring it", newest[0]
-            )
+            self._log_incomplete(listings, newest[0])
         logger.debug("find_latest: %d (%.3f s)", self._latest, time.perf_counter() - start)
         return self._latest
+
+    def _log_incomplete(self, listings: list[list[list[int]]], newest: int) -> None:
+        """Say which ranks' parts are missing from the iterations newer than the latest complete one."""
+        for iteration in sorted({p[0] for listing in listings for p in listing}, reverse=True):
+            if iteration <= self._latest:
+                break
+            parts = [p for listing in listings for p in listing if p[0] == iteration]
+            world = max(p[2] for p in parts)
+            missing = sorted(set(range(world)) - {p[1] for p in parts})
+            logger.warning(
+                "local iteration %d is incomplete: no copy of the part%s of rank%s %s anywhere "
+                "(an interrupted save, or more members of a replication clique lost than replicas "
+                "exist); %s",
+                iteration,
+                "s" if len(missing) > 1 else "",
+                "s" if len(missing) > 1 else "",
+                ", ".join(map(str, missing)) or "(world sizes disagree)",
+                f"falling back to iteration {self._latest}"
+                if self._latest != _NO_CHECKPOINT
+                else "no older complete iteration exists",
+            )
+
+    def _setup_replication(self) -> None:
+        """Collective on first use (lazy strategies create their group here)."""
+        if self.repl_strategy is not None:
+            self.repl_strategy.setup()
+
+    def _replicate(self, iteration: int, written: bool) -> None:
+        """Send this rank's part to its clique and receive the clique's parts (collective).
+
+        ``written`` False: this rank's own write failed; its peers learn it at once.
+        """
+        strategy = self.repl_strategy
+        if strategy is None or strategy.replication_factor < 2:
+            return
+        start = time.perf_counter()
+        moves = [
+            transfer.FileMove(
+                origin,
+                holder,
+                str(self._dir_of(origin) / naming.part_name(iteration, origin)),
+                str(self._dir_of(holder) / naming.part_name(iteration, origin)),
+            )
+            for origin in range(self.world_size)
+            for holder in strategy.holders(origin)
+        ]
+        stats = transfer.move_files(
+            moves,
+            strategy.group,
+            timeout=tpdist.default_timeout().total_seconds(),
+            digest=False,  # the part file carries its own checksums, verified on receipt
+            verify=_verify_received_part,
+            unavailable=None if written else f"rank {self.rank} could not write its own part",
+            reuse=lambda move: self._take_spare(leftovers=False) if self.recycle else None,
+        )
+        logger.debug(
+            "replicated iteration %d: sent %d, received %d bytes in %.3f s",
+            iteration,
+            stats.sent_bytes,
+            stats.received_bytes,
+            time.perf_counter() - start,
+        )
 
     # ------------------------------------------------------------------------------ saving
 
@@ -220,6 +293,7 @@ class LocalCheckpointManager:
                 "AsyncCallsQueue.maybe_finalize_async_calls(blocking=True) before a sync save"
             )
         start = time.perf_counter()
+        self._setup_replication()
         keep = self._agree_on_iteration(iteration)
         logger.debug("save %d: iteration agreed in %.3f s", iteration, time.perf_counter() - start)
         try:
@@ -228,6 +302,9 @@ class LocalCheckpointManager:
                 plan = fileformat.plan_part(flat, self._extra(iteration))
                 if not is_async:
                     self._write_part(flat, plan, iteration)
+            if not is_async and self.repl_strategy is not None:
+                with tpdist.agree(f"replicating local checkpoint iteration {iteration}"):
+                    self._replicate(iteration, written=True)
         except CheckpointingError:
             self._abort_iteration(iteration)
             raise
@@ -266,6 +343,10 @@ class LocalCheckpointManager:
         self._pending = None
         self._remove_iteration(iteration)
         self._latest = None
+        if self.repl_strategy is not None:
+            # Every rank aborts alike, so every rank replaces the group (a timed-out exchange may
+            # have left messages in flight on the old one).
+            self.repl_strategy.reset()
 
     def _async_request(
         self, flat: FlatState, plan: fileformat.PartPlan, iteration: int, keep: set[int]
@@ -290,6 +371,9 @@ class LocalCheckpointManager:
             preload_fn=snapshot,
             abort_fns=[lambda: self._abort_iteration(iteration)],
             description=f"async save of local checkpoint iteration {iteration}",
+            background_fn=None
+            if self.repl_strategy is None
+            else lambda written: self._replicate(iteration, written),
         )
 
     def _agree_on_iteration(self, iteration: int) -> set[int]:
@@ -325,9 +409,12 @@ class LocalCheckpointManager:
             "recycled" if spare else "new",
         )
 
-    def _take_spare(self) -> Path | None:
+    def _take_spare(self, leftovers: bool = True) -> Path | None:
+        """A file whose pages a new file may reuse: a spare, or (``leftovers``) a stale dirty file."""
         for entry in os.scandir(self.local_ckpt_dir):
-            reusable = naming.is_spare_name(entry.name) or naming.is_dirty_name(entry.name)
+            reusable = naming.is_spare_name(entry.name) or (
+                leftovers and naming.is_dirty_name(entry.name)
+            )
             if reusable and not fileformat.is_mapped(entry.path):
                 return Path(entry.path)
         return None
@@ -335,7 +422,8 @@ class LocalCheckpointManager:
     def _retire(self, keep: set[int]) -> None:
         """Remove (or keep as spares) every own file that no kept iteration needs."""
         spares = [e.name for e in os.scandir(self.local_ckpt_dir) if naming.is_spare_name(e.name)]
-        max_spares = 1 if self.recycle else 0
+        copies = self.repl_strategy.replication_factor if self.repl_strategy is not None else 1
+        max_spares = copies if self.recycle else 0
         for entry in sorted(os.scandir(self.local_ckpt_dir), key=lambda e: e.name):
             parsed = naming.parse_part_name(entry.name)
             stale = naming.is_dirty_name(entry.name) or (
@@ -379,13 +467,102 @@ class LocalCheckpointManager:
                 f"local checkpoint iteration {iteration} was saved with world size {self._latest_world_size}, "
                 f"but this job has world size {self.world_size}"
             )
-        start = time.perf_counter()
+        older = self._complete_iterations(self._listings)  # as of the last find_latest
+        candidates = sorted(
+            {iteration} | {i for i, w in older.items() if w == self.world_size and i < iteration},
+            reverse=True,
+        )
+        failures: dict[int, str] = {}
+        kinds: set[str] = set()
+        for candidate in candidates:
+            loaded = self._load_iteration(candidate, failures, kinds)
+            if loaded is not None:
+                return loaded
+        where = self.root_local_ckpt_dir / self.session_id
+        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+        raise agreed_error(
+            kinds.pop() if len(kinds) == 1 else "",
+            f"no local checkpoint under {where} could be loaded on every rank: {detail}",
+            failures,
+        )
+
+    def _read_own(self, iteration: int) -> tuple[Any, str, str]:
+        """This rank's part of ``iteration`` read and verified: ``(loaded, reason, error kind)``."""
         path = self._part_path(iteration)
-        with tpdist.agree(f"loading local checkpoint iteration {iteration}"):
+        try:
             header, tensors = fileformat.read_flat(path, verify=self.verify, mmap=self.mmap_load)
-            fileformat.unflatten_checked(
-                header, tensors
-            )  # validates the skeleton before anyone uses it
+            fileformat.unflatten_checked(header, tensors)  # validates the skeleton before use
+            return (header, tensors), "", ""
+        except FileNotFoundError:
+            return None, f"{path}: missing", "CheckpointingError"
+        except (OSError, CheckpointingError) as e:
+            return None, str(e), type(e).__name__
+
+    def _load_iteration(
+        self, iteration: int, failures: dict[int, str], kinds: set[str]
+    ) -> tuple[TensorAwareStateDict, CkptID] | None:
+        """Load ``iteration``, fetching missing or corrupt parts from peers. Collective.
+
+        Returns ``None`` on every rank alike when some rank's part cannot be had (noting why in
+        ``failures`` / ``kinds``).
+        """
+        start = time.perf_counter()
+        loaded, reason, kind = self._read_own(iteration)
+        first_reason = reason
+        bad: list[list[int]] = []
+        group = self.repl_strategy.group if self.repl_strategy else tpdist.coordination_group()
+        what = f"loading local checkpoint iteration {iteration}"
+        for _ in range(self.world_size + 1):
+            status = HolderStatus(loaded is not None, self._held_origins(iteration), bad)
+            statuses = tpdist.all_gather_json(
+                {**vars(status), "reason": reason, "kind": kind}, f"{what}: gathering what is held"
+            )
+            plan = None
+            if self.rank == 0:
+                holders = self.repl_strategy.holders if self.repl_strategy else None
+                plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], holders)
+                plan = plan.to_json()
+            plan = RetrievalPlan.from_json(
+                tpdist.broadcast_json(plan, 0, f"{what}: sharing the retrieval plan")
+            )
+            if plan.lost:
+                for r in plan.lost:
+                    failures[r] = statuses[r]["reason"] or "no copy of its part"
+                    kinds.add(statuses[r]["kind"] or "CheckpointingError")
+                logger.warning(
+                    "local iteration %d cannot be restored: no rank holds a good copy of the part "
+                    "of rank%s %s",
+                    iteration,
+                    "s" if len(plan.lost) > 1 else "",
+                    ", ".join(map(str, plan.lost)),
+                )
+                return None
+            if not plan.moves:
+                for holder, origin in plan.unreplicated:
+                    if holder == self.rank:
+                        logger.warning(
+                            "iteration %d: could not restore the replica of rank %d's part here",
+                            iteration,
+                            origin,
+                        )
+                break
+            bad = self._fetch(iteration, plan, group)
+            if loaded is None and any(d == self.rank == o for _, d, o in plan.moves):
+                loaded, reason, kind = self._read_own(iteration)
+                if loaded is not None:
+                    source = next(s for s, d, o in plan.moves if d == self.rank == o)
+                    logger.warning(
+                        "local part %s (%s) was replaced by the copy held by rank %d",
+                        self._part_path(iteration),
+                        first_reason,
+                        source,
+                    )
+                else:
+                    bad += [[s, o] for s, d, o in plan.moves if d == self.rank == o]
+        with tpdist.agree(what):
+            if loaded is None:
+                raise CheckpointingError(reason)
+        header, tensors = loaded
         flat = FlatState(header.skeleton, tensors, [r.name for r in header.records])
         ta = BasicTensorAwareStateDict.from_flat(flat, [r.device for r in header.records])
         ta.restore_tensor_device()
@@ -398,7 +575,51 @@ class LocalCheckpointManager:
             seconds,
             header.file_size / seconds / 1e9,
         )
+        self._latest, self._latest_world_size = iteration, self.world_size
         return ta, CkptID(iteration, self.rank, self.session_id)
+
+    def _held_origins(self, iteration: int) -> list[int]:
+        return sorted({origin for it, origin, _ in self._scan() if it == iteration})
+
+    def _fetch(self, iteration: int, plan: RetrievalPlan, group: Any) -> list[list[int]]:
+        """Carry out ``plan``'s moves; return ``[source, origin]`` of the moves to here that failed."""
+        moves = [
+            transfer.FileMove(
+                src,
+                dst,
+                str(self._dir_of(src) / naming.part_name(iteration, origin)),
+                str(self._dir_of(dst) / naming.part_name(iteration, origin)),
+            )
+            for src, dst, origin in plan.moves
+        ]
+        self._ensure_dir()
+        try:
+            transfer.move_files(
+                moves,
+                group,
+                timeout=tpdist.default_timeout().total_seconds(),
+                digest=False,
+                verify=_verify_received_part,
+            )
+        except CheckpointingError as e:
+            logger.warning("retrieving parts of iteration %d: %s", iteration, e)
+        self._scan_cache.clear()
+        return [
+            [m.src, o]
+            for m, (_, _, o) in zip(moves, plan.moves)
+            if m.dst == self.rank and not os.path.exists(m.dst_path)
+        ]
+
+
+def _verify_received_part(path: str, move: transfer.FileMove) -> None:
+    """A part received from a peer: every checksum holds and it is the part its name says."""
+    header = fileformat.verify(path)
+    expected = naming.parse_part_name(Path(move.dst_path).name)
+    meta = header.extra
+    if expected is None or (meta.get("iteration"), meta.get("rank")) != expected:
+        raise CorruptCheckpointError(
+            move.dst_path, f"rank {move.src} sent a part whose metadata does not match its name"
+        )
 
 
 def _unlink(path: str | os.PathLike) -> None:

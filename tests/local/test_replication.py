@@ -1,0 +1,221 @@
+"""Peer replication on 4 real gloo ranks, two simulated nodes (ranks 0-1 and 2-3).
+
+Cliques with the default jump (2 ranks per node) and factor 2 are {0, 2} and {1, 3}: every part has a
+copy on the other node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tierpoint.asyncsave import AsyncCallsQueue
+from tierpoint.errors import CheckpointingError, SameMachineReplicationException
+from tierpoint.local import (
+    BasicTensorAwareStateDict,
+    CliqueReplicationStrategy,
+    LazyCliqueReplicationStrategy,
+    LocalCheckpointManager,
+)
+from tierpoint.local.naming import part_name
+from tierpoint.local.retrieval import HolderStatus, plan_retrieval
+from tierpoint.spawn import run_ranks
+
+from .helpers import assert_bitwise_equal, make_state
+
+WORLD = 4
+
+
+def _as_node(rank: int, ranks_per_node: int = 2) -> None:
+    os.environ["TIERPOINT_NODE_ID"] = f"node{rank // ranks_per_node}"
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        logging.getLogger("tierpoint").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _manager(root: str, lazy: bool = False, **kwargs) -> LocalCheckpointManager:
+    cls = LazyCliqueReplicationStrategy if lazy else CliqueReplicationStrategy
+    strategy = cls.from_replication_params(replication_factor=2)
+    return LocalCheckpointManager(root, session_id="job", repl_strategy=strategy, **kwargs)
+
+
+def _files(root: Path, holder: int) -> list[str]:
+    d = root / "job" / str(holder)
+    return sorted(p for p in os.listdir(d) if p.startswith("iter_")) if d.is_dir() else []
+
+
+# ------------------------------------------------------------------------------------ strategy
+
+
+def _cliques(rank: int, world: int, jump, factor) -> list[list[int]]:
+    _as_node(rank)
+    strategy = CliqueReplicationStrategy.from_replication_params(jump, factor)
+    return [strategy.clique(r) for r in range(world)]
+
+
+def test_cliques_default_jump_is_ranks_per_node() -> None:
+    cliques = run_ranks(_cliques, WORLD, None, 2)[0]
+    assert cliques == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert run_ranks(_cliques, WORLD, 1, 2)[3] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def _bad_params(rank: int, world: int, jump, factor) -> str:
+    _as_node(rank)
+    with pytest.raises(CheckpointingError) as info:
+        CliqueReplicationStrategy.from_replication_params(jump, factor)
+    return str(info.value)
+
+
+def test_invalid_parameters_name_the_values() -> None:
+    message = run_ranks(_bad_params, WORLD, 3, 2)[0]
+    assert "world size 4" in message and "3 * 2 = 6" in message
+    with pytest.raises(CheckpointingError, match="replication_factor.*0"):
+        CliqueReplicationStrategy(1, 0)
+    with pytest.raises(CheckpointingError, match="replication_jump.*-1"):
+        CliqueReplicationStrategy.from_replication_params(-1, 2)
+
+
+def _same_node(rank: int, world: int, strict: bool) -> list[str]:
+    _as_node(rank)
+    records = _Records()
+    # Jump 1 puts ranks 0 and 1 (both on node0) in one clique.
+    CliqueReplicationStrategy.from_replication_params(1, 2, strict=strict)
+    return records.messages
+
+
+def test_clique_on_one_node_warns_or_raises() -> None:
+    warnings = run_ranks(_same_node, WORLD, False)[0]
+    assert any("same node" in m and "rank 0: node0" in m for m in warnings)
+    with pytest.raises(Exception, match="SameMachineReplicationException"):
+        run_ranks(_same_node, WORLD, True)
+    assert issubclass(SameMachineReplicationException, CheckpointingError)
+
+
+def test_retrieval_plan_spreads_sources_and_reports_losses() -> None:
+    # 4 ranks, every rank holds every part except rank 3, which lost everything.
+    statuses = [HolderStatus(True, [0, 1, 2, 3]) for _ in range(3)] + [HolderStatus(False, [])]
+    plan = plan_retrieval(statuses, lambda o: [r for r in range(4) if r != o])
+    fetched_by_3 = sorted(src for src, dst, _ in plan.moves if dst == 3)
+    assert len(fetched_by_3) == 4 and len(set(fetched_by_3)) == 3  # own part + 3 replicas, spread
+    assert not plan.lost
+    # Nobody else holds rank 3's part: lost.
+    statuses = [HolderStatus(True, [r]) for r in range(3)] + [HolderStatus(False, [])]
+    assert plan_retrieval(statuses, None).lost == [3]
+    # A source that failed before is not chosen again.
+    statuses = [HolderStatus(True, [0, 1]), HolderStatus(False, [0, 1], [[0, 1]])]
+    assert plan_retrieval(statuses, None).lost == [1]
+
+
+# ------------------------------------------------------------------------------------ save, lose, load
+
+
+def _save(rank: int, world: int, root: str, iterations: list[int], lazy: bool) -> list[str]:
+    _as_node(rank)
+    manager = _manager(root, lazy=lazy, keep_last=2)
+    for it in iterations:
+        manager.save(BasicTensorAwareStateDict(make_state(rank, it)), it)
+    return _files(Path(root), rank)
+
+
+def _load(rank: int, world: int, root: str, lazy: bool = False) -> tuple[int, list[str]]:
+    _as_node(rank)
+    records = _Records()
+    manager = _manager(root, lazy=lazy)
+    iteration = manager.find_latest()
+    if iteration != -1:
+        ta, _ = manager.load()
+        assert_bitwise_equal(ta.state_dict, make_state(rank, iteration))
+    return iteration, records.messages
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_wiped_node_is_restored_from_peers(tmp_path: Path, lazy: bool) -> None:
+    listings = run_ranks(_save, WORLD, str(tmp_path), [3, 7], lazy)
+    peer = {0: 2, 1: 3, 2: 0, 3: 1}
+    for rank in range(WORLD):
+        expected = {part_name(it, r) for it in (3, 7) for r in (rank, peer[rank])}
+        assert set(listings[rank]) == expected
+    # Node 1 (ranks 2 and 3) is replaced: its root is empty.
+    for rank in (2, 3):
+        shutil.rmtree(tmp_path / "job" / str(rank))
+    results = run_ranks(_load, WORLD, str(tmp_path), lazy)
+    assert [it for it, _ in results] == [7] * WORLD
+    # After the load, node 1 holds its own parts and its replicas of node 0's parts again.
+    for rank in (2, 3):
+        assert set(_files(tmp_path, rank)) >= {part_name(7, rank), part_name(7, peer[rank])}
+    # ... so losing node 0 now is survivable too.
+    for rank in (0, 1):
+        shutil.rmtree(tmp_path / "job" / str(rank))
+    assert [it for it, _ in run_ranks(_load, WORLD, str(tmp_path))] == [7] * WORLD
+
+
+def test_corrupt_part_is_replaced_with_a_warning(tmp_path: Path) -> None:
+    run_ranks(_save, WORLD, str(tmp_path), [4], False)
+    victim = tmp_path / "job" / "1" / part_name(4, 1)
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF  # a tensor byte: the header stays valid, the checksum does not
+    victim.write_bytes(bytes(data))
+    results = run_ranks(_load, WORLD, str(tmp_path))
+    assert [it for it, _ in results] == [4] * WORLD
+    warning = [m for m in results[1][1] if "replaced" in m]
+    assert warning and str(victim) in warning[0] and "rank 3" in warning[0]
+    assert victim.read_bytes() != bytes(data)  # the good copy now sits on disk
+
+
+def test_losing_a_whole_clique_falls_back_or_says_so(tmp_path: Path) -> None:
+    run_ranks(_save, WORLD, str(tmp_path), [5, 9], False)
+    # Clique {0, 2} loses every copy of iteration 9: 5 is the newest complete one.
+    for holder in (0, 2):
+        for origin in (0, 2):
+            (tmp_path / "job" / str(holder) / part_name(9, origin)).unlink()
+    results = run_ranks(_load, WORLD, str(tmp_path))
+    assert [it for it, _ in results] == [5] * WORLD
+    assert any("iteration 9 is incomplete" in m and "ranks 0, 2" in m for m in results[0][1])
+    # Both nodes of the clique wiped entirely: nothing complete remains.
+    for holder in (0, 2):
+        shutil.rmtree(tmp_path / "job" / str(holder))
+    results = run_ranks(_load, WORLD, str(tmp_path))
+    assert [it for it, _ in results] == [-1] * WORLD
+    assert any("no older complete iteration" in m for m in results[0][1])
+
+
+# ------------------------------------------------------------------------------------ async
+
+
+def _async_saves(rank: int, world: int, root: str) -> list[list[str]]:
+    _as_node(rank)
+    manager = _manager(root)
+    seen = []
+    with AsyncCallsQueue() as queue:
+        for it in (1, 2, 3):
+            queue.schedule_async_request(
+                manager.save(BasicTensorAwareStateDict(make_state(rank, it)), it, is_async=True)
+            )
+            # Until finalized, the previous iteration (and its replicas) must still be there.
+            seen.append(_files(Path(root), rank))
+            queue.maybe_finalize_async_calls(blocking=True)
+    seen.append(_files(Path(root), rank))
+    return seen
+
+
+def test_async_saves_replicate_in_the_background(tmp_path: Path) -> None:
+    seen = run_ranks(_async_saves, WORLD, str(tmp_path), timeout=180)
+    for rank, peer in ((0, 2), (1, 3), (2, 0), (3, 1)):
+        for it, listing in zip((1, 2, 3), seen[rank]):
+            if it > 1:
+                assert {part_name(it - 1, rank), part_name(it - 1, peer)} <= set(listing)
+        assert seen[rank][-1] == sorted([part_name(3, rank), part_name(3, peer)])
+    for rank in (2, 3):
+        shutil.rmtree(tmp_path / "job" / str(rank))
+    assert [it for it, _ in run_ranks(_load, WORLD, str(tmp_path))] == [3] * WORLD

@@ -1,0 +1,115 @@
+"""tierpoint.transfer.move_files on real gloo ranks: content, buckets, verification, dead peers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tierpoint import transfer
+from tierpoint.errors import CheckpointingError, CorruptCheckpointError
+from tierpoint.spawn import run_ranks
+from tierpoint.transfer import FileMove, move_files
+
+
+def _payload(rank: int, nbytes: int) -> bytes:
+    return bytes((rank * 7 + i) % 251 for i in range(256)) * (nbytes // 256) + b"x" * (nbytes % 256)
+
+
+def _setup_dir(tmp: str, rank: int, nbytes: int) -> Path:
+    d = Path(tmp) / f"r{rank}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "own.bin").write_bytes(_payload(rank, nbytes))
+    return d
+
+
+def _ring_and_swap(rank: int, world: int, tmp: str) -> list[tuple[str, int]]:
+    sizes = [3 << 20, 0, 1000, (1 << 20) + 17]
+    _setup_dir(tmp, rank, sizes[rank])
+    moves = [
+        FileMove(
+            r, (r + 1) % world, f"{tmp}/r{r}/own.bin", f"{tmp}/r{(r + 1) % world}/from_{r}.bin"
+        )
+        for r in range(world)
+    ] + [
+        FileMove(1, 0, f"{tmp}/r1/own.bin", f"{tmp}/r0/swap.bin"),
+        FileMove(0, 1, f"{tmp}/r0/own.bin", f"{tmp}/r1/swap.bin"),
+    ]
+    stats = move_files(moves, timeout=30, bucket_bytes=256 << 10)
+    left = (rank - 1) % world
+    got = Path(f"{tmp}/r{rank}/from_{left}.bin").read_bytes()
+    assert got == _payload(left, sizes[left])
+    if rank in (0, 1):
+        assert Path(f"{tmp}/r{rank}/swap.bin").read_bytes() == _payload(1 - rank, sizes[1 - rank])
+    assert not [p for p in os.listdir(f"{tmp}/r{rank}") if p.endswith(".dirty")]
+    return [
+        (p, os.stat(f"{tmp}/r{rank}/{p}").st_mode & 0o777)
+        for p in sorted(os.listdir(f"{tmp}/r{rank}"))
+    ], stats.received_bytes
+
+
+def test_ring_and_swap_arrive_intact(tmp_path: Path) -> None:
+    results = run_ranks(_ring_and_swap, 4, str(tmp_path))
+    listing0, received0 = results[0]
+    assert [name for name, _ in listing0] == ["from_3.bin", "own.bin", "swap.bin"]
+    assert dict(listing0)["from_3.bin"] == 0o600
+    assert received0 == ((1 << 20) + 17) + 0  # from rank 3, plus rank 1's empty file
+
+
+def _rejected(rank: int, world: int, tmp: str, how: str) -> str:
+    d = _setup_dir(tmp, rank, 2 << 20)
+    moves = [FileMove(0, 1, f"{tmp}/r0/own.bin", f"{tmp}/r1/copy.bin")]
+    if how == "digest" and rank == 0:
+        transfer._digest = lambda view: 12345  # the sender announces a wrong checksum
+
+    def refuse(path: str, move: FileMove) -> None:
+        raise CorruptCheckpointError(path, "refused by the test")
+
+    try:
+        move_files(moves, timeout=30, verify=refuse if how == "verify" else None)
+    except CorruptCheckpointError as e:
+        assert rank == 1
+        assert sorted(os.listdir(d)) == ["own.bin"]  # nothing visible, no dirty file
+        return str(e)
+    assert rank == 0
+    return ""
+
+
+@pytest.mark.parametrize("how", ["digest", "verify"])
+def test_rejected_file_never_becomes_visible(tmp_path: Path, how: str) -> None:
+    message = run_ranks(_rejected, 2, str(tmp_path), how)[1]
+    assert "copy.bin" in message
+    assert ("checksum" in message) if how == "digest" else ("refused by the test" in message)
+
+
+def _peer_dies(rank: int, world: int, tmp: str) -> str:
+    d = _setup_dir(tmp, rank, 1 << 20)
+    if rank == 0:
+        os._exit(3)  # the source is gone before sending anything
+    moves = [FileMove(0, 1, f"{tmp}/r0/own.bin", f"{tmp}/r1/copy.bin")]
+    with pytest.raises(CheckpointingError) as info:
+        move_files(moves, timeout=10)
+    assert sorted(os.listdir(d)) == ["own.bin"]
+    return str(info.value)
+
+
+def test_dead_peer_gives_an_error_not_a_hang(tmp_path: Path) -> None:
+    message = run_ranks(_peer_dies, 2, str(tmp_path), allow_crash={0}, timeout=60)[1]
+    assert "copy.bin" in message or "rank 0" in message
+
+
+def _uninvolved(rank: int, world: int) -> int:
+    stats = move_files([], timeout=5)
+    dist.barrier()
+    return stats.sent_bytes
+
+
+def test_empty_plan_is_a_no_op(tmp_path: Path) -> None:
+    assert run_ranks(_uninvolved, 2) == [0, 0]
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(CheckpointingError, match="bucket_bytes"):
+        move_files([], bucket_bytes=0)
