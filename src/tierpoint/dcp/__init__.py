@@ -1,0 +1,40 @@
+"""Persistent tier: torch DCP checkpoints (see the modules for each part)."""
+
+from .layout import get_latest_complete_checkpoint, marker_name, step_path
+from .load import SafeLoadPlanner, load
+from .reader import Reader, read_metadata
+from .safe_pickle import CorruptDCPError, safe_loads
+from .saving import SaveFuture, async_save, async_save_request, default_queue, save
+from .staging_pool import StagingPool
+from .state_dict_saver import (
+    CheckpointMetadataCache,
+    get_metadata_caching_status,
+    init_checkpoint_metadata_cache,
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
+from .writer import Writer
+
+__all__ = [
+    "CheckpointMetadataCache",
+    "CorruptDCPError",
+    "Reader",
+    "SafeLoadPlanner",
+    "SaveFuture",
+    "StagingPool",
+    "Writer",
+    "async_save",
+    "async_save_request",
+    "default_queue",
+    "get_latest_complete_checkpoint",
+    "get_metadata_caching_status",
+    "init_checkpoint_metadata_cache",
+    "load",
+    "marker_name",
+    "read_metadata",
+    "safe_loads",
+    "save",
+    "save_state_dict_async_finalize",
+    "save_state_dict_async_plan",
+    "step_path",
+]

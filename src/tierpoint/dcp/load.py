@@ -1,0 +1,113 @@
+"""``tierpoint.dcp.load``: torch DCP load through tierpoint's :class:`Reader`, safe end to end.
+
+``load(state_dict, path)`` is ``torch.distributed.checkpoint.load`` (in place, SPMD, reshards
+DTensor / ShardedTensor states saved with another number of ranks) with three differences:
+
+- the metadata is read by every rank with the allow-list unpickler *before* torch plans anything,
+  and a bad ``.metadata`` makes every rank raise the same :class:`CorruptCheckpointError`
+  (no rank is left waiting in a collective);
+- non-tensor values (stored as ``torch.save`` bytes) are loaded with ``torch.load(weights_only=True)``
+  by :class:`SafeLoadPlanner`, where torch's default planner uses ``weights_only=False`` (runs any
+  pickled code). Plain Python values, containers and tensors load; a value that needs arbitrary
+  classes is refused with an error naming it. Pass ``planner=DefaultLoadPlanner()`` to trust a
+  checkpoint that holds such values;
+- a failure on any rank is raised on every rank as one tierpoint error naming each failing rank
+  (a :class:`CorruptCheckpointError` when every failing rank found a damaged file), instead of
+  torch's ``CheckpointException``.
+
+With ``process_group`` given, the metadata agreement is left to torch's collectives on that group
+(tierpoint's coordination group spans the whole job).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+
+from ..dist import agree
+from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
+from .reader import DEFAULT_THREAD_COUNT, Reader
+from .safe_pickle import CorruptDCPError
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch's ``DefaultLoadPlanner``, except that non-tensor values load with
+    ``torch.load(weights_only=True)`` (no pickled code runs)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever torch refuses, we refuse
+            raise CorruptDCPError(
+                f"non-tensor value {fqn!r}",
+                "needs code from the checkpoint to load (torch.load weights_only=True refused it:"
+                f" {str(e).splitlines()[0][:200]}); pass planner=DefaultLoadPlanner() to trust it",
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    process_group: Any = None,
+    thread_count: int = DEFAULT_THREAD_COUNT,
+    planner: LoadPlanner | None = None,
+) -> None:
+    """Load the DCP checkpoint in directory ``path`` into ``state_dict`` in place (collective).
+
+    Same contract as ``torch.distributed.checkpoint.load`` (every rank of ``process_group`` calls
+    it with the same keys); see the module docstring for what differs. Raises
+    :class:`CheckpointingError` (:class:`CorruptCheckpointError` for damaged files) on every rank.
+    """
+    reader = Reader(path, thread_count=thread_count)
+    if process_group is None:
+        with agree(f"reading the DCP metadata of {os.fspath(path)}"):
+            try:
+                reader.read_metadata()
+            except CorruptCheckpointError as e:
+                # agree() keeps the class only for the classes tierpoint.errors names.
+                raise CorruptCheckpointError(e.path, e.reason) from e
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=planner if planner is not None else SafeLoadPlanner(),
+                process_group=process_group,
+                no_dist=not (dist.is_available() and dist.is_initialized()),
+            )
+    except CheckpointException as e:
+        raise _from_torch(e, os.fspath(path)) from e
+
+
+def _from_torch(e: CheckpointException, path: str) -> CheckpointingError:
+    """torch's gathered per-rank failures as one tierpoint error, the same on every rank."""
+    failures: dict[int, str] = {}
+    errors: list[BaseException] = []
+    for rank, wrapped in sorted(e.failures.items()):
+        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        errors.append(exc)
+        failures[rank] = f"{type(exc).__name__}: {exc}"
+    kind = "CheckpointingError"
+    if errors and all(isinstance(x, CorruptCheckpointError) for x in errors):
+        kind = "CorruptCheckpointError"
+    ranks = ", ".join(str(r) for r in failures)
+    detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
+    plural = "s" if len(failures) > 1 else ""
+    return agreed_error(kind, f"loading {path} failed on rank{plural} {ranks}: {detail}", failures)

@@ -1,0 +1,482 @@
+"""A torch DCP ``StorageReader`` that validates everything first, then reads in parallel into place.
+
+``Reader(path, thread_count=4)`` reads standard DCP checkpoints (``.metadata`` + ``*.distcp``, as
+torch's filesystem writer and tierpoint's writer produce them) in a local directory. It plugs into
+``torch.distributed.checkpoint.load(state_dict, storage_reader=Reader(path))``; see
+:func:`tierpoint.dcp.load` for the safer one-call form.
+
+Call order (torch's): ``read_metadata`` -> ``set_up_storage_reader`` -> ``prepare_local_plan`` ->
+(coordinator) ``prepare_global_plan`` -> ``read_data``.
+
+- ``read_metadata`` goes through :func:`tierpoint.dcp.safe_pickle.safe_loads`: nothing the file
+  names is called, and every field is type- and range-checked.
+- ``read_data`` first opens every data file the plan needs (once each) and checks each item's
+  range against the file's real size; only then does it read. Tensor items are ``torch.save``
+  archives: their headers are parsed without unpickling (:mod:`tierpoint.dcp.saved_tensor`), then the
+  tensor bytes go with ``os.preadv`` straight into the destination tensor when its memory is
+  contiguous, of the stored dtype and the region asked for is contiguous in the file (the usual case,
+  resharding along dim 0 included); otherwise into a scratch buffer and ``copy_``. Large reads are cut
+  into pieces so ``thread_count`` threads share them. Non-tensor (bytes) items are read whole and
+  handed to ``planner.load_bytes``.
+
+Every problem with the files is a :class:`CorruptDCPError` (a :class:`CorruptCheckpointError`)
+naming the file and the reason: missing file, item beyond the end of its file (truncated), malformed
+archive, dtype or shape that contradicts the metadata, unsupported stream transforms.
+
+Peer retrieval (checkpoints on node-local disks) happens before a load, outside this class: whoever
+makes the files local can ask :meth:`Reader.files_needed` which data files a rank's plan reads.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..errors import CheckpointingError
+from .safe_pickle import CorruptDCPError, file_name_problem, safe_loads
+from .saved_tensor import BadRecord, NeedsTorchLoad, SavedTensor, locate
+
+METADATA_NAME = ".metadata"
+DEFAULT_THREAD_COUNT = 4
+PIECE_BYTES = 16 << 20
+"""Reads larger than this are cut into pieces of this size so that threads can share them."""
+MAX_METADATA_BYTES = 1 << 30
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    """The ``Metadata`` of the DCP checkpoint in directory ``path``, loaded without running code."""
+    return Reader(path).read_metadata()
+
+
+class Reader(StorageReader):
+    """A torch DCP ``StorageReader`` for a checkpoint directory; see the module docstring."""
+
+    def __init__(
+        self, path: str | os.PathLike, *, thread_count: int = DEFAULT_THREAD_COUNT
+    ) -> None:
+        super().__init__()
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be at least 1, not {thread_count}")
+        self.path = Path(path)
+        self.thread_count = thread_count
+        self.load_id = str(uuid.uuid4())
+        self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._metadata: Metadata | None = None
+
+    # ------------------------------------------------------------------ torch's StorageReader API
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+        self.storage_data = {}
+        self._dtypes = {}
+        self._metadata = None
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        text = os.fspath(checkpoint_id)
+        return "://" not in str(text)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata (cached after the first read); ``rank=r`` reads the rank-local
+        ``__r.metadata`` that torch writes when saving without collectives."""
+        rank = kwargs.get("rank")
+        if rank is None and self._metadata is not None:
+            return self._metadata
+        name = METADATA_NAME if rank is None else f"__{int(rank)}{METADATA_NAME}"
+        path = self.path / name
+        data = _read_small_file(path, MAX_METADATA_BYTES, "DCP metadata")
+        metadata = safe_loads(data, str(path))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        if rank is None:
+            self._metadata = metadata
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if not isinstance(metadata.storage_data, dict):
+            raise CorruptDCPError(
+                self.path / METADATA_NAME,
+                "no storage_data map: not written by a filesystem storage writer",
+            )
+        self.storage_data = metadata.storage_data
+        self._dtypes = {
+            fqn: md.properties.dtype
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+        }
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with _DataFiles(self.path) as files:
+            items = [self._checked(req, files) for req in plan.items]
+            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierpoint-read") as pool:
+                _ReadRun(self, planner, pool).run(items)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # ------------------------------------------------------------------ helpers
+
+    def files_needed(self, plan: LoadPlan) -> set[str]:
+        """Names of the data files ``plan`` reads (after ``set_up_storage_reader``)."""
+        return {self.storage_data[req.storage_index].relative_path for req in plan.items}
+
+    def _checked(self, req: ReadItem, files: _DataFiles) -> _Item:
+        info = self.storage_data.get(req.storage_index)
+        if info is None:
+            raise CorruptDCPError(
+                self.path / METADATA_NAME,
+                f"the load plan reads {req.storage_index.fqn!r} at {list(req.storage_index.offset or [])}"
+                ", which the metadata does not store",
+            )
+        file = files.open(info.relative_path)
+        what = f"item {req.storage_index.fqn!r}"
+        if info.transform_descriptors:
+            raise CorruptDCPError(
+                file.path,
+                f"{what} uses stream transforms {info.transform_descriptors} (unsupported)",
+            )
+        if info.offset + info.length > file.size:
+            raise CorruptDCPError(
+                file.path,
+                f"truncated: {what} needs bytes [{info.offset}, {info.offset + info.length})"
+                f" but the file has {file.size}",
+            )
+        return _Item(req, info, file)
+
+
+def _read_small_file(path: Path, limit: int, what: str) -> bytes:
+    file = _open_regular(path, what)
+    try:
+        if file.size > limit:
+            raise CorruptDCPError(
+                path, f"{file.size} bytes of {what}, more than the {limit} allowed"
+            )
+        return _pread_exact(file, 0, file.size)
+    finally:
+        os.close(file.fd)
+
+
+@dataclass
+class _File:
+    path: Path
+    fd: int
+    size: int
+
+
+def _open_regular(path: Path, what: str) -> _File:
+    try:
+        # O_NONBLOCK: a FIFO planted in the directory must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CorruptDCPError(path, f"missing {what} file") from None
+    except OSError as e:
+        raise CheckpointingError(f"cannot open {what} file {path}: {e}") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptDCPError(path, f"{what} is not a regular file")
+    return _File(path, fd, st.st_size)
+
+
+def _pread_exact(file: _File, offset: int, n: int) -> bytes:
+    buf = bytearray(n)
+    _preadv_into(file, offset, memoryview(buf))
+    return bytes(buf)
+
+
+def _preadv_into(file: _File, offset: int, view: memoryview) -> None:
+    """Fill ``view`` with the file's bytes from ``offset``; a short file is a truncation."""
+    end = offset + len(view)
+    while len(view):
+        try:
+            n = os.preadv(file.fd, [view], offset)
+        except OSError as e:
+            raise CheckpointingError(f"reading {file.path} at offset {offset}: {e}") from e
+        if n == 0:
+            raise CorruptDCPError(
+                file.path, f"truncated: needed bytes up to {end}, the file ends at {offset}"
+            )
+        view = view[n:]
+        offset += n
+
+
+class _DataFiles:
+    """The data files of one ``read_data`` call, each opened once, closed on exit."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.files: dict[str, _File] = {}
+
+    def open(self, name: str) -> _File:
+        file = self.files.get(name)
+        if file is None:
+            problem = file_name_problem(name)
+            if problem:
+                raise CorruptDCPError(self.directory / METADATA_NAME, problem)
+            file = self.files[name] = _open_regular(self.directory / name, "DCP data")
+        return file
+
+    def __enter__(self) -> _DataFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for file in self.files.values():
+            os.close(file.fd)
+        self.files.clear()
+
+
+@dataclass
+class _Item:
+    req: ReadItem
+    info: _StorageInfo
+    file: _File
+
+    @property
+    def what(self) -> str:
+        return f"item {self.req.storage_index.fqn!r}"
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        return _pread_exact(self.file, self.info.offset + offset, n)
+
+
+@dataclass
+class _Piece:
+    """Bytes ``[offset, offset + len(view))`` of ``file``, to be read into ``view``."""
+
+    file: _File
+    offset: int
+    view: memoryview
+
+
+@dataclass
+class _Copy:
+    """A tensor item that could not be read in place: read into ``scratch``, then ``finish()``."""
+
+    item: _Item
+    target: torch.Tensor
+    finish: Callable[[], None]
+    pieces: list[_Piece] = field(default_factory=list)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor, writable, no copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _cut(file: _File, offset: int, view: memoryview) -> list[_Piece]:
+    return [
+        _Piece(file, offset + start, view[start : start + PIECE_BYTES])
+        for start in range(0, len(view), PIECE_BYTES)
+    ]
+
+
+def _contiguous_strides(size: Sequence[int]) -> list[int]:
+    strides, acc = [], 1
+    for d in reversed(size):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return strides[::-1]
+
+
+def _region_is_contiguous(size: Sequence[int], lengths: Sequence[int]) -> bool:
+    """Whether the box ``lengths`` (at any offsets) of a row-major ``size`` array is one run."""
+    partial = [i for i, (n, d) in enumerate(zip(lengths, size)) if n != d]
+    if not partial:
+        return True
+    return all(lengths[i] == 1 for i in range(partial[-1]))
+
+
+class _ReadRun:
+    """One ``read_data`` call: locate records, plan pieces, read them on the pool, finish up."""
+
+    def __init__(self, reader: Reader, planner: LoadPlanner, pool: ThreadPoolExecutor) -> None:
+        self.reader = reader
+        self.planner = planner
+        self.pool = pool
+        self.failed = threading.Event()
+
+    def _map(self, fn: Callable[[Any], Any], values: Iterable[Any]) -> list[Any]:
+        def guarded(value: Any) -> Any:
+            if self.failed.is_set():
+                return None
+            try:
+                return fn(value)
+            except BaseException:
+                self.failed.set()
+                raise
+
+        return list(self.pool.map(guarded, values))
+
+    def run(self, items: list[_Item]) -> None:
+        tensors = [it for it in items if it.req.type != LoadItemType.BYTE_IO]
+        blobs = [it for it in items if it.req.type == LoadItemType.BYTE_IO]
+        records = self._map(self._locate, tensors)
+        pieces: list[_Piece] = []
+        copies: list[_Copy] = []
+        targets: list[tuple[_Item, torch.Tensor]] = []
+        for item, record in zip(tensors, records):
+            target = self.planner.resolve_tensor(item.req).detach()
+            targets.append((item, target))
+            if isinstance(record, SavedTensor):
+                in_place = self._in_place(item, record, target)
+                if in_place is not None:
+                    pieces += in_place
+                    continue
+            copies.append(self._copy(item, record, target))
+        blob_views = [memoryview(bytearray(it.info.length)) for it in blobs]
+        pieces += [p for copy in copies for p in copy.pieces]
+        pieces += [p for it, v in zip(blobs, blob_views) for p in _cut(it.file, it.info.offset, v)]
+        pieces.sort(key=lambda p: (p.file.fd, p.offset))
+        self._map(lambda p: _preadv_into(p.file, p.offset, p.view), pieces)
+        self._map(lambda c: c.finish(), copies)
+        for item, target in targets:
+            self.planner.commit_tensor(item.req, target)
+        for item, view in zip(blobs, blob_views):
+            self.planner.load_bytes(item.req, io.BytesIO(view.obj))  # type: ignore[arg-type]
+
+    def _locate(self, item: _Item) -> SavedTensor | NeedsTorchLoad:
+        try:
+            record = locate(item.read_at, item.info.length)
+        except NeedsTorchLoad as e:
+            return e
+        except BadRecord as e:
+            raise CorruptDCPError(item.file.path, f"{item.what}: {e}") from None
+        expected = self.reader._dtypes.get(item.req.storage_index.fqn)
+        if record.dtype != expected:
+            raise CorruptDCPError(
+                item.file.path, f"{item.what} holds {record.dtype}, the metadata says {expected}"
+            )
+        self._check_region(item, record.size)
+        return record
+
+    def _check_region(self, item: _Item, size: Sequence[int]) -> None:
+        req = item.req
+        if len(req.storage_offsets) != len(size) or any(
+            o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, size)
+        ):
+            raise CorruptDCPError(
+                item.file.path,
+                f"{item.what}: the plan reads {list(req.lengths)} at {list(req.storage_offsets)}"
+                f" of a stored tensor of size {list(size)}",
+            )
+
+    def _check_target(self, item: _Item, target: torch.Tensor) -> None:
+        if tuple(target.shape) != tuple(item.req.lengths):
+            raise CorruptDCPError(
+                item.file.path,
+                f"{item.what}: destination of shape {list(target.shape)} for a stored region of"
+                f" {list(item.req.lengths)}",
+            )
+
+    def _in_place(
+        self, item: _Item, record: SavedTensor, target: torch.Tensor
+    ) -> list[_Piece] | None:
+        """Pieces reading the region straight into ``target``, or None if it cannot be."""
+        self._check_target(item, target)
+        req = item.req
+        if not (
+            target.device.type == "cpu"
+            and target.dtype == record.dtype
+            and target.is_contiguous()
+            and record.is_contiguous()
+            and _region_is_contiguous(record.size, req.lengths)
+        ):
+            return None
+        if target.numel() == 0:
+            return []
+        strides = _contiguous_strides(record.size)
+        first = record.storage_offset + sum(o * s for o, s in zip(req.storage_offsets, strides))
+        start = item.info.offset + record.data_offset + first * record.dtype.itemsize
+        return _cut(item.file, start, _bytes_of(target))
+
+    def _copy(
+        self, item: _Item, record: SavedTensor | NeedsTorchLoad, target: torch.Tensor
+    ) -> _Copy:
+        self._check_target(item, target)
+        req = item.req
+        if isinstance(record, NeedsTorchLoad):
+            raw = memoryview(bytearray(item.info.length))
+
+            def finish_with_torch_load() -> None:
+                try:
+                    full = torch.load(io.BytesIO(raw.obj), map_location="cpu", weights_only=True)  # type: ignore[arg-type]
+                except Exception as e:  # noqa: BLE001 - any failure means a bad archive
+                    raise CorruptDCPError(item.file.path, f"{item.what}: {e!r:.200}") from None
+                expected = self.reader._dtypes.get(req.storage_index.fqn)
+                if not isinstance(full, torch.Tensor) or full.dtype != expected:
+                    raise CorruptDCPError(item.file.path, f"{item.what} is not a {expected} tensor")
+                self._check_region(item, full.shape)
+                target.copy_(_narrow(full, req.storage_offsets, req.lengths))
+
+            return _Copy(
+                item, target, finish_with_torch_load, _cut(item.file, item.info.offset, raw)
+            )
+        itemsize = record.dtype.itemsize
+        if record.is_contiguous():
+            # Read only the span from the region's first to its last element.
+            strides = _contiguous_strides(record.size)
+            first = sum(o * s for o, s in zip(req.storage_offsets, strides))
+            last = sum(
+                (o + max(n, 1) - 1) * s
+                for o, n, s in zip(req.storage_offsets, req.lengths, strides)
+            )
+            span_begin, span = record.storage_offset + first, last - first + 1
+            size, stride, offset = list(req.lengths), strides, 0
+        else:
+            span_begin, span = 0, record.storage_nbytes // itemsize
+            size, stride, offset = list(record.size), list(record.stride), record.storage_offset
+        scratch = torch.empty(span * itemsize if target.numel() else 0, dtype=torch.uint8)
+
+        def finish_from_scratch() -> None:
+            if target.numel() == 0:
+                return
+            view = scratch.view(record.dtype).as_strided(size, stride, offset)
+            if not record.is_contiguous():
+                view = _narrow(view, req.storage_offsets, req.lengths)
+            target.copy_(view)
+
+        start = item.info.offset + record.data_offset + span_begin * itemsize
+        return _Copy(item, target, finish_from_scratch, _cut(item.file, start, _bytes_of(scratch)))
+
+
+def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+        if n != t.shape[dim]:
+            t = t.narrow(dim, o, n)
+    return t
