@@ -1,0 +1,170 @@
+"""Async DCP saves: the snapshot is what gets saved even if training changes the state right away;
+staging buffers are allocated once per layout and reused; files are written by the queue's
+background worker; a failure on one rank fails the save on every rank and commits nothing."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from tierpoint.asyncsave import AsyncCallsQueue
+from tierpoint.dcp import (
+    StagingPool,
+    async_save,
+    async_save_request,
+    get_latest_complete_checkpoint,
+    step_path,
+)
+from tierpoint.dcp.writer import write_staged
+from tierpoint.errors import CheckpointingError
+from tierpoint.spawn import run_ranks
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _state(world: int, step: int, bigger: bool = False):
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(step)
+    full = torch.randn(world * 64, 32, generator=g)
+    state = {
+        "model": {
+            "w": distribute_tensor(full, mesh, [Shard(0)]),
+            "b": torch.randn(32, generator=g),
+        },
+        "step": step,
+    }
+    if bigger:  # every rank's layout grows (a shard each)
+        state["model"]["new"] = distribute_tensor(
+            torch.randn(world * 10, generator=g), mesh, [Shard(0)]
+        )
+    return state
+
+
+def _snapshot(state: dict) -> dict:
+    model = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+        for k, v in state["model"].items()
+    }
+    return {"model": model, "step": state["step"]}
+
+
+def _load_and_compare(path: str, world: int, expected: dict) -> bool:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {"model": {}, "step": -1}
+    for k, v in expected["model"].items():
+        z = torch.zeros_like(v)
+        out["model"][k] = distribute_tensor(z, mesh, [Shard(0)]) if k != "b" else z
+    dcp.load(out, storage_reader=FileSystemReader(path))
+    got = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in out["model"].items()
+    }
+    return out["step"] == expected["step"] and all(
+        torch.equal(got[k], expected["model"][k]) for k in got
+    )
+
+
+def _async_saves(rank: int, world: int, root: str) -> dict:
+    queue = AsyncCallsQueue()
+    pool = StagingPool()
+    results = {"equal": [], "allocations": [], "buffers": set()}
+    try:
+        for step in range(1, 6):
+            state = _state(world, step, bigger=step >= 4)
+            expected = _snapshot(state)
+            path = step_path(root, step)
+            if step == 2:  # NVRx style: build the request, schedule it yourself
+                request = async_save_request(state, path, staging_pool=pool)
+                assert request.async_fn is write_staged
+                queue.schedule_async_request(request)
+            else:
+                future = async_save(state, path, queue=queue, staging_pool=pool)
+            # Training goes on at once: the saved checkpoint must still be the snapshot.
+            with torch.no_grad():
+                state["model"]["w"].add_(1.0)
+                state["model"]["b"].mul_(-3.0)
+            state["step"] = -step
+            assert os.path.exists(os.path.join(path, f".unfinished-{rank}"))  # in flight
+            if step == 2:
+                queue.maybe_finalize_async_calls(blocking=True)
+            else:
+                assert future.result(timeout=120) == path
+            assert not [n for n in os.listdir(path) if n.startswith(".unfinished")]
+            dist.barrier()
+            results["equal"].append(_load_and_compare(path, world, expected))
+            results["allocations"].append(pool.allocations)
+            results["buffers"].add(pool._free[0][1].id)
+    finally:
+        queue.close()
+    results["buffers"] = len(results["buffers"])
+    results["latest"] = get_latest_complete_checkpoint(root)
+    return results
+
+
+def test_async_saves_write_the_snapshot_and_reuse_staging(tmp_path):
+    results = run_ranks(_async_saves, 2, str(tmp_path), timeout=240)
+    for r in results:
+        assert r["equal"] == [True] * 5
+        # One buffer for steps 1-3, a second one when the layout grew at step 4, reused at 5.
+        assert r["allocations"] == [1, 1, 1, 2, 2]
+        assert r["buffers"] == 2
+        assert r["latest"] == step_path(tmp_path, 5)
+
+
+def test_two_saves_in_flight_use_two_buffers(tmp_path):
+    pool = StagingPool()
+    state = {"a": torch.arange(1000.0), "n": 1}
+    with AsyncCallsQueue(max_in_flight=2) as queue:
+        f1 = async_save(state, step_path(tmp_path, 1), queue=queue, staging_pool=pool)
+        state["a"].add_(1)
+        state["n"] = 2
+        f2 = async_save(state, step_path(tmp_path, 2), queue=queue, staging_pool=pool)
+        state["a"].add_(1)
+        f1.result(timeout=120)
+        f2.result(timeout=120)
+        assert pool.allocations == 2
+        async_save(state, step_path(tmp_path, 3), queue=queue, staging_pool=pool).result(120)
+        assert pool.allocations == 2  # a free buffer of the same layout is reused
+    for step in (1, 2, 3):
+        out = {"a": torch.zeros(1000), "n": 0}
+        dcp.load(out, checkpoint_id=step_path(tmp_path, step))
+        assert torch.equal(out["a"], torch.arange(1000.0) + step - 1) and out["n"] == min(step, 2)
+
+
+def _async_failure(rank: int, world: int, root: str) -> str:
+    with AsyncCallsQueue() as queue:
+        async_save({f"r{rank}": torch.ones(100)}, step_path(root, 1), queue=queue).result(120)
+        target = step_path(root, 2)
+        if rank == 1:
+            os.makedirs(target, exist_ok=True)
+            os.symlink("/dev/full", os.path.join(target, "__1_0.distcp"))
+        dist.barrier()
+        future = async_save({f"r{rank}": torch.ones(1 << 16)}, target, queue=queue, thread_count=1)
+        try:
+            future.result(timeout=120)
+            message = "no error"
+        except CheckpointingError as e:
+            message = str(e)
+    return f"{message}|{get_latest_complete_checkpoint(root)}"
+
+
+def test_a_failed_async_write_commits_nothing(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    results = run_ranks(_async_failure, 2, str(tmp_path), timeout=240)
+    messages = {r.split("|")[0] for r in results}
+    assert len(messages) == 1, results
+    message = messages.pop()
+    assert "rank 1" in message and "__1_0.distcp" in message and "ENOSPC" in message
+    assert {r.split("|")[1] for r in results} == {step_path(tmp_path, 1)}
+    left = os.listdir(step_path(tmp_path, 2)) if os.path.exists(step_path(tmp_path, 2)) else []
+    assert ".metadata" not in left and "__0_0.distcp" not in left  # aborted: data removed

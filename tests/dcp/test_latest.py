@@ -1,0 +1,148 @@
+"""get_latest_complete_checkpoint: newest committed step without unfinished markers, the same answer
+on every rank; saves interrupted by SIGKILL are never returned."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from tierpoint import storage
+from tierpoint.dcp import get_latest_complete_checkpoint, save, step_path
+from tierpoint.dcp.layout import choose_latest, local_view, marker_name, step_of
+from tierpoint.errors import CheckpointingError
+from tierpoint.spawn import run_ranks
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def make(base, step: int, *names: str) -> None:
+    d = step_path(base, step)
+    os.makedirs(d, exist_ok=True)
+    for n in names:
+        open(os.path.join(d, n), "wb").close()
+
+
+def test_names_and_markers():
+    assert step_of("step-12") == 12 and step_of("step-abc") is None and step_of("step-1x") is None
+    assert step_path("s3://b/run", 3) == "s3://b/run/step-3"
+    assert marker_name(4) == ".unfinished-4"
+
+
+def test_newest_committed_unmarked_step_wins(tmp_path):
+    make(tmp_path, 3, ".metadata", "__0_0.distcp")
+    make(tmp_path, 5, ".metadata", ".unfinished-1")  # committed earlier, being re-saved
+    make(tmp_path, 6, "__0_0.distcp")  # no .metadata: never committed
+    make(tmp_path, 4, ".metadata")
+    os.makedirs(tmp_path / "step-abc")
+    open(tmp_path / "step-abc" / ".metadata", "wb").close()
+    (tmp_path / "step-9").write_bytes(b"a file, not a checkpoint")
+    (tmp_path / "notes.txt").write_bytes(b"")
+    assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 4)
+    assert [v[0] for v in local_view(tmp_path)] == [3, 4, 5, 6, 9]
+
+
+def test_nothing_complete(tmp_path):
+    assert get_latest_complete_checkpoint(tmp_path / "missing") is None
+    make(tmp_path, 1, ".unfinished-0")
+    assert get_latest_complete_checkpoint(tmp_path) is None
+
+
+def test_choose_latest_combines_every_ranks_view():
+    rank0 = [[1, True, []], [2, True, []], [3, True, []]]
+    rank1 = [[1, False, []], [2, False, [1]], [3, False, []]]
+    assert choose_latest([rank0, rank1]) == 3
+    assert choose_latest([rank0, [[3, False, [1]]]]) == 2
+    assert choose_latest([[], []]) is None
+
+
+def _views_differ(rank: int, world: int, root: str) -> list:
+    base = os.path.join(root, f"node{rank}")  # each rank sees its own "node-local" disk
+    first = get_latest_complete_checkpoint(base)
+    dist.barrier()
+    if rank == 1:  # a step committed where only rank 1 can see the .metadata
+        make(base, 5, ".metadata")
+    dist.barrier()
+    second = get_latest_complete_checkpoint(base)
+    return [os.path.relpath(first, base), os.path.relpath(second, base)]
+
+
+def test_every_rank_gets_the_decision_made_from_all_views(tmp_path):
+    for step in (1, 2, 3, 4):
+        make(tmp_path / "node0", step, ".metadata")
+    make(tmp_path / "node1", 3, ".unfinished-1")  # rank 1 never finished step 3 ...
+    make(tmp_path / "node1", 4, ".unfinished-1")  # ... nor step 4
+    make(tmp_path / "node1", 5)
+    results = run_ranks(_views_differ, 2, str(tmp_path), timeout=120)
+    assert results == [["step-2", "step-5"], ["step-2", "step-5"]]
+
+
+def _killed_mid_write(rank: int, world: int, root: str) -> str:
+    save({"a": torch.full((1 << 16,), float(rank)), "step": 1}, step_path(root, 1))
+    if rank == 1:
+        original = storage._write_local
+
+        def die_halfway(path, views, fsync):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, bytes(memoryview(views[0]))[:100])
+            os.fsync(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return original(path, views, fsync)  # never reached
+
+        storage._write_local = die_halfway
+    try:
+        save({f"r{rank}": torch.full((1 << 16,), float(rank)), "step": 2}, step_path(root, 2))
+    except CheckpointingError as e:
+        return f"raised: {e}"
+    return "no error"
+
+
+def test_a_rank_killed_mid_write_never_yields_a_checkpoint(tmp_path):
+    results = run_ranks(
+        _killed_mid_write,
+        2,
+        str(tmp_path),
+        timeout=180,
+        allow_crash={1},
+        env={"TIERPOINT_TIMEOUT": "30"},
+    )
+    assert results[0].startswith("raised") and "peer" in results[0], results
+    assert results[1] is None  # SIGKILLed
+    left = sorted(os.listdir(step_path(tmp_path, 2)))
+    assert ".metadata" not in left and ".unfinished-1" in left and "__1_0.distcp" in left
+    assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 1)
+
+
+def test_killed_after_commit_before_unmarking_is_not_returned(tmp_path):
+    """Even a committed .metadata does not count while a marker says a rank may still write."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch, warnings
+        warnings.simplefilter("ignore")
+        from tierpoint import storage
+        from tierpoint.dcp import save, step_path
+        base = {str(tmp_path)!r}
+        save({{"a": torch.ones(8)}}, step_path(base, 1))
+        original = storage.remove
+        def remove(url, **kw):
+            if os.path.basename(str(url)).startswith(".unfinished"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(url, **kw)
+        storage.remove = remove
+        save({{"a": torch.ones(8) * 2}}, step_path(base, 2))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert sorted(os.listdir(step_path(tmp_path, 2))) == [
+        ".metadata",
+        ".unfinished-0",
+        "__0_0.distcp",
+    ]
+    assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 1)
