@@ -1,16 +1,22 @@
-"""The fault-tolerant training demo: train on 2 ranks, crash one for real, resume, prove nothing was lost.
+"""The fault-tolerant training demo: lose a whole node for real, resume, prove nothing was lost.
 
-``python -m tierpoint.demo`` (or ``./run demo``) runs three torchrun jobs on 127.0.0.1:
+``python -m tierpoint.demo`` (or ``./run demo``) simulates ``--nodes`` nodes of ``--ranks-per-node``
+ranks on 127.0.0.1 (one torchrun per node, ``--nnodes N --node-rank i``), each node with its own
+local checkpoint root (its "RAM disk"), and runs three jobs:
 
 1. train a small MLP with data-parallel SGD (gloo all-reduce), saving asynchronously to the local tier
-   every ``--save-every`` steps (a background worker process writes; training pays for a memory copy),
-   until rank 1 kills itself with SIGKILL at ``--crash-at``;
-2. relaunch: every rank agrees on the newest complete checkpoint, loads it (checksums verified) and
-   trains on to ``--steps``;
+   every ``--save-every`` steps, each part replicated to a rank on another node (clique replication,
+   factor 2; a background worker writes, a background thread replicates; training pays for a memory
+   copy), until every process of the last node kills itself with SIGKILL at ``--crash-at``; that
+   node's root is then wiped (a replaced machine);
+2. relaunch: every rank agrees on the newest iteration complete anywhere, the replaced node fetches
+   its parts from their replicas on the other node (checksums verified) and gets its replicas back,
+   and training goes on to ``--steps``;
 3. the same training without any crash or checkpoint, as the reference.
 
-It then compares the final weights of (2) and (3) bit for bit and exits non-zero unless they are equal.
-Everything it writes lives in a temporary directory (under /dev/shm when present) removed at the end.
+It then compares the final weights of (2) and (3) bit for bit, checks that the replaced node holds
+replicas again, and exits non-zero unless both hold. Everything it writes lives in a temporary
+directory (under /dev/shm when present) removed at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +38,7 @@ import torch.distributed as dist
 
 from . import fileformat
 from .asyncsave import AsyncCallsQueue
-from .local import BasicTensorAwareStateDict, LocalCheckpointManager
+from .local import BasicTensorAwareStateDict, CliqueReplicationStrategy, LocalCheckpointManager
 
 WIDTH = 512
 DEPTH = 4
@@ -76,7 +83,14 @@ def worker(args: argparse.Namespace) -> None:
         format=f"  [rank {rank}] %(message)s",
     )
     model, opt = build_model()
-    manager = LocalCheckpointManager(args.root, session_id="demo") if args.checkpoint else None
+    manager = None
+    if args.checkpoint:
+        node = int(os.environ.get("GROUP_RANK", "0"))  # set by torchrun: this process's node
+        # The default jump (ranks per node) puts each part's replica on another node.
+        replication = CliqueReplicationStrategy.from_replication_params(replication_factor=2)
+        manager = LocalCheckpointManager(
+            Path(args.root) / f"node{node}", session_id="demo", repl_strategy=replication
+        )
     queue = AsyncCallsQueue() if args.checkpoint else None
     if queue is not None:
         queue.wait_ready()  # the worker's start (a torch import) would otherwise delay the first save
@@ -113,9 +127,9 @@ def worker(args: argparse.Namespace) -> None:
                 print(
                     f"  step {step:3d}  async checkpoint scheduled; training blocked {1e3 * (time.perf_counter() - t0):.1f} ms"
                 )
-        if step == args.crash_at and rank == 1:
+        if step == args.crash_at and int(os.environ.get("GROUP_RANK", "0")) == args.nodes - 1:
             print(
-                f"  [rank 1] step {step}: killing myself with SIGKILL (simulated node crash)",
+                f"  [rank {rank}] step {step}: killing myself with SIGKILL (node {args.nodes - 1} is lost)",
                 flush=True,
             )
             os.kill(os.getpid(), signal.SIGKILL)
@@ -126,37 +140,54 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def torchrun(ranks: int, worker_args: list[str], log: Path) -> int:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(args: argparse.Namespace, worker_args: list[str], log: Path) -> int:
+    """One torchrun per simulated node; returns the first non-zero exit code (0 if all succeeded)."""
     env = dict(
         os.environ,
         GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         OMP_NUM_THREADS="1",
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={ranks}",
-        "-m",
-        "tierpoint.demo",
-        "--worker",
-        *worker_args,
-    ]
+    port = _free_port()
+    procs = []
     with open(log, "ab") as log_file:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log_file)
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        for node in range(args.nodes):
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={args.nodes}",
+                f"--nproc-per-node={args.ranks_per_node}",
+                f"--node-rank={node}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "-m",
+                "tierpoint.demo",
+                "--worker",
+                f"--nodes={args.nodes}",
+                *worker_args,
+            ]
+            out = subprocess.PIPE if node == 0 else subprocess.DEVNULL
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=log_file))
+        assert procs[0].stdout is not None
+        for line in procs[0].stdout:
             sys.stdout.write(line.decode(errors="replace"))
             sys.stdout.flush()
-        return proc.wait(timeout=600)
+        codes = [p.wait(timeout=600) for p in procs]
+    return next((c for c in codes if c != 0), 0)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tierpoint.demo", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (>= 2)")
+    parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--crash-at", type=int, default=27)
@@ -172,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not 0 < args.save_every < args.crash_at < args.steps:
         parser.error("need 0 < --save-every < --crash-at < --steps")
+    if args.nodes < 2 or args.ranks_per_node < 1:
+        parser.error(
+            "need --nodes >= 2 (a lost node's parts live on another) and --ranks-per-node >= 1"
+        )
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else None
     work = Path(tempfile.mkdtemp(prefix="tierpoint-demo-", dir=base))
     try:
@@ -182,29 +217,30 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_demo(args: argparse.Namespace, work: Path) -> int:
     log = work / "torchrun.log"
+    root = work / "local"
+    lost = args.nodes - 1
     common = [
         f"--steps={args.steps}",
         f"--save-every={args.save_every}",
-        f"--root={work / 'local'}",
+        f"--root={root}",
     ]
     print(
-        f"tierpoint demo: {args.ranks} ranks, {args.steps} steps, local checkpoint every {args.save_every} steps"
+        f"tierpoint demo: {args.nodes} nodes x {args.ranks_per_node} ranks, {args.steps} steps, "
+        f"local checkpoint every {args.save_every} steps, each part replicated to another node"
     )
-    print(f"\n[1/3] training; rank 1 will crash at step {args.crash_at}")
+    print(f"\n[1/3] training; node {lost} (all its ranks) will be lost at step {args.crash_at}")
     t0 = time.perf_counter()
     code = torchrun(
-        args.ranks,
-        [*common, f"--crash-at={args.crash_at}", f"--result={work / 'crashed.part'}"],
-        log,
+        args, [*common, f"--crash-at={args.crash_at}", f"--result={work / 'crashed.part'}"], log
     )
     print(f"  job ended with exit code {code} after {time.perf_counter() - t0:.1f} s (the crash)")
     if code == 0:
         print("FAILED: the crash did not happen")
         return 1
-    print("\n[2/3] relaunching the job: it resumes from the newest complete checkpoint")
-    code = torchrun(
-        args.ranks, [*common, "--crash-at=-1", f"--result={work / 'resumed.part'}"], log
-    )
+    shutil.rmtree(root / f"node{lost}", ignore_errors=True)
+    print(f"  node {lost} replaced: its local checkpoint root is wiped")
+    print("\n[2/3] relaunching the job: it resumes from the newest checkpoint complete anywhere")
+    code = torchrun(args, [*common, "--crash-at=-1", f"--result={work / 'resumed.part'}"], log)
     if code != 0:
         print(
             f"FAILED: the resumed job exited with {code}; torchrun log:\n{log.read_text()[-3000:]}"
@@ -212,7 +248,7 @@ def run_demo(args: argparse.Namespace, work: Path) -> int:
         return 1
     print("\n[3/3] reference: the same training without crash or checkpoints")
     code = torchrun(
-        args.ranks,
+        args,
         [*common, "--crash-at=-1", "--no-checkpoint", f"--result={work / 'reference.part'}"],
         log,
     )
@@ -227,13 +263,37 @@ def run_demo(args: argparse.Namespace, work: Path) -> int:
         torch.equal(resumed[k], reference[k]) for k in resumed
     )
     n = sum(t.numel() for t in resumed.values())
-    if same:
-        print(
-            f"\nOK: after the crash and resume, all {n:,} weights equal the uninterrupted run bit for bit"
+    if not same:
+        print("\nFAILED: the resumed weights differ from the uninterrupted run")
+        return 1
+    print(
+        f"\nOK: after losing node {lost} and resuming, all {n:,} weights equal the uninterrupted "
+        "run bit for bit"
+    )
+    held = _replicas_held(root / f"node{lost}" / "demo", args)
+    if not held:
+        print(f"FAILED: the replaced node {lost} holds no replicas of other nodes' parts")
+        return 1
+    print(f"OK: the replaced node {lost} holds replicas again ({held})")
+    return 0
+
+
+def _replicas_held(session_dir: Path, args: argparse.Namespace) -> str:
+    """'rank R: parts of ranks ...' for the replicas (parts of other ranks) under ``session_dir``."""
+    from .local.naming import parse_part_name
+
+    lines = []
+    for holder in sorted(session_dir.iterdir()) if session_dir.is_dir() else []:
+        origins = sorted(
+            {
+                p[1]
+                for p in map(parse_part_name, os.listdir(holder))
+                if p and p[1] != int(holder.name)
+            }
         )
-        return 0
-    print("\nFAILED: the resumed weights differ from the uninterrupted run")
-    return 1
+        if origins:
+            lines.append(f"rank {holder.name}: part of rank {', '.join(map(str, origins))}")
+    return "; ".join(lines)
 
 
 if __name__ == "__main__":

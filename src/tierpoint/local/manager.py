@@ -546,6 +546,13 @@ class LocalCheckpointManager:
                             origin,
                         )
                 break
+            if self.rank == 0:
+                logger.info(
+                    "local iteration %d: restoring %d part(s) from peers: %s",
+                    iteration,
+                    len(plan.moves),
+                    ", ".join(f"rank {s} -> {d} (part of {o})" for s, d, o in plan.moves),
+                )
             bad = self._fetch(iteration, plan, group)
             if loaded is None and any(d == self.rank == o for _, d, o in plan.moves):
                 loaded, reason, kind = self._read_own(iteration)
