@@ -19,8 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import tierpoint.dcp.reader as reader_mod
+from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
 from tierpoint.dcp import Reader, load, read_metadata
-from tierpoint.dcp.reader import _File, _preadv_into, _region_is_contiguous
+from tierpoint.dcp.reader import _File, _read_into, _region_is_contiguous
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError
 from tierpoint.spawn import run_ranks
 
@@ -113,14 +114,14 @@ def test_large_tensors_are_cut_into_pieces_shared_by_threads(
     monkeypatch.setattr(reader_mod, "PIECE_BYTES", 4096)
     seen: set[str] = set()
     sizes: list[int] = []
-    real = reader_mod._preadv_into
+    real = reader_mod._read_into
 
     def spy(file: _File, offset: int, view: memoryview) -> None:
         seen.add(threading.current_thread().name)
         sizes.append(len(view))
         real(file, offset, view)
 
-    monkeypatch.setattr(reader_mod, "_preadv_into", spy)
+    monkeypatch.setattr(reader_mod, "_read_into", spy)
     target = zeros_like_state(state)
     load(target, path, thread_count=3)
     assert_state_equal(state, target)
@@ -208,7 +209,7 @@ def test_file_shrinking_during_the_read_is_reported(tmp_path: Path) -> None:
     fd = os.open(f, os.O_RDONLY)
     try:
         with pytest.raises(CorruptCheckpointError, match="truncated"):
-            _preadv_into(_File(f, fd, 1000), 50, memoryview(bytearray(200)))
+            _read_into(_File(str(f), 1000, fd=fd), 50, memoryview(bytearray(200)))
     finally:
         os.close(fd)
 
@@ -365,6 +366,52 @@ def test_hostile_metadata_is_refused(checkpoint: tuple[Path, dict], tmp_path: Pa
         dcp.load(zeros_like_state(state), storage_reader=Reader(path), no_dist=True)
     assert "forbidden global posix.system" in str(err.value.failures[0][0])
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------ object storage
+
+
+def upload(path: Path, url: str, options: dict) -> None:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    for f in path.iterdir():
+        fs.put_file(str(f), f"{root}/{f.name}")
+
+
+@pytest.mark.timeout(120)
+def test_load_from_s3(checkpoint: tuple[Path, dict], s3_bucket: tuple[str, dict]) -> None:  # noqa: F811
+    path, state = checkpoint
+    bucket, options = s3_bucket
+    url = f"{bucket}/step-1"
+    upload(path, url, options)
+    target = zeros_like_state(state)
+    load(target, url, storage_options=options, thread_count=3)
+    assert_state_equal(state, target)
+    assert (
+        read_metadata(url, storage_options=options).storage_data == read_metadata(path).storage_data
+    )
+
+
+@pytest.mark.timeout(120)
+def test_damaged_objects_on_s3(
+    checkpoint: tuple[Path, dict],
+    s3_bucket: tuple[str, dict],  # noqa: F811 - the fixture
+) -> None:
+    path, state = checkpoint
+    bucket, options = s3_bucket
+    data_file = distcp_files(path)[0]
+    data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])
+    upload(path, f"{bucket}/truncated", options)
+    with pytest.raises(CorruptCheckpointError, match="truncated") as err:
+        load(zeros_like_state(state), f"{bucket}/truncated", storage_options=options)
+    assert data_file.name in str(err.value)
+    data_file.unlink()
+    upload(path, f"{bucket}/missing", options)
+    with pytest.raises(CorruptCheckpointError, match="missing DCP data file"):
+        load(zeros_like_state(state), f"{bucket}/missing", storage_options=options)
+    with pytest.raises(CorruptCheckpointError, match="missing DCP metadata"):
+        read_metadata(f"{bucket}/nothing-here", storage_options=options)
 
 
 # ------------------------------------------------------------------------------ several ranks

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -67,14 +68,16 @@ def load(
     process_group: Any = None,
     thread_count: int = DEFAULT_THREAD_COUNT,
     planner: LoadPlanner | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
-    """Load the DCP checkpoint in directory ``path`` into ``state_dict`` in place (collective).
+    """Load the DCP checkpoint at ``path`` (a directory or an fsspec URL) into ``state_dict`` in
+    place (collective).
 
     Same contract as ``torch.distributed.checkpoint.load`` (every rank of ``process_group`` calls
     it with the same keys); see the module docstring for what differs. Raises
     :class:`CheckpointingError` (:class:`CorruptCheckpointError` for damaged files) on every rank.
     """
-    reader = Reader(path, thread_count=thread_count)
+    reader = Reader(path, thread_count=thread_count, storage_options=storage_options)
     if process_group is None:
         with agree(f"reading the DCP metadata of {os.fspath(path)}"):
             try:

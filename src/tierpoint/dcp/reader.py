@@ -1,7 +1,8 @@
 """A torch DCP ``StorageReader`` that validates everything first, then reads in parallel into place.
 
-``Reader(path, thread_count=4)`` reads standard DCP checkpoints (``.metadata`` + ``*.distcp``, as
-torch's filesystem writer and tierpoint's writer produce them) in a local directory. It plugs into
+``Reader(path_or_url, thread_count=4, storage_options=None)`` reads standard DCP checkpoints
+(``.metadata`` + ``*.distcp``, as torch's filesystem writer and tierpoint's writer produce them) from
+a local directory or any fsspec URL (``s3://...``: ranged GETs, one per piece). It plugs into
 ``torch.distributed.checkpoint.load(state_dict, storage_reader=Reader(path))``; see
 :func:`tierpoint.dcp.load` for the safer one-call form.
 
@@ -13,7 +14,8 @@ Call order (torch's): ``read_metadata`` -> ``set_up_storage_reader`` -> ``prepar
 - ``read_data`` first opens every data file the plan needs (once each) and checks each item's
   range against the file's real size; only then does it read. Tensor items are ``torch.save``
   archives: their headers are parsed without unpickling (:mod:`tierpoint.dcp.saved_tensor`), then the
-  tensor bytes go with ``os.preadv`` straight into the destination tensor when its memory is
+  tensor bytes go with ``os.preadv`` (remote: a ranged read) straight into the destination tensor
+  when its memory is
   contiguous, of the stored dtype and the region asked for is contiguous in the file (the usual case,
   resharding along dim 0 included); otherwise into a scratch buffer and ``copy_``. Large reads are cut
   into pieces so ``thread_count`` threads share them. Non-tensor (bytes) items are read whole and
@@ -34,10 +36,9 @@ import os
 import stat
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .. import storage
 from ..errors import CheckpointingError
 from .safe_pickle import CorruptDCPError, file_name_problem, safe_loads
 from .saved_tensor import BadRecord, NeedsTorchLoad, SavedTensor, locate
@@ -63,22 +65,30 @@ PIECE_BYTES = 16 << 20
 MAX_METADATA_BYTES = 1 << 30
 
 
-def read_metadata(path: str | os.PathLike) -> Metadata:
-    """The ``Metadata`` of the DCP checkpoint in directory ``path``, loaded without running code."""
-    return Reader(path).read_metadata()
+def read_metadata(
+    path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None
+) -> Metadata:
+    """The ``Metadata`` of the DCP checkpoint at ``path`` (directory or URL), loaded without
+    running code from the file."""
+    return Reader(path, storage_options=storage_options).read_metadata()
 
 
 class Reader(StorageReader):
     """A torch DCP ``StorageReader`` for a checkpoint directory; see the module docstring."""
 
     def __init__(
-        self, path: str | os.PathLike, *, thread_count: int = DEFAULT_THREAD_COUNT
+        self,
+        path: str | os.PathLike,
+        *,
+        thread_count: int = DEFAULT_THREAD_COUNT,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be at least 1, not {thread_count}")
-        self.path = Path(path)
+        self.path = os.fspath(path)
         self.thread_count = thread_count
+        self.storage_options = dict(storage_options or {})
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._dtypes: dict[str, torch.dtype] = {}
@@ -88,7 +98,7 @@ class Reader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = os.fspath(checkpoint_id)
         self.load_id = str(uuid.uuid4())
         self.storage_data = {}
         self._dtypes = {}
@@ -100,8 +110,7 @@ class Reader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        text = os.fspath(checkpoint_id)
-        return "://" not in str(text)
+        return isinstance(os.fspath(checkpoint_id), str)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata (cached after the first read); ``rank=r`` reads the rank-local
@@ -110,9 +119,16 @@ class Reader(StorageReader):
         if rank is None and self._metadata is not None:
             return self._metadata
         name = METADATA_NAME if rank is None else f"__{int(rank)}{METADATA_NAME}"
-        path = self.path / name
-        data = _read_small_file(path, MAX_METADATA_BYTES, "DCP metadata")
-        metadata = safe_loads(data, str(path))
+        file = _open(self._location(name), "DCP metadata", self.storage_options)
+        try:
+            if file.size > MAX_METADATA_BYTES:
+                raise CorruptDCPError(
+                    file.path, f"{file.size} bytes of DCP metadata, over {MAX_METADATA_BYTES}"
+                )
+            data = _read_exact(file, 0, file.size)
+        finally:
+            file.close()
+        metadata = safe_loads(data, file.path)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -125,7 +141,7 @@ class Reader(StorageReader):
     ) -> None:
         if not isinstance(metadata.storage_data, dict):
             raise CorruptDCPError(
-                self.path / METADATA_NAME,
+                self._location(METADATA_NAME),
                 "no storage_data map: not written by a filesystem storage writer",
             )
         self.storage_data = metadata.storage_data
@@ -142,7 +158,7 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with _DataFiles(self.path) as files:
+        with _DataFiles(self) as files:
             items = [self._checked(req, files) for req in plan.items]
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierpoint-read") as pool:
                 _ReadRun(self, planner, pool).run(items)
@@ -152,6 +168,9 @@ class Reader(StorageReader):
 
     # ------------------------------------------------------------------ helpers
 
+    def _location(self, name: str) -> str:
+        return storage.join(self.path, name)
+
     def files_needed(self, plan: LoadPlan) -> set[str]:
         """Names of the data files ``plan`` reads (after ``set_up_storage_reader``)."""
         return {self.storage_data[req.storage_index].relative_path for req in plan.items}
@@ -160,7 +179,7 @@ class Reader(StorageReader):
         info = self.storage_data.get(req.storage_index)
         if info is None:
             raise CorruptDCPError(
-                self.path / METADATA_NAME,
+                self._location(METADATA_NAME),
                 f"the load plan reads {req.storage_index.fqn!r} at {list(req.storage_index.offset or [])}"
                 ", which the metadata does not store",
             )
@@ -180,49 +199,70 @@ class Reader(StorageReader):
         return _Item(req, info, file)
 
 
-def _read_small_file(path: Path, limit: int, what: str) -> bytes:
-    file = _open_regular(path, what)
-    try:
-        if file.size > limit:
-            raise CorruptDCPError(
-                path, f"{file.size} bytes of {what}, more than the {limit} allowed"
-            )
-        return _pread_exact(file, 0, file.size)
-    finally:
-        os.close(file.fd)
-
-
 @dataclass
 class _File:
-    path: Path
-    fd: int
+    """An open data or metadata file: a local descriptor, or an fsspec filesystem and key."""
+
+    path: str
     size: int
+    fd: int = -1
+    fs: Any = None
+    key: str = ""
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
-def _open_regular(path: Path, what: str) -> _File:
+def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File:
+    """Open ``location`` (a path or URL) for reading; it must be a regular file."""
+    if storage.is_local(location):
+        path = location[len("file://") :] if location.startswith("file://") else location
+        try:
+            # O_NONBLOCK: a FIFO planted in the directory must not block the open.
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise CorruptDCPError(location, f"missing {what} file") from None
+        except OSError as e:
+            raise CheckpointingError(f"cannot open {what} file {location}: {e}") from e
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise CorruptDCPError(location, f"{what} is not a regular file")
+        return _File(location, st.st_size, fd=fd)
+    fs, key = storage.filesystem(location, storage_options)
     try:
-        # O_NONBLOCK: a FIFO planted in the directory must not block the open.
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        info = fs.info(key)
     except FileNotFoundError:
-        raise CorruptDCPError(path, f"missing {what} file") from None
-    except OSError as e:
-        raise CheckpointingError(f"cannot open {what} file {path}: {e}") from e
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CorruptDCPError(path, f"{what} is not a regular file")
-    return _File(path, fd, st.st_size)
+        raise CorruptDCPError(location, f"missing {what} file") from None
+    except Exception as e:  # noqa: BLE001 - any client failure, reported with the URL
+        raise CheckpointingError(f"cannot open {what} file {location}: {e!r:.300}") from e
+    if info.get("type") != "file" or not isinstance(info.get("size"), int):
+        raise CorruptDCPError(location, f"{what} is not a file")
+    return _File(location, info["size"], fs=fs, key=key)
 
 
-def _pread_exact(file: _File, offset: int, n: int) -> bytes:
+def _read_exact(file: _File, offset: int, n: int) -> bytes:
     buf = bytearray(n)
-    _preadv_into(file, offset, memoryview(buf))
+    _read_into(file, offset, memoryview(buf))
     return bytes(buf)
 
 
-def _preadv_into(file: _File, offset: int, view: memoryview) -> None:
+def _read_into(file: _File, offset: int, view: memoryview) -> None:
     """Fill ``view`` with the file's bytes from ``offset``; a short file is a truncation."""
     end = offset + len(view)
+    if file.fs is not None:
+        try:
+            data = file.fs.cat_file(file.key, start=offset, end=end)
+        except Exception as e:  # noqa: BLE001 - any client failure, reported with the URL
+            raise CheckpointingError(f"reading {file.path} at offset {offset}: {e!r:.300}") from e
+        if len(data) != len(view):
+            raise CorruptDCPError(
+                file.path, f"truncated: needed bytes up to {end}, got {len(data)} from {offset}"
+            )
+        view[:] = data
+        return
     while len(view):
         try:
             n = os.preadv(file.fd, [view], offset)
@@ -239,8 +279,8 @@ def _preadv_into(file: _File, offset: int, view: memoryview) -> None:
 class _DataFiles:
     """The data files of one ``read_data`` call, each opened once, closed on exit."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
         self.files: dict[str, _File] = {}
 
     def open(self, name: str) -> _File:
@@ -248,8 +288,10 @@ class _DataFiles:
         if file is None:
             problem = file_name_problem(name)
             if problem:
-                raise CorruptDCPError(self.directory / METADATA_NAME, problem)
-            file = self.files[name] = _open_regular(self.directory / name, "DCP data")
+                raise CorruptDCPError(self.reader._location(METADATA_NAME), problem)
+            location = self.reader._location(name)
+            file = _open(location, "DCP data", self.reader.storage_options)
+            self.files[name] = file
         return file
 
     def __enter__(self) -> _DataFiles:
@@ -257,7 +299,7 @@ class _DataFiles:
 
     def __exit__(self, *exc: object) -> None:
         for file in self.files.values():
-            os.close(file.fd)
+            file.close()
         self.files.clear()
 
 
@@ -272,7 +314,7 @@ class _Item:
         return f"item {self.req.storage_index.fqn!r}"
 
     def read_at(self, offset: int, n: int) -> bytes:
-        return _pread_exact(self.file, self.info.offset + offset, n)
+        return _read_exact(self.file, self.info.offset + offset, n)
 
 
 @dataclass
@@ -362,8 +404,8 @@ class _ReadRun:
         blob_views = [memoryview(bytearray(it.info.length)) for it in blobs]
         pieces += [p for copy in copies for p in copy.pieces]
         pieces += [p for it, v in zip(blobs, blob_views) for p in _cut(it.file, it.info.offset, v)]
-        pieces.sort(key=lambda p: (p.file.fd, p.offset))
-        self._map(lambda p: _preadv_into(p.file, p.offset, p.view), pieces)
+        pieces.sort(key=lambda p: (p.file.path, p.offset))
+        self._map(lambda p: _read_into(p.file, p.offset, p.view), pieces)
         self._map(lambda c: c.finish(), copies)
         for item, target in targets:
             self.planner.commit_tensor(item.req, target)
