@@ -97,6 +97,8 @@ class LocalCheckpointManager:
         self._pending: int | None = None
         self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int]]] = {}
         self._listings: list[list[list[int]]] = []
+        self.last_replication: transfer.MoveStats | None = None
+        """Bytes and seconds of this rank's part of the last replication (for monitoring)."""
         self._stager = Stager()
 
     # ------------------------------------------------------------------------------ identity, paths
@@ -261,6 +263,7 @@ class LocalCheckpointManager:
             unavailable=None if written else f"rank {self.rank} could not write its own part",
             reuse=lambda move: self._take_spare(leftovers=False) if self.recycle else None,
         )
+        self.last_replication = stats
         logger.debug(
             "replicated iteration %d: sent %d, received %d bytes in %.3f s",
             iteration,
