@@ -1,0 +1,139 @@
+"""The persistent tier on s3:// against a real S3-compatible server (moto, 127.0.0.1): multipart
+uploads with parts in parallel and retried, markers and commit on object storage, sync and async
+saves from several ranks, get_latest_complete_checkpoint on URLs, torch's fsspec reader loads it."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
+from tierpoint import storage
+from tierpoint.asyncsave import AsyncCallsQueue
+from tierpoint.dcp import async_save, get_latest_complete_checkpoint, save, step_path
+from tierpoint.errors import CheckpointingError
+from tierpoint.spawn import run_ranks
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+SMALL_PARTS = storage.UploadOptions(part_size=5 << 20, concurrency=4, attempts=4, backoff=0.05)
+
+
+def _fsspec_reader(url: str, options: dict):
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(url, **options)
+
+
+def _ranks_save_to_s3(rank: int, world: int, base: str, options: dict) -> list:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.randn(world * 3 << 20, generator=torch.Generator().manual_seed(5))  # 12 MiB a rank
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": 1}
+    save(state, step_path(base, 1), storage_options=options, upload=SMALL_PARTS)
+    with AsyncCallsQueue() as queue:
+        future = async_save(
+            state, step_path(base, 2), queue=queue, storage_options=options, upload=SMALL_PARTS
+        )
+        with torch.no_grad():
+            state["w"].mul_(0)  # after the snapshot: the checkpoint keeps the old values
+        future.result(timeout=180)
+    latest = get_latest_complete_checkpoint(base, storage_options=options)
+    out = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]), "step": 0}
+    dcp.load(out, storage_reader=_fsspec_reader(latest, options))
+    names = storage.listdir(latest, options)
+    return [latest, bool(torch.equal(out["w"].full_tensor(), full)), out["step"], names]
+
+
+def test_ranks_save_sync_and_async_to_s3(s3_bucket):  # noqa: F811
+    base, options = s3_bucket
+    base = f"{base}/run"
+    results = run_ranks(_ranks_save_to_s3, 2, base, options, timeout=300)
+    for latest, equal, step, names in results:
+        assert latest == step_path(base, 2) and equal and step == 1
+        assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # markers gone
+    assert get_latest_complete_checkpoint(base, storage_options=options) == step_path(base, 2)
+
+
+class FlakyParts:
+    """Wraps one real s3fs client call: the first upload of part 2 fails with a connection reset;
+    records how many part uploads were in flight at once."""
+
+    def __init__(self, fs) -> None:
+        self.fs = fs
+        self.original = fs._call_s3
+        self.attempts: dict[int, int] = {}
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def __call__(self, method, *args, **kwargs):
+        if method != "upload_part":
+            return await self.original(method, *args, **kwargs)
+        number = kwargs["PartNumber"]
+        self.attempts[number] = self.attempts.get(number, 0) + 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.05)  # let the other parts start
+            if number == 2 and self.attempts[number] == 1:
+                raise ConnectionResetError("injected: connection reset during part 2")
+            return await self.original(method, *args, **kwargs)
+        finally:
+            self.in_flight -= 1
+
+
+def test_multipart_parts_go_in_parallel_and_a_failed_part_is_retried(s3_bucket):  # noqa: F811
+    base, options = s3_bucket
+    fs, _ = storage.filesystem(base, options)
+    flaky = FlakyParts(fs)
+    fs._call_s3 = flaky
+    try:
+        state = {"a": torch.randn(4 << 20), "n": 3}  # one 16 MiB file: 4 parts of 5 MiB
+        save(state, step_path(base, 1), storage_options=options, thread_count=1, upload=SMALL_PARTS)
+    finally:
+        del fs._call_s3
+    assert flaky.attempts == {1: 1, 2: 2, 3: 1, 4: 1}
+    assert flaky.max_in_flight >= 2
+    out = {"a": torch.zeros(4 << 20), "n": 0}
+    dcp.load(out, storage_reader=_fsspec_reader(step_path(base, 1), options))
+    assert torch.equal(out["a"], state["a"]) and out["n"] == 3
+
+
+def test_a_failed_upload_is_aborted_and_reported(s3_bucket):  # noqa: F811
+    base, options = s3_bucket
+    fs, _ = storage.filesystem(base, options)
+    original = fs._call_s3
+
+    async def denied(method, *args, **kwargs):
+        if method == "upload_part" and kwargs["PartNumber"] == 2:
+            raise PermissionError("injected: access denied")
+        return await original(method, *args, **kwargs)
+
+    fs._call_s3 = denied
+    try:
+        with pytest.raises(CheckpointingError, match=r"big.*access denied"):
+            storage.write_file(
+                f"{base}/big", [bytes(11 << 20)], storage_options=options, upload=SMALL_PARTS
+            )
+    finally:
+        del fs._call_s3
+    bucket = base[len("s3://") :]
+    uploads = storage._s3_call(fs, "list_multipart_uploads", Bucket=bucket)
+    assert not uploads.get("Uploads")
+    assert not storage.exists(f"{base}/big", options)
+
+
+def test_missing_bucket_fails_clearly(s3_server):  # noqa: F811
+    options = {"endpoint_url": s3_server}
+    url = "s3://no-such-bucket-tierpoint/run/step-1"
+    with pytest.raises(CheckpointingError, match="no-such-bucket-tierpoint"):
+        save({"a": torch.ones(4)}, url, storage_options=options)
+    assert (
+        get_latest_complete_checkpoint("s3://no-such-bucket-tierpoint/run", storage_options=options)
+        is None
+    )
