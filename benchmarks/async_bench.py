@@ -19,11 +19,18 @@ norm weights, int64 step counters, small tensors, a plain int):
 - ``torch.save`` (sync) into a new file.
 
 Then a training loop (an MLP with fused Adam, ``torch.set_num_threads(2)``, its model + optimizer
-state ~``--train-mib`` MiB, default 100 x ``--gib``) runs ``--train-steps`` steps, ``--train-reps``
-times (default 2 x ``--reps``, as short runs drift less apart), (a) without checkpoints, (b) with a
-tierpoint async save every 5 steps and ``maybe_finalize_async_calls(blocking=False)`` every step,
-(c) the same with ``AsyncCallsQueue(overlap_snapshot=True)`` and ``install_optimizer_hook``, so that
-the snapshot copy overlaps forward/backward. A run's time includes its final blocking finalize.
+state ~``--train-mib`` MiB, default 100 x ``--gib``, batches of ``--train-batch`` rows, default 128,
+so that a step does the arithmetic a real training step does rather than only the optimizer's memory
+pass; ``--train-batch 8`` is that optimizer-bound stress case) runs ``--train-steps`` steps,
+``--train-reps`` times (default 2 x ``--reps``, as short runs drift less apart), (a) without
+checkpoints, (b) with a tierpoint async save every 5 steps and
+``maybe_finalize_async_calls(blocking=False)`` every step, (c) the same with
+``AsyncCallsQueue(overlap_snapshot=True)`` and an optimizer pre-step hook that waits for the
+snapshot, so that the copy overlaps forward/backward, (d) torch DCP ``async_save`` with a reused
+``DefaultStager`` every 5 steps (waiting for the previous save's future first, as DCP requires). A
+run's time includes its final blocking finalize. "ms/save" is everything the training thread spent
+waiting for checkpointing per save: the save calls, and for (c) the hook's waits, for (d) the wait
+for the previous future.
 
 Contenders run interleaved (A B C A B C ...) because this machine's speed drifts; tables give
 medians over ``--reps`` repetitions, and the checks use the median of per-repetition ratios
@@ -72,7 +79,7 @@ VOCAB = 8192
 WARMUP_SAVES = 2
 CKPT_EVERY = 5
 TRAIN_DEPTH = 4
-TRAIN_BATCH = 8
+DEFAULT_TRAIN_BATCH = 128
 
 Times = dict[str, list[float]]
 Metrics = dict[str, float]
@@ -302,7 +309,7 @@ class Trainer:
         }
 
 
-def make_trainer(state_mib: float) -> Trainer:
+def make_trainer(state_mib: float, batch: int) -> Trainer:
     """An MLP whose weights + Adam moments take ~``state_mib`` MiB (12 bytes a parameter)."""
     torch.manual_seed(0)
     params = state_mib * 2**20 / 12
@@ -317,11 +324,53 @@ def make_trainer(state_mib: float) -> Trainer:
     except (RuntimeError, TypeError):  # no fused CPU Adam in this torch
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
         fused = False
-    x, y = torch.randn(TRAIN_BATCH, width), torch.randn(TRAIN_BATCH, width)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
     return Trainer(model, optimizer, x, y, fused)
 
 
-def train_run(trainer: Trainer, steps: int, saver: TierpointSaver | None) -> tuple[float, float]:
+class OverlapHook:
+    """Optimizer pre-step hook that waits for pending snapshots and counts the time it waited."""
+
+    def __init__(self, saver: TierpointSaver, optimizer: torch.optim.Optimizer) -> None:
+        self.waited = 0.0
+        self.queue = saver.queue
+        self.handle = optimizer.register_step_pre_hook(lambda *_: self.wait())
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        self.queue.wait_for_snapshot()
+        self.waited += time.perf_counter() - start
+
+
+class DcpTrainingSaver:
+    """torch DCP ``async_save`` with a reused stager, one save in flight (the previous awaited)."""
+
+    def __init__(self, root: Path, state_fn: Callable[[], Any], stager: Any) -> None:
+        self.root, self.state_fn, self.stager = root, state_fn, stager
+        self.pending: Any = None
+        self.counter = itertools.count()
+
+    def finalize(self) -> None:
+        if self.pending is not None:
+            future, path = self.pending
+            getattr(future, "upload_completion", future).result()
+            self.pending = None
+            shutil.rmtree(path, ignore_errors=True)
+
+    def save(self) -> float:
+        start = time.perf_counter()
+        self.finalize()
+        path = self.root / f"dcp-train-{next(self.counter)}"
+        future = dcp.async_save(
+            self.state_fn(), checkpoint_id=path, no_dist=True, async_stager=self.stager
+        )
+        self.pending = (future, path)
+        return time.perf_counter() - start
+
+
+def train_run(
+    trainer: Trainer, steps: int, saver: TierpointSaver | DcpTrainingSaver | None
+) -> tuple[float, float]:
     """``steps`` training steps, checkpointing every CKPT_EVERY: (seconds, seconds in save calls)."""
     blocked = 0.0
     start = time.perf_counter()
@@ -329,17 +378,24 @@ def train_run(trainer: Trainer, steps: int, saver: TierpointSaver | None) -> tup
         trainer.step()
         if saver is None:
             continue
-        saver.queue.maybe_finalize_async_calls(blocking=False)
+        if isinstance(saver, TierpointSaver):
+            saver.queue.maybe_finalize_async_calls(blocking=False)
         if i % CKPT_EVERY == 0 and i < steps:
-            plan, snapshot = saver.save()
-            blocked += plan + snapshot
+            if isinstance(saver, TierpointSaver):
+                blocked += sum(saver.save())
+            else:
+                blocked += saver.save()
     if saver is not None:
         saver.finalize()
     return time.perf_counter() - start, blocked
 
 
 def training_contenders(
-    trainer: Trainer, steps: int, plain: TierpointSaver, overlap: TierpointSaver
+    trainer: Trainer,
+    steps: int,
+    plain: TierpointSaver,
+    overlap: TierpointSaver,
+    dcp_saver: DcpTrainingSaver | None,
 ) -> list[Callable[[], Metrics]]:
     def no_ckpt() -> Metrics:
         return {"train_a": train_run(trainer, steps, None)[0]}
@@ -349,14 +405,19 @@ def training_contenders(
         return {"train_b": seconds, "train_b_blocked": blocked}
 
     def overlapped() -> Metrics:
-        hook = overlap.queue.install_optimizer_hook(trainer.optimizer)
+        hook = OverlapHook(overlap, trainer.optimizer)
         try:
             seconds, blocked = train_run(trainer, steps, overlap)
         finally:
-            hook.remove()
-        return {"train_c": seconds, "train_c_blocked": blocked}
+            hook.handle.remove()
+        return {"train_c": seconds, "train_c_blocked": blocked + hook.waited}
 
-    return [no_ckpt, with_ckpt, overlapped]
+    def with_dcp() -> Metrics:
+        assert dcp_saver is not None
+        seconds, blocked = train_run(trainer, steps, dcp_saver)
+        return {"train_d": seconds, "train_d_blocked": blocked}
+
+    return [no_ckpt, with_ckpt, overlapped, *([with_dcp] if dcp_saver is not None else [])]
 
 
 # ------------------------------------------------------------------------------------ reporting
@@ -407,7 +468,7 @@ def print_train_table(
 ) -> None:
     saves = (steps - 1) // CKPT_EVERY
     print(
-        f"\ntraining loop: MLP {TRAIN_DEPTH} x {trainer.x.shape[1]}, batch {TRAIN_BATCH},"
+        f"\ntraining loop: MLP {TRAIN_DEPTH} x {trainer.x.shape[1]}, batch {trainer.x.shape[0]},"
         f" {'fused' if trainer.fused else 'foreach'} Adam, {torch.get_num_threads()} threads,"
         f" state {state_bytes / 2**20:.0f} MiB, {steps} steps and {saves} saves a run,"
         f" {reps} interleaved repetitions (medians)"
@@ -419,8 +480,11 @@ def print_train_table(
         ("(a) no checkpoints", "train_a", None),
         ("(b) tierpoint async every 5 steps", "train_b", "train_b_blocked"),
         ("(c) (b) + overlap_snapshot + optimizer hook", "train_c", "train_c_blocked"),
+        ("(d) DCP async_save, reused stager, every 5 steps", "train_d", "train_d_blocked"),
     ]
     for label, key, blocked in rows:
+        if key not in times:
+            continue
         step_ms = median(times[key]) / steps * 1e3
         ratio = paired(times, "train_a", key)
         save_ms = f"{median(times[blocked]) / saves * 1e3:8.1f}" if blocked and saves else ""
@@ -441,6 +505,10 @@ def print_checks(times: Times, stager_available: bool) -> None:
     print()
     for label, ratio, target in checks:
         print(f"{label:62s} {ratio:5.2f}x  {'PASS' if ratio <= target else 'MISS'}")
+    if "train_d_blocked" in times:
+        ratio = paired(times, "train_c_blocked", "train_d_blocked")
+        label = "in the loop: overlapped blocking <= 0.8x DCP (reused stager)"
+        print(f"{label:62s} {ratio:5.2f}x  {'PASS' if ratio <= 0.8 else 'MISS'}")
     ratio = paired(times, "train_a", "train_c")
     label = "overlapped training throughput >= 0.9x no checkpoints"
     print(f"{label:62s} {ratio:5.2f}x  {'PASS' if ratio >= 0.9 else 'MISS'}")
@@ -510,10 +578,10 @@ def check_round_trip(manager: LocalCheckpointManager, tensors: list[torch.Tensor
 
 
 def bench_training(
-    root: Path, train_mib: float, steps: int, reps: int, stack: contextlib.ExitStack
+    root: Path, train_mib: float, batch: int, steps: int, reps: int, stack: contextlib.ExitStack
 ) -> Times:
     torch.set_num_threads(2)
-    trainer = make_trainer(train_mib)
+    trainer = make_trainer(train_mib, batch)
     for _ in range(3):
         trainer.step()  # builds the Adam state
     plain = TierpointSaver(root / "train-b", trainer.state, stack)
@@ -521,7 +589,16 @@ def bench_training(
     for saver in (plain, overlap):
         for _ in range(WARMUP_SAVES):
             saver.measure()
-    contenders = training_contenders(trainer, steps, plain, overlap)
+    stager, _ = reusable_stager()
+    dcp_saver = None
+    if stager is not None:
+        stack.callback(stager.close)
+        dcp_saver = DcpTrainingSaver(root, trainer.state, stager)
+        stack.callback(dcp_saver.finalize)
+        for _ in range(WARMUP_SAVES):
+            dcp_saver.save()
+        dcp_saver.finalize()
+    contenders = training_contenders(trainer, steps, plain, overlap, dcp_saver)
     times = run_interleaved(contenders, reps)
     print_train_table(times, trainer, nbytes_of(tensors_of(trainer.state())), steps, reps)
     return times
@@ -537,7 +614,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="training model + Adam state in MiB (default 100 x --gib, at least 16)",
     )
-    p.add_argument("--train-steps", type=int, default=30, help="steps per training run")
+    p.add_argument("--train-steps", type=int, default=20, help="steps per training run")
+    p.add_argument(
+        "--train-batch",
+        type=int,
+        default=DEFAULT_TRAIN_BATCH,
+        help=f"rows per training batch (default {DEFAULT_TRAIN_BATCH}; 8: optimizer-bound case)",
+    )
     p.add_argument(
         "--train-reps", type=int, default=None, help="training repetitions (default 2 x --reps)"
     )
@@ -558,7 +641,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             times, stager_available = bench_saves(root, args.gib, args.reps, layout, stack)
         gc.collect()
         with contextlib.ExitStack() as stack:
-            times.update(bench_training(root, train_mib, args.train_steps, train_reps, stack))
+            times.update(
+                bench_training(
+                    root, train_mib, args.train_batch, args.train_steps, train_reps, stack
+                )
+            )
         print_checks(times, stager_available)
         print_machine(start)
     finally:
