@@ -158,3 +158,26 @@ def test_caching_can_be_disabled(tmp_path):
             metadata_cache=cache,
         )
     assert cache.planning_rounds == 0 and cache.cached_central_plan is None
+
+
+def test_unchanged_write_results_travel_as_a_digest(tmp_path, monkeypatch):
+    from tierpoint.dcp import state_dict_saver
+
+    payloads = []
+    original = state_dict_saver._results_payload
+
+    def spy(*args, **kwargs):
+        payloads.append(original(*args, **kwargs))
+        return payloads[-1]
+
+    monkeypatch.setattr(state_dict_saver, "_results_payload", spy)
+    cache = CheckpointMetadataCache()
+    for step, name in enumerate(["a", "b", "c", "x" * 500]):
+        state = {"w": torch.full((16,), float(step)), "name": name}
+        save(state, step_path(tmp_path, step), metadata_cache=cache)
+        out = {"w": torch.zeros(16), "name": ""}
+        dcp.load(out, checkpoint_id=step_path(tmp_path, step))
+        assert torch.equal(out["w"], state["w"]) and out["name"] == name
+    # Same sizes and offsets: only a digest after the first save; a longer value changes them.
+    assert ["results" in p for p in payloads] == [True, False, False, True]
+    assert "same_as" in payloads[1] and payloads[1]["same_as"] == payloads[0]["digest"]

@@ -231,7 +231,8 @@ def async_save(
     snapshots, see :class:`~tierpoint.asyncsave.AsyncCallsQueue`).
 
     Collective, like :func:`save`. With the default queue, call ``result()`` on the future (or
-    :func:`default_queue`\\ ``().close()``) before the process group is destroyed.
+    ``default_queue().close()``) before the process group is destroyed: at exit the default queue
+    is aborted, and a save not yet finalized is discarded.
     """
     request = async_save_request(
         state_dict,

@@ -82,6 +82,7 @@ class CheckpointMetadataCache:
         self.loaded_all_plans: list[SavePlan] | None = None
         self.planning_rounds = 0
         self._sent: OrderedDict[str, None] = OrderedDict()
+        self._sent_to: int | None = None  # the coordinator that knows the results in _sent
         self._known: dict[int, OrderedDict[str, list]] = {}
 
     def set_cached_global_metadata(self, cached_global_metadata: Metadata) -> None:
@@ -351,7 +352,9 @@ def save_state_dict_async_finalize(
     group = dist_wrapper.group if use_dist else None
     path = storage_writer.path
     try:
-        payload = _results_payload(storage_writer.retrieve_write_results(), cache)
+        payload = _results_payload(
+            storage_writer.retrieve_write_results(), cache, dist_wrapper.global_coordinator_rank
+        )
     except Exception as e:  # noqa: BLE001 - agreed below
         payload = {"error": f"{type(e).__name__}: {e}"[:2000]}
     what = f"writing the checkpoint {path}"
@@ -389,10 +392,15 @@ def save_state_dict_async_finalize(
     _agree(group, use_dist, f"removing the unfinished markers of {path} (committed)", error)
 
 
-def _results_payload(results: list[WriteResult], cache: CheckpointMetadataCache | None) -> dict:
+def _results_payload(
+    results: list[WriteResult], cache: CheckpointMetadataCache | None, coordinator: int
+) -> dict:
     encoded = _encode_results(results)
     if cache is None:
         return {"results": encoded}
+    if cache._sent_to != coordinator:  # a new coordinator knows none of our earlier results
+        cache._sent.clear()
+        cache._sent_to = coordinator
     digest = xxhash.xxh3_128_hexdigest(json.dumps(encoded).encode())
     if digest in cache._sent:
         _remember(cache._sent, digest, None)
