@@ -4,6 +4,7 @@ background worker; a failure on one rank fails the save on every rank and commit
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -24,6 +25,8 @@ from tierpoint.dcp import (
 from tierpoint.dcp.writer import write_staged
 from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
+
+from .test_writer import assert_same, local_state, zeros_like_state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -120,7 +123,7 @@ def test_async_saves_write_the_snapshot_and_reuse_staging(tmp_path):
         assert r["latest"] == step_path(tmp_path, 5)
 
 
-def test_two_saves_in_flight_use_two_buffers(tmp_path):
+def test_saves_in_flight_get_own_buffers_and_every_dtype_is_staged(tmp_path):
     pool = StagingPool()
     state = {"a": torch.arange(1000.0), "n": 1}
     with AsyncCallsQueue(max_in_flight=2) as queue:
@@ -134,6 +137,15 @@ def test_two_saves_in_flight_use_two_buffers(tmp_path):
         assert pool.allocations == 2
         async_save(state, step_path(tmp_path, 3), queue=queue, staging_pool=pool).result(120)
         assert pool.allocations == 2  # a free buffer of the same layout is reused
+        every_dtype = local_state(4)
+        expected = copy.deepcopy(every_dtype)
+        future = async_save(every_dtype, step_path(tmp_path, 4), queue=queue, thread_count=3)
+        for v in every_dtype["model"].values():
+            v.zero_()
+        future.result(120)
+    out = zeros_like_state(expected)
+    dcp.load(out, checkpoint_id=step_path(tmp_path, 4))
+    assert_same(out, expected)
     for step in (1, 2, 3):
         out = {"a": torch.zeros(1000), "n": 0}
         dcp.load(out, checkpoint_id=step_path(tmp_path, step))
