@@ -93,6 +93,7 @@ class AsyncCallsQueue:
         self._group: Any = None
         self._closed = False
         self._pump_lock = threading.Lock()
+        self._results: dict[int, tuple[bool, Any, str | None]] = {}  # by call id, not yet claimed
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the worker process has started (it imports torch, which takes a few seconds)."""
@@ -143,7 +144,7 @@ class AsyncCallsQueue:
                     v.id for v in (*args, *kwargs.values()) if isinstance(v, StagingBuffer)
                 }
                 # Staging buffers no pending call uses any more (a layout changed) leave the worker.
-                self._worker.drop_buffers(set().union(*(c.buffers for c in self._calls)))
+                self._worker.drop_buffers(set().union(*(c.buffers for c in list(self._calls))))
                 self._worker.submit(call.id, request.async_fn, args, kwargs)
             call.dispatched = True
         except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
@@ -226,12 +227,14 @@ class AsyncCallsQueue:
         if worker is None:
             return
         with self._pump_lock:
-            by_id = {c.id: c for c in self._calls}
             for call_id, ok, payload, kind in worker.results(wait):
-                if call_id in by_id:
-                    self._set_worker_result(by_id[call_id], (ok, payload, kind))
+                self._results[call_id] = (ok, payload, kind)
+            calls = list(self._calls)  # a snapshot: the training thread may pop meanwhile
+            for call in calls:
+                if call.worker_result is None and call.id in self._results:
+                    self._set_worker_result(call, self._results.pop(call.id))
             if worker.exitcode is not None:
-                for call in self._calls:
+                for call in calls:
                     if call.worker_result is None and call.dispatched:
                         died = f"background worker process died (exit code {worker.exitcode})"
                         self._set_worker_result(call, (False, died, None))
