@@ -106,6 +106,18 @@ def _async_saves(rank: int, world: int, root: str) -> dict:
             results["equal"].append(_load_and_compare(path, world, expected))
             results["allocations"].append(pool.allocations)
             results["buffers"].add(pool._free[0][1].id)
+        # Then rank 1's disk is full for step 6: the save fails on every rank, nothing commits.
+        target = step_path(root, 6)
+        if rank == 1:
+            os.makedirs(target, exist_ok=True)
+            os.symlink("/dev/full", os.path.join(target, "__1_0.distcp"))
+        dist.barrier()
+        future = async_save(_state(world, 6, True), target, queue=queue, thread_count=1)
+        try:
+            future.result(timeout=120)
+            results["failure"] = "no error"
+        except CheckpointingError as e:
+            results["failure"] = str(e)
     finally:
         queue.close()
     results["buffers"] = len(results["buffers"])
@@ -113,14 +125,21 @@ def _async_saves(rank: int, world: int, root: str) -> dict:
     return results
 
 
-def test_async_saves_write_the_snapshot_and_reuse_staging(tmp_path):
+def test_async_saves_write_the_snapshot_reuse_staging_and_fail_together(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
     results = run_ranks(_async_saves, 2, str(tmp_path), timeout=240)
     for r in results:
         assert r["equal"] == [True] * 5
         # One buffer for steps 1-3, a second one when the layout grew at step 4, reused at 5.
         assert r["allocations"] == [1, 1, 1, 2, 2]
         assert r["buffers"] == 2
-        assert r["latest"] == step_path(tmp_path, 5)
+    # Step 6 failed on rank 1: the same error on every rank, step 5 is still the latest.
+    assert len({r["failure"] for r in results}) == 1, results
+    message = results[0]["failure"]
+    assert "rank 1" in message and "__1_0.distcp" in message and "ENOSPC" in message
+    assert {r["latest"] for r in results} == {step_path(tmp_path, 5)}
+    assert not os.path.exists(step_path(tmp_path, 6))  # aborted: files, markers, directory removed
 
 
 def test_saves_in_flight_get_own_buffers_and_every_dtype_is_staged(tmp_path):
@@ -150,33 +169,3 @@ def test_saves_in_flight_get_own_buffers_and_every_dtype_is_staged(tmp_path):
         out = {"a": torch.zeros(1000), "n": 0}
         dcp.load(out, checkpoint_id=step_path(tmp_path, step))
         assert torch.equal(out["a"], torch.arange(1000.0) + step - 1) and out["n"] == min(step, 2)
-
-
-def _async_failure(rank: int, world: int, root: str) -> str:
-    with AsyncCallsQueue() as queue:
-        async_save({f"r{rank}": torch.ones(100)}, step_path(root, 1), queue=queue).result(120)
-        target = step_path(root, 2)
-        if rank == 1:
-            os.makedirs(target, exist_ok=True)
-            os.symlink("/dev/full", os.path.join(target, "__1_0.distcp"))
-        dist.barrier()
-        future = async_save({f"r{rank}": torch.ones(1 << 16)}, target, queue=queue, thread_count=1)
-        try:
-            future.result(timeout=120)
-            message = "no error"
-        except CheckpointingError as e:
-            message = str(e)
-    return f"{message}|{get_latest_complete_checkpoint(root)}"
-
-
-def test_a_failed_async_write_commits_nothing(tmp_path):
-    if not os.path.exists("/dev/full"):
-        pytest.skip("no /dev/full")
-    results = run_ranks(_async_failure, 2, str(tmp_path), timeout=240)
-    messages = {r.split("|")[0] for r in results}
-    assert len(messages) == 1, results
-    message = messages.pop()
-    assert "rank 1" in message and "__1_0.distcp" in message and "ENOSPC" in message
-    assert {r.split("|")[1] for r in results} == {step_path(tmp_path, 1)}
-    left = os.listdir(step_path(tmp_path, 2)) if os.path.exists(step_path(tmp_path, 2)) else []
-    assert ".metadata" not in left and "__0_0.distcp" not in left  # aborted: data removed

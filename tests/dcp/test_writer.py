@@ -157,34 +157,22 @@ def test_unwritable_path_fails_clearly(tmp_path):
         save({"a": torch.ones(3)}, step_path(tmp_path / "file", 1))
 
 
-def test_file_size_limit_fails_clearly_in_a_subprocess(tmp_path):
+def test_file_size_limit_fails_clearly(tmp_path):
     """RLIMIT_FSIZE makes writes fail with EFBIG: the save raises naming the file."""
-    import subprocess
-    import sys
-    import textwrap
+    import resource
+    import signal
 
-    script = textwrap.dedent(
-        f"""
-        import resource, signal, torch, warnings
-        warnings.simplefilter("ignore")
-        from tierpoint.dcp import save, step_path, get_latest_complete_checkpoint
-        from tierpoint.errors import CheckpointingError
-        base = {str(tmp_path)!r}
-        save({{"a": torch.ones(10)}}, step_path(base, 1))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
-        try:
-            save({{"a": torch.ones(1 << 20)}}, step_path(base, 2))
-        except CheckpointingError as e:
-            print("ERROR", e)
-        print("LATEST", get_latest_complete_checkpoint(base))
-        """
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    ).stdout
-    assert "ERROR" in out and "__0_0.distcp" in out and "EFBIG" in out, out
-    assert f"LATEST {step_path(tmp_path, 1)}" in out, out
+    save({"a": torch.ones(10)}, step_path(tmp_path, 1))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # this process only, briefly
+    try:
+        with pytest.raises(CheckpointingError, match=r"step-2/__0_0.distcp.*EFBIG"):
+            save({"a": torch.ones(1 << 20)}, step_path(tmp_path, 2), thread_count=1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 1)
 
 
 # ------------------------------------------------------------------------------ several ranks
@@ -230,9 +218,14 @@ def _round_trip(rank: int, world: int, root: str, use_torch_save: bool) -> bool:
     return True
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 4])
 def test_ranks_round_trip_through_torchs_reader(tmp_path, world):
-    assert run_ranks(_round_trip, world, str(tmp_path), world == 2, timeout=120) == [True] * world
+    assert run_ranks(_round_trip, world, str(tmp_path), False, timeout=120) == [True] * world
+
+
+def _two_ranks(rank: int, world: int, root: str) -> str:
+    assert _round_trip(rank, world, os.path.join(root, "torch-flow"), True)
+    return _one_rank_fails(rank, world, os.path.join(root, "failing"))
 
 
 def _one_rank_fails(rank: int, world: int, root: str) -> str:
@@ -252,14 +245,17 @@ def _one_rank_fails(rank: int, world: int, root: str) -> str:
     return f"{message}|{latest}"
 
 
-def test_a_failing_rank_fails_the_save_on_every_rank(tmp_path):
+def test_two_ranks_round_trip_and_a_failing_rank_fails_the_save_everywhere(tmp_path):
+    """torch's own dcp.save with Writer on 2 ranks loads with torch's reader; then rank 1's disk
+    is full: every rank raises the same error, nothing is committed, the previous step stays."""
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
-    results = run_ranks(_one_rank_fails, 2, str(tmp_path), timeout=120)
+    results = run_ranks(_two_ranks, 2, str(tmp_path), timeout=180)
+    root = tmp_path / "failing"
     messages = {r.split("|")[0] for r in results}
     assert len(messages) == 1, results  # the same error on every rank
     message = messages.pop()
     assert "rank 1" in message and "__1_0.distcp" in message and "ENOSPC" in message
-    assert {r.split("|")[1] for r in results} == {step_path(tmp_path, 1)}
-    assert not os.path.exists(os.path.join(step_path(tmp_path, 2), ".metadata"))
-    assert not os.path.exists(os.path.join(step_path(tmp_path, 2), "__0_0.distcp"))  # cleaned up
+    assert {r.split("|")[1] for r in results} == {step_path(root, 1)}
+    assert not os.path.exists(os.path.join(step_path(root, 2), ".metadata"))
+    assert not os.path.exists(os.path.join(step_path(root, 2), "__0_0.distcp"))  # cleaned up
