@@ -181,3 +181,28 @@ def test_unchanged_write_results_travel_as_a_digest(tmp_path, monkeypatch):
     # Same sizes and offsets: only a digest after the first save; a longer value changes them.
     assert ["results" in p for p in payloads] == [True, False, False, True]
     assert "same_as" in payloads[1] and payloads[1]["same_as"] == payloads[0]["digest"]
+
+
+def test_plans_loaded_with_the_metadata_skip_planning(tmp_path):
+    """NVRx's resume path: metadata carrying every rank's local plan seeds a fresh cache."""
+    import dataclasses
+
+    first = CheckpointMetadataCache()
+    state = {"w": torch.arange(6.0), "n": 1}
+    save(state, step_path(tmp_path, 1), metadata_cache=first)
+    loaded = dataclasses.replace(first.cached_global_metadata)
+    loaded.all_local_plans = [first.cached_local_plan]
+    resumed = CheckpointMetadataCache()
+    resumed.set_cached_global_metadata(loaded)
+    state["w"].add_(1)
+    save(state, step_path(tmp_path, 2), metadata_cache=resumed)
+    assert resumed.planning_rounds == 0
+    assert resumed.get_metadata_caching_status() == (False, True)
+    out = {"w": torch.zeros(6), "n": 0}
+    dcp.load(out, checkpoint_id=step_path(tmp_path, 2))
+    assert torch.equal(out["w"], torch.arange(6.0) + 1) and out["n"] == 1
+    # A layout that does not match the loaded plans is planned normally.
+    other = CheckpointMetadataCache()
+    other.set_cached_global_metadata(loaded)
+    save({"w": torch.zeros(7), "n": 1}, step_path(tmp_path, 3), metadata_cache=other)
+    assert other.planning_rounds == 1
