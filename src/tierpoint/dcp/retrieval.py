@@ -1,0 +1,158 @@
+"""Peer retrieval for DCP checkpoints on node-local disks: give every node the files its ranks read.
+
+When each node writes a checkpoint to its own disk, a node holds only its ranks' ``.distcp`` files,
+and only the coordinator's node holds ``.metadata``. After a restart (ranks on other nodes, a
+node that lost files) a node may lack what its ranks must read. :func:`retrieve_missing` fetches it
+from the nodes that have it, over tierpoint's coordination group (:mod:`tierpoint.transfer`:
+bucketed, checksummed on receipt, committed atomically).
+
+Call order: every rank calls :func:`retrieve_missing` for the same step directory (the path on its
+own node). Each rank lists the directory; all listings are gathered; the lowest rank that holds
+``.metadata`` reads it (through the safe reader), makes the plan and broadcasts it; every rank carries
+out its moves; the outcome is agreed.
+
+What a node needs: ``.metadata``, and, when the world size is the one the checkpoint was saved with,
+the data files its ranks wrote (``__<rank>_*``); with another world size (resharding) every data file.
+A file counts as present only if it is at least as long as ``.metadata`` says. Sources are spread:
+each file comes from the holder with the fewest transfers assigned so far, never from one rank alone.
+
+Invariants: the plan is made once and broadcast; a checkpoint whose files exist nowhere is reported
+not viable (``False`` on every rank) instead of failing half-way; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import defaultdict
+from typing import Any
+
+from .. import dist as tpdist
+from .. import transfer
+from ..errors import CheckpointingError
+from .layout import METADATA_NAME
+
+logger = logging.getLogger("tierpoint")
+
+_WRITER = re.compile(r"^__(\d+)_")
+
+
+def _writer_of(name: str) -> int | None:
+    m = _WRITER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _listing(step_dir: str) -> dict[str, int]:
+    """``{name: size}`` of the regular files in ``step_dir`` (empty if it does not exist)."""
+    try:
+        entries = list(os.scandir(step_dir))
+    except FileNotFoundError:
+        return {}
+    return {
+        e.name: e.stat().st_size for e in entries if e.is_file() and not e.name.endswith(".dirty")
+    }
+
+
+def _required_sizes(step_dir: str) -> dict[str, int]:
+    """Every data file ``.metadata`` refers to, with the length it must have at least."""
+    from .reader import read_metadata
+
+    metadata = read_metadata(step_dir)
+    sizes: dict[str, int] = defaultdict(int)
+    for info in (metadata.storage_data or {}).values():
+        name = info.relative_path
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise CheckpointingError(f"{step_dir}: .metadata names an unsafe file {name!r}")
+        sizes[name] = max(sizes[name], int(info.offset) + int(info.length))
+    return dict(sizes)
+
+
+def plan_moves(
+    listings: list[dict[str, int]],
+    required: dict[str, int],
+    metadata_size: int,
+    node_of_rank: list[str],
+) -> list[tuple[int, int, str]] | None:
+    """``(source rank, destination rank, file name)`` moves, or ``None`` if some file exists nowhere."""
+    world = len(listings)
+    writers = {_writer_of(n) for n in required}
+    same_world = writers == set(range(world))
+    want = dict(required, **{METADATA_NAME: metadata_size})
+
+    def needs(rank: int) -> list[str]:
+        own = [n for n in required if not same_world or _writer_of(n) == rank]
+        return [METADATA_NAME, *sorted(own)]
+
+    def has(rank: int, name: str) -> bool:
+        return listings[rank].get(name, -1) >= want[name]
+
+    load = [0] * world
+    moves: list[tuple[int, int, str]] = []
+    planned: set[tuple[str, str]] = set()  # (node, name) already present or being fetched
+    for rank in range(world):
+        node = node_of_rank[rank]
+        on_node = [r for r in range(world) if node_of_rank[r] == node]
+        for name in needs(rank):
+            if (node, name) in planned or any(has(r, name) for r in on_node):
+                planned.add((node, name))
+                continue
+            sources = [s for s in range(world) if node_of_rank[s] != node and has(s, name)]
+            if not sources:
+                return None
+            src = min(sources, key=lambda s: (load[s], s))
+            load[src] += 1
+            moves.append((src, rank, name))
+            planned.add((node, name))
+    return moves
+
+
+def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
+    """Fetch the files this node's ranks need for ``step_dir`` from peers. Collective.
+
+    Returns ``False`` on every rank when the checkpoint cannot be completed (a file exists nowhere,
+    or nobody has ``.metadata``); raises the same :class:`CheckpointingError` on every rank when a
+    transfer fails.
+    """
+    step_dir = str(step_dir)
+    layout = tpdist.node_layout()
+    listings = tpdist.all_gather_json(_listing(step_dir), f"listing {step_dir} on every rank")
+    holders = [r for r, listing in enumerate(listings) if METADATA_NAME in listing]
+    if not holders:
+        return False
+    decider = holders[0]
+    plan: Any = None
+    if tpdist.get_rank() == decider:
+        try:
+            required = _required_sizes(step_dir)
+            moves = plan_moves(
+                listings, required, listings[decider][METADATA_NAME], list(layout.node_of_rank)
+            )
+            plan = {"moves": moves, "error": None}
+        except (OSError, CheckpointingError) as e:
+            plan = {"moves": None, "error": f"{type(e).__name__}: {e}"}
+    plan = tpdist.broadcast_json(plan, decider, f"sharing the retrieval plan of {step_dir}")
+    if plan["error"]:
+        raise CheckpointingError(f"cannot plan the retrieval of {step_dir}: {plan['error']}")
+    if plan["moves"] is None:
+        logger.warning("%s: some files exist on no rank; the checkpoint is not viable", step_dir)
+        return False
+    moves = [
+        transfer.FileMove(src, dst, os.path.join(step_dir, name), os.path.join(step_dir, name))
+        for src, dst, name in plan["moves"]
+    ]
+    if moves and tpdist.get_rank() == 0:
+        logger.info(
+            "%s: fetching %d file(s) from peers: %s",
+            step_dir,
+            len(moves),
+            ", ".join(f"{m.dst_path.rsplit('/', 1)[-1]} rank {m.src} -> {m.dst}" for m in moves),
+        )
+    with tpdist.agree(f"retrieving the missing files of {step_dir}"):
+        transfer.move_files(
+            moves,
+            tpdist.coordination_group(),
+            timeout=timeout or tpdist.default_timeout().total_seconds(),
+            digest=True,
+        )
+    return True

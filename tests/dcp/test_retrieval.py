@@ -1,0 +1,84 @@
+"""Peer retrieval of DCP checkpoints on node-local disks (4 real gloo ranks, 2 simulated nodes).
+
+Each node writes to its own directory; after a restart with the ranks on the other nodes, every node
+lacks what its ranks read. ``retrieve_missing`` must fetch it from the peers (and plain torch DCP
+must then load from the node's own directory), or report the checkpoint not viable when a file exists
+nowhere.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as torch_dcp
+
+from tierpoint import dcp
+from tierpoint.dcp.retrieval import plan_moves, retrieve_missing
+from tierpoint.spawn import run_ranks
+
+WORLD = 4
+
+
+def _state(rank: int, step: int) -> dict:
+    return {f"rank{rank}": torch.arange(50_000, dtype=torch.float32) * (rank + 1) + step}
+
+
+def _node_dir(tmp: str, node: int, step: int) -> str:
+    return os.path.join(tmp, f"node{node}", f"step-{step}")
+
+
+def _save(rank: int, world: int, tmp: str) -> None:
+    os.environ["TIERPOINT_NODE_ID"] = f"node{rank // 2}"
+    for step in (3, 5):
+        dcp.save(_state(rank, step), _node_dir(tmp, rank // 2, step))
+
+
+def _restart_swapped(rank: int, world: int, tmp: str, step: int) -> tuple[bool, list[str]]:
+    node = 1 - rank // 2  # ranks 0-1 now run on node 1, ranks 2-3 on node 0
+    os.environ["TIERPOINT_NODE_ID"] = f"node{node}"
+    step_dir = _node_dir(tmp, node, step)
+    if not retrieve_missing(step_dir, timeout=60):
+        return False, []
+    state = {f"rank{rank}": torch.zeros(50_000)}
+    torch_dcp.load(state, storage_reader=torch_dcp.FileSystemReader(step_dir))
+    assert torch.equal(state[f"rank{rank}"], _state(rank, step)[f"rank{rank}"])
+    return True, sorted(os.listdir(step_dir))
+
+
+def test_swapped_nodes_fetch_what_they_read_then_plain_dcp_loads(tmp_path: Path) -> None:
+    run_ranks(_save, WORLD, str(tmp_path))
+    assert ".metadata" not in os.listdir(_node_dir(str(tmp_path), 1, 5))  # coordinator on node 0
+    results = run_ranks(_restart_swapped, WORLD, str(tmp_path), 5)
+    assert all(ok for ok, _ in results)
+    node1 = results[0][1]  # ranks 0 and 1 now live on node 1
+    assert ".metadata" in node1 and any(n.startswith("__0_") for n in node1)
+    assert any(n.startswith("__1_") for n in node1)
+
+
+def test_a_file_that_exists_nowhere_makes_the_step_not_viable(tmp_path: Path) -> None:
+    run_ranks(_save, WORLD, str(tmp_path))
+    lost = next(n for n in os.listdir(_node_dir(str(tmp_path), 1, 5)) if n.startswith("__3_"))
+    os.unlink(os.path.join(_node_dir(str(tmp_path), 1, 5), lost))
+    results = run_ranks(_restart_swapped, WORLD, str(tmp_path), 5)
+    assert [ok for ok, _ in results] == [False] * WORLD
+    assert all(ok for ok, _ in run_ranks(_restart_swapped, WORLD, str(tmp_path), 3))
+
+
+def test_plan_spreads_sources_and_skips_files_a_node_has() -> None:
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    required = {f"__{r}_0.distcp": 100 for r in range(6)}
+    full = {**required, ".metadata": 10}
+    # Node c lost everything; nodes a and b hold full copies.
+    listings = [full, full, full, full, {}, {}]
+    moves = plan_moves(listings, required, 10, nodes)
+    assert sorted((dst, name) for _, dst, name in moves) == [
+        (4, ".metadata"),
+        (4, "__4_0.distcp"),
+        (5, "__5_0.distcp"),
+    ]
+    assert len({src for src, _, _ in moves}) == 3  # three transfers from three different ranks
+    # A truncated copy does not count; a file nobody has makes the plan impossible.
+    truncated = {**full, "__4_0.distcp": 99}
+    assert plan_moves([truncated] * 4 + [{}, {}], required, 10, nodes) is None
