@@ -69,6 +69,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -153,11 +154,12 @@ VERIFY = "commit: verify checksums (fileformat.verify)"
 FSYNC = "commit: fsync file"
 RENAME = "commit: rename"
 FSYNC_DIR = "commit: fsync dir"
-REST = "rest of move_files (posting, sender unmap, python)"
+POSTING = "posting isend/irecv (waits while gloo moves data)"
+REST = "rest of move_files (sender unmap, python)"
 READ_OWN = "load: read + verify own part (read_flat, mmap)"
 COLLECTIVES = "collectives (incl. waiting for slower ranks)"
 MOVE_PHASES = [SENDER_MAP, OPEN_TARGET, WAIT_HEADERS, WAIT_DATA, VERIFY, FSYNC, RENAME, FSYNC_DIR]
-MOVE_PHASES += [COMMIT, REST]
+MOVE_PHASES += [COMMIT, POSTING, REST]
 LOAD_PHASES = [*MOVE_PHASES, READ_OWN, COLLECTIVES]
 
 
@@ -214,6 +216,24 @@ class _TimedOs:
             return self._real.replace(src, dst)
 
 
+class _TimedDist:
+    """Stands in for ``torch.distributed`` inside tierpoint.transfer: times posting isend/irecv."""
+
+    def __init__(self, real: Any, clock: PhaseClock) -> None:
+        self._real, self._clock = real, clock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def isend(self, *args: Any, **kwargs: Any) -> Any:
+        with self._clock.phase(POSTING):
+            return self._real.isend(*args, **kwargs)
+
+    def irecv(self, *args: Any, **kwargs: Any) -> Any:
+        with self._clock.phase(POSTING):
+            return self._real.irecv(*args, **kwargs)
+
+
 def instrument(clock: PhaseClock) -> list[str]:
     """Wrap tierpoint.transfer's steps (in this process only); return the hooks that do not exist."""
     missing: list[str] = []
@@ -260,10 +280,11 @@ def instrument(clock: PhaseClock) -> list[str]:
     wrap(LocalCheckpointManager, "_read_own", lambda a, k: READ_OWN)
     wrap(tpdist, "all_gather_json", lambda a, k: COLLECTIVES)
     wrap(tpdist, "broadcast_json", lambda a, k: COLLECTIVES)
-    if hasattr(transfer, "os"):
-        transfer.os = _TimedOs(os, clock)
-    else:
-        missing.append("tierpoint.transfer.os")
+    for name, proxy in (("os", _TimedOs), ("dist", _TimedDist)):
+        if hasattr(transfer, name):
+            setattr(transfer, name, proxy(getattr(transfer, name), clock))
+        else:
+            missing.append(f"tierpoint.transfer.{name}")
     return missing
 
 
@@ -302,21 +323,31 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: Any, buck
 
 
 def exchange_mapped(src: Path, dst: Path, peer: int, group: Any, populate: bool) -> None:
-    """The bucketed exchange with both ends mapped as tierpoint maps them: sending from a private
-    mapping of the own part file, receiving into a shared mapping of an existing tmpfs file whose
-    pages exist (a recycled spare). ``populate``: both mapped with ``MAP_POPULATE`` (page tables
-    filled by ``mmap`` up front instead of one fault per page during the transfer)."""
+    """The bucketed exchange between mapped files: sending from a mapping of the own part file,
+    receiving into a fresh shared mapping of an existing tmpfs file whose pages exist (a recycled
+    spare), mapping and unmapping included.
+
+    ``populate`` False maps as tierpoint.transfer does (the source private and writable, as
+    ``ACCESS_COPY``); True maps both with ``MAP_POPULATE``, the source shared and read-only (a
+    private writable mapping would be populated by copying every page)."""
     extra = getattr(mmap, "MAP_POPULATE", 0) if populate else 0
     size = os.path.getsize(src)
+    rw = mmap.PROT_READ | mmap.PROT_WRITE
+    source = (
+        (mmap.MAP_SHARED, mmap.PROT_READ, os.O_RDONLY)
+        if populate
+        else (mmap.MAP_PRIVATE, rw, os.O_RDONLY)
+    )
     maps = []
-    for path, flags in ((src, mmap.MAP_PRIVATE), (dst, mmap.MAP_SHARED)):
-        fd = os.open(path, os.O_RDWR if flags == mmap.MAP_SHARED else os.O_RDONLY)
+    for path, (flags, prot, mode) in ((src, source), (dst, (mmap.MAP_SHARED, rw, os.O_RDWR))):
+        fd = os.open(path, mode)
         try:
-            prot = mmap.PROT_READ | mmap.PROT_WRITE
             maps.append(mmap.mmap(fd, size, flags=flags | extra, prot=prot))
         finally:
             os.close(fd)
-    send, recv = (torch.frombuffer(m, dtype=torch.uint8) for m in maps)
+    with warnings.catch_warnings():  # torch warns that a read-only buffer is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        send, recv = (torch.frombuffer(m, dtype=torch.uint8) for m in maps)
     exchange(send, recv, peer, group, BUCKET)
     del send, recv
     for m in maps:
@@ -561,13 +592,17 @@ def paired(a: list[float], b: list[float]) -> float:
 
 
 def phase_table(
-    per_rank: list[dict[str, Any]], total_key: str, phases_key: str, labels: Sequence[str]
+    per_rank: list[dict[str, Any]],
+    total_key: str,
+    phases_key: str,
+    labels: Sequence[str],
+    ranks: Sequence[int] = range(WORLD),
 ) -> list[str]:
-    """Median per phase of the slowest rank of each repetition, and what no phase covers."""
+    """Median per phase of the slowest of ``ranks`` in each repetition, and what no phase covers."""
     reps = len(per_rank[0]["series"][total_key])
     picked = []
     for i in range(reps):
-        r = max(range(len(per_rank)), key=lambda k: per_rank[k]["series"][total_key][i])
+        r = max(ranks, key=lambda k: per_rank[k]["series"][total_key][i])
         phases = {k: v for k, v in per_rank[r][phases_key][i].items() if k in labels}
         picked.append({**phases, "": per_rank[r]["series"][total_key][i] - sum(phases.values())})
     lines = []
@@ -609,7 +644,7 @@ def report(per_rank: list[dict[str, Any]], mib: float, disk: str, reps: int) -> 
     )
     if "raw_populated" in s:
         row(
-            "  diagnostic: the same, both mapped with MAP_POPULATE",
+            "  diagnostic: the same, MAP_POPULATE (source shared, read-only)",
             "raw_populated",
         )
     row("tierpoint sync save with replication (whole save)", "save_repl")
@@ -658,8 +693,11 @@ def report(per_rank: list[dict[str, Any]], mib: float, disk: str, reps: int) -> 
             f"page cache: could NOT be dropped fully (up to {max(left):.0%} of the pages stayed"
             " resident after posix_fadvise(DONTNEED)): disk reads are partly from memory"
         )
-    print("\nwhere the recovery transfer's time goes (slowest rank, medians of exclusive seconds):")
-    for line in phase_table(per_rank, "recovery", "recovery_phases", LOAD_PHASES):
+    print(
+        f"\nwhere a wiped rank's recovery time goes (the slower of ranks {WIPED[0]} and {WIPED[1]},"
+        " medians of exclusive seconds):"
+    )
+    for line in phase_table(per_rank, "recovery", "recovery_phases", LOAD_PHASES, WIPED):
         print(line)
 
     ratio = paired(s["raw_bucketed"], s["repl"])
