@@ -240,9 +240,9 @@ class Writer(StorageWriter):
             self.upload,
             self.timeout,
         )
-        return write_staged, self.stage, args
+        return write_staged, self.snapshot, args
 
-    def stage(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         """Copy the state's tensors into a (reused) staging buffer; serialize non-tensor values."""
         plan, files = self._require_plan()
         buf = self.pool.acquire(files)
