@@ -101,10 +101,11 @@ _RECORDS: dict[type, type[_Record]] = {
 
 
 def _size(dims: Any = ()) -> torch.Size:
-    if not isinstance(dims, (tuple, list)) or len(dims) > MAX_DIMS:
+    if type(dims) not in (tuple, list) or len(dims) > MAX_DIMS:
         raise _Refused(f"torch.Size of {type(dims).__name__} (want a short tuple of ints)")
-    if not all(type(d) is int and d >= 0 for d in dims):
-        raise _Refused(f"torch.Size with a negative or non-int entry: {dims!r:.80}")
+    for d in dims:
+        if type(d) is not int or d < 0:
+            raise _Refused(f"torch.Size with a negative or non-int entry: {dims!r:.80}")
     return torch.Size(dims)
 
 
@@ -235,31 +236,36 @@ def _opt_str(value: Any, field: str) -> str | None:
     return value
 
 
+_FIELDS = {real: frozenset(f.name for f in dataclasses.fields(real)) for real in _RECORDS}
+
+
 class _Converter:
+    """Checks the records and builds torch objects. ``where`` arguments name the field in errors;
+    callers pass cheap pieces (the fqn) and messages are only formatted on failure."""
+
     def _state(self, obj: Any, real: type, where: str) -> dict[str, Any]:
-        rec = _RECORDS[real]
-        if type(obj) is not rec:
+        if type(obj) is not _RECORDS[real]:
             raise _Bad(f"{where} is {_describe(obj)}, want {real.__name__}")
         state = getattr(obj, "state", None)
         if state is None:
             return {}
+        if type(state) is dict and state.keys() <= _FIELDS[real]:
+            return state
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise _Bad(f"{where}: state of {real.__name__} is {type(state).__name__}")
-        unknown = set(state) - {f.name for f in dataclasses.fields(real)}
-        if unknown:
-            raise _Bad(f"{where}: unknown {real.__name__} fields {sorted(unknown)}")
-        return state
+        unknown = sorted(set(state) - _FIELDS[real])
+        raise _Bad(f"{where}: unknown {real.__name__} fields {unknown}")
 
     def metadata(self, obj: Any) -> Metadata:
         state = self._state(obj, Metadata, "the pickled object")
         sdm_in = state.get("state_dict_metadata")
-        if not isinstance(sdm_in, dict):
+        if type(sdm_in) is not dict:
             raise _Bad("state_dict_metadata is missing or not a dict")
         sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         for fqn, md in sdm_in.items():
-            if not isinstance(fqn, str):
+            if type(fqn) is not str:
                 raise _Bad(f"state_dict_metadata key {fqn!r:.80} is not a string")
-            sdm[fqn] = self.storage_md(md, f"state_dict_metadata[{fqn!r}]")
+            sdm[fqn] = self.storage_md(md, fqn)
         storage_data = state.get("storage_data")
         if storage_data is not None:
             storage_data = self.storage_data(storage_data, sdm)
@@ -274,44 +280,49 @@ class _Converter:
             version=_opt_str(state.get("version"), "version"),
         )
 
-    def storage_md(self, obj: Any, where: str) -> TensorStorageMetadata | BytesStorageMetadata:
+    def storage_md(self, obj: Any, fqn: str) -> TensorStorageMetadata | BytesStorageMetadata:
         if type(obj) is _RECORDS[BytesStorageMetadata]:
-            self._state(obj, BytesStorageMetadata, where)
+            self._state(obj, BytesStorageMetadata, f"state_dict_metadata[{fqn!r}]")
             return BytesStorageMetadata()
-        state = self._state(obj, TensorStorageMetadata, where)
+        state = self._state(obj, TensorStorageMetadata, f"state_dict_metadata[{fqn!r}]")
         size = state.get("size")
         if type(size) is not torch.Size:
-            raise _Bad(f"{where}.size is {_describe(size)}, want torch.Size")
+            raise _Bad(f"state_dict_metadata[{fqn!r}].size is {_describe(size)}, want torch.Size")
         chunks_in = state.get("chunks")
-        if not isinstance(chunks_in, list):
-            raise _Bad(f"{where}.chunks is {_describe(chunks_in)}, want a list")
-        chunks = [self.chunk(c, size, f"{where}.chunks[{i}]") for i, c in enumerate(chunks_in)]
+        if type(chunks_in) is not list:
+            raise _Bad(
+                f"state_dict_metadata[{fqn!r}].chunks is {_describe(chunks_in)}, want a list"
+            )
         return TensorStorageMetadata(
-            properties=self.properties(state.get("properties"), f"{where}.properties"),
+            properties=self.properties(state.get("properties"), fqn),
             size=size,
-            chunks=chunks,
+            chunks=[self.chunk(c, size, fqn, i) for i, c in enumerate(chunks_in)],
         )
 
-    def chunk(self, obj: Any, size: torch.Size, where: str) -> ChunkStorageMetadata:
+    def chunk(self, obj: Any, size: torch.Size, fqn: str, i: int) -> ChunkStorageMetadata:
+        where = f"state_dict_metadata[{fqn!r}].chunks[{i}]"
         state = self._state(obj, ChunkStorageMetadata, where)
         offsets, sizes = state.get("offsets"), state.get("sizes")
         if type(offsets) is not torch.Size or type(sizes) is not torch.Size:
             raise _Bad(f"{where}: offsets and sizes must be torch.Size")
         if not len(offsets) == len(sizes) == len(size):
             raise _Bad(f"{where}: {len(offsets)}/{len(sizes)} dims for a {len(size)}-dim tensor")
-        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
-            raise _Bad(f"{where}: chunk at {list(offsets)} of {list(sizes)} exceeds {list(size)}")
+        for o, n, d in zip(offsets, sizes, size):
+            if o + n > d:
+                raise _Bad(
+                    f"{where}: chunk at {list(offsets)} of {list(sizes)} exceeds {list(size)}"
+                )
         return ChunkStorageMetadata(offsets=offsets, sizes=sizes)
 
-    def properties(self, obj: Any, where: str) -> TensorProperties:
-        rec = _RECORDS[TensorProperties]
-        if type(obj) is not rec:
+    def properties(self, obj: Any, fqn: str) -> TensorProperties:
+        where = f"state_dict_metadata[{fqn!r}].properties"
+        if type(obj) is not _RECORDS[TensorProperties]:
             raise _Bad(f"{where} is {_describe(obj)}, want TensorProperties")
         state = getattr(obj, "state", None)
-        if not isinstance(state, tuple) or len(state) != 5:
+        if type(state) is not tuple or len(state) != 5:
             raise _Bad(f"{where}: state is {_describe(state)}, want a 5-tuple")
         dtype, layout, requires_grad, mem_code, pin_memory = state
-        if not isinstance(dtype, torch.dtype) or not isinstance(layout, torch.layout):
+        if type(dtype) is not torch.dtype or type(layout) is not torch.layout:
             raise _Bad(f"{where}: dtype {dtype!r:.40} / layout {layout!r:.40} of the wrong type")
         if type(mem_code) is not _MemFormatCode:
             raise _Bad(f"{where}: memory format {mem_code!r:.40} is not a memory format code")
@@ -328,14 +339,14 @@ class _Converter:
     def storage_data(
         self, obj: Any, sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata]
     ) -> dict[MetadataIndex, _StorageInfo]:
-        if not isinstance(obj, dict):
+        if type(obj) is not dict:
             raise _Bad(f"storage_data is {_describe(obj)}, want a dict")
         out: dict[MetadataIndex, _StorageInfo] = {}
         for key, value in obj.items():
             index = self.index(key, sdm)
             if index in out:
                 raise _Bad(f"storage_data holds {index.fqn!r} at {index.offset} twice")
-            out[index] = self.storage_info(value, f"storage_data[{index.fqn!r}]")
+            out[index] = self.storage_info(value, index.fqn)
         return out
 
     def index(
@@ -343,43 +354,44 @@ class _Converter:
     ) -> MetadataIndex:
         state = self._state(obj, MetadataIndex, "a storage_data key")
         fqn, offset, index = state.get("fqn"), state.get("offset"), state.get("index")
-        if not isinstance(fqn, str) or fqn not in sdm:
+        md = sdm.get(fqn) if type(fqn) is str else None
+        if md is None:
             raise _Bad(f"storage_data names {fqn!r:.80}, which state_dict_metadata lacks")
-        md = sdm[fqn]
-        where = f"storage_data key {fqn!r}"
-        if isinstance(md, TensorStorageMetadata):
+        if type(md) is TensorStorageMetadata:
             if type(offset) is not torch.Size or len(offset) != len(md.size):
                 raise _Bad(
-                    f"{where}: offset {offset!r:.80} does not fit a {len(md.size)}-dim tensor"
+                    f"storage_data key {fqn!r}: offset {offset!r:.80} does not fit"
+                    f" a {len(md.size)}-dim tensor"
                 )
         elif offset is not None:
-            raise _Bad(f"{where}: a bytes item with a tensor offset")
+            raise _Bad(f"storage_data key {fqn!r}: a bytes item with a tensor offset")
         if index is not None:
-            _int(index, f"{where}.index")
+            _int(index, f"storage_data key {fqn!r}.index")
         return MetadataIndex(fqn=fqn, offset=offset, index=index)
 
-    def storage_info(self, obj: Any, where: str) -> _StorageInfo:
-        state = self._state(obj, _StorageInfo, where)
+    def storage_info(self, obj: Any, fqn: str) -> _StorageInfo:
+        state = self._state(obj, _StorageInfo, f"storage_data[{fqn!r}]")
         transforms = state.get("transform_descriptors")
         if transforms is not None and (
-            not isinstance(transforms, list) or not all(isinstance(t, str) for t in transforms)
+            type(transforms) is not list or not all(type(t) is str for t in transforms)
         ):
-            raise _Bad(f"{where}: transform_descriptors must be a list of strings")
+            raise _Bad(f"storage_data[{fqn!r}]: transform_descriptors must be a list of strings")
         name = state.get("relative_path")
         problem = file_name_problem(name)
         if problem:
-            raise _Bad(f"{where}: {problem}")
+            raise _Bad(f"storage_data[{fqn!r}]: {problem}")
+        offset, length = state.get("offset"), state.get("length")
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            _int(offset, f"storage_data[{fqn!r}].offset")
+            _int(length, f"storage_data[{fqn!r}].length")
         return _StorageInfo(
-            relative_path=name,
-            offset=_int(state.get("offset"), f"{where}.offset"),
-            length=_int(state.get("length"), f"{where}.length"),
-            transform_descriptors=transforms,
+            relative_path=name, offset=offset, length=length, transform_descriptors=transforms
         )
 
     def storage_meta(self, obj: Any) -> StorageMeta:
         state = self._state(obj, StorageMeta, "storage_meta")
         modules = state.get("modules", [])
-        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        if type(modules) is not list or not all(type(m) is str for m in modules):
             raise _Bad("storage_meta.modules must be a list of strings")
         return StorageMeta(
             checkpoint_id=_opt_str(state.get("checkpoint_id"), "storage_meta.checkpoint_id"),
@@ -391,20 +403,29 @@ class _Converter:
     def plain(self, obj: Any, where: str, depth: int, active: set[int]) -> Any:
         """``obj`` if it is plain data (None, bool, int, float, str, bytes, and lists, tuples and
         dicts of those, acyclic, at most MAX_DEPTH deep), else raise ``_Bad``."""
-        if obj is None or type(obj) in (bool, int, float, str, bytes):
+        kind = type(obj)
+        if obj is None or kind in _SCALARS:
             return obj
-        if type(obj) not in (list, tuple, dict):
+        if kind not in (list, tuple, dict):
             raise _Bad(f"{where} holds {_describe(obj)}, want plain data")
         if depth >= MAX_DEPTH or id(obj) in active:
             raise _Bad(f"{where} nests too deep or refers to itself")
         active.add(id(obj))
-        items = obj.items() if type(obj) is dict else enumerate(obj)
-        for key, value in items:
-            if type(obj) is dict:
-                self.plain(key, f"{where} key", depth + 1, active)
-            self.plain(value, f"{where}[{key!r:.40}]", depth + 1, active)
+        if kind is dict:
+            for key, value in obj.items():
+                if type(key) not in _SCALARS:
+                    self.plain(key, where, depth + 1, active)
+                if value is not None and type(value) not in _SCALARS:
+                    self.plain(value, where, depth + 1, active)
+        else:
+            for value in obj:
+                if value is not None and type(value) not in _SCALARS:
+                    self.plain(value, where, depth + 1, active)
         active.discard(id(obj))
         return obj
+
+
+_SCALARS = frozenset((bool, int, float, str, bytes))
 
 
 def _describe(obj: Any) -> str:
