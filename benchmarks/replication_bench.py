@@ -22,9 +22,11 @@ recycled as in steady state), interleaved per repetition in this order:
 - diagnostics: the bucketed raw exchange with both ends mapped as tierpoint maps them (sending from
   a private mapping of the rank's part file, receiving into a fresh shared mapping of a tmpfs file
   whose pages exist, as a recycled spare's do), and the same with both mappings made with
-  ``MAP_POPULATE`` (page tables filled up front instead of one fault per page); and the cost of
-  checking a received part: ``fileformat.verify`` (what the receiver runs: ``readinto`` + hash)
-  against hashing a mapping of the file (``read_flat(mmap=True, verify=True)``, 2 threads);
+  ``MAP_POPULATE`` (page tables filled up front instead of one fault per page; the source then
+  mapped shared and read-only, since populating a private writable mapping copies every page);
+  and the cost of checking a received part: ``fileformat.verify`` (what the receiver runs:
+  ``readinto`` + hash) against hashing a mapping of the file (``read_flat(mmap=True,
+  verify=True)``, 2 threads);
 - a sync save without replication (``repl_strategy=None``), for context.
 
 Part 2, recovery, interleaved per repetition:
@@ -42,14 +44,16 @@ Part 2, recovery, interleaved per repetition:
 A figure is the slowest rank's seconds in a repetition (what the job waits for); tables give medians
 over ``--reps`` repetitions, ratios the median of per-repetition ratios (neighbours in time, so the
 machine's drift cancels). GB/s: bytes of one rank's part per second (during replication every rank
-sends that much and receives as much at the same time). A phase table splits the slowest rank's
-replication (and recovery transfer) time into transfer wait, checksum verification, fsync, renames
-and mapping, by wrapping tierpoint.transfer's steps in the rank processes (the benchmark's own
-monkey-patching; nothing in the library changes). The last line tells how much CPU other processes
-took meanwhile, the usual cause of noise.
+sends that much and receives as much at the same time). Phase tables split the slowest rank's
+replication step, and the slower wiped rank's recovery, into exclusive seconds: mapping and opening
+files, waiting for bytes on the wire, checksum verification, fsync, renames, and for recovery also
+the read of the own part and the collectives (which include waiting for slower ranks). They come
+from wrapping tierpoint.transfer's steps inside the rank processes (the benchmark's own
+monkey-patching; nothing in the library changes; a hook that no longer exists is reported, not
+fatal). The last line tells how much CPU other processes took meanwhile, the usual cause of noise.
 
 Run: ``./run bench replication`` or ``.venv/bin/python benchmarks/replication_bench.py [--mib 256
---reps 5]``; ``--mib 32 --reps 2`` is a quick check.
+--reps 5]`` (about 1.5 to 2.5 minutes on 2 busy cores); ``--mib 32 --reps 2`` is a quick check.
 """
 
 from __future__ import annotations
