@@ -66,6 +66,7 @@ import gc
 import logging
 import math
 import mmap
+import multiprocessing
 import os
 import shutil
 import signal
@@ -804,6 +805,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             pg_timeout=600,
         )
     finally:
+        for child in multiprocessing.active_children():  # interrupted: no rank writes on
+            child.kill()
+            child.join(5)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
     report(per_rank, args.mib, disk, args.reps)
