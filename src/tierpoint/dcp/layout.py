@@ -75,8 +75,8 @@ def local_view(
     return sorted(out)
 
 
-def choose_latest(views: Sequence[Sequence[Sequence]]) -> int | None:
-    """The newest step committed in some view and marked unfinished in none (``views``: one
+def complete_steps(views: Sequence[Sequence[Sequence]]) -> list[int]:
+    """Steps committed in some view and marked unfinished in none, newest first (``views``: one
     :func:`local_view` per rank)."""
     committed: set[int] = set()
     unfinished: set[int] = set()
@@ -86,10 +86,12 @@ def choose_latest(views: Sequence[Sequence[Sequence]]) -> int | None:
                 committed.add(int(step))
             if markers:
                 unfinished.add(int(step))
-    complete = committed - unfinished
-    # Peer retrieval of node-local checkpoints plugs in here: the deciding rank holds every rank's
-    # view, so it can also plan which rank fetches which missing file (tierpoint.transfer).
-    return max(complete) if complete else None
+    return sorted(committed - unfinished, reverse=True)
+
+
+def choose_latest(views: Sequence[Sequence[Sequence]]) -> int | None:
+    """The newest step committed in some view and marked unfinished in none."""
+    return next(iter(complete_steps(views)), None)
 
 
 def get_latest_complete_checkpoint(
@@ -97,13 +99,34 @@ def get_latest_complete_checkpoint(
     *,
     storage_options: Mapping[str, Any] | None = None,
     group: Any = None,
+    node_local: bool = False,
 ) -> str | None:
     """The path of the newest complete ``step-<N>`` under ``base``, the same on every rank (else
     ``None``).
 
     Collective when ``torch.distributed`` is initialised: every rank of ``group`` (default:
     tierpoint's coordination group) must call it. Without ``torch.distributed`` it decides alone.
+
+    ``node_local=True``: ``base`` is a directory on each node's own disk. Candidates are tried newest
+    first; for each, the files this node's ranks need and lack are fetched from the peers that
+    hold them (:mod:`tierpoint.dcp.retrieval`); a candidate with a file that exists nowhere is
+    skipped. The returned step is then loadable from ``base`` on every node.
     """
+    if node_local:
+        return _latest_node_local(base, storage_options, group)
+    views = _gather_views(base, storage_options, group)
+    decision = None
+    if tpdist.get_rank() == _decider(group):
+        decision = choose_latest([v["view"] for v in views])
+    step = tpdist.broadcast_json(
+        decision, _decider(group), f"agreeing on the latest checkpoint under {base}", group=group
+    )
+    return None if step is None else step_path(base, int(step))
+
+
+def _gather_views(
+    base: str | os.PathLike, storage_options: Mapping[str, Any] | None, group: Any
+) -> list[dict]:
     mine: list[list] | None = None
     error: str | None = None
     try:
@@ -119,13 +142,22 @@ def get_latest_complete_checkpoint(
 
         detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
         raise CheckpointingError(f"listing checkpoints under {base} failed: {detail}", failures)
-    decision = None
-    if tpdist.get_rank() == _decider(group):
-        decision = choose_latest([v["view"] for v in views])
-    step = tpdist.broadcast_json(
-        decision, _decider(group), f"agreeing on the latest checkpoint under {base}", group=group
-    )
-    return None if step is None else step_path(base, int(step))
+    return views
+
+
+def _latest_node_local(
+    base: str | os.PathLike, storage_options: Mapping[str, Any] | None, group: Any
+) -> str | None:
+    if not storage.is_local(base):
+        raise ValueError(f"node_local needs a local directory, got {base}")
+    from .retrieval import retrieve_missing
+
+    views = _gather_views(base, storage_options, group)
+    # Every rank holds every view, so every rank walks the same candidates in the same order.
+    for step in complete_steps([v["view"] for v in views]):
+        if retrieve_missing(step_path(base, step)):
+            return step_path(base, step)
+    return None
 
 
 def _decider(group: Any) -> int:
