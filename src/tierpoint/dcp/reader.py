@@ -328,12 +328,21 @@ class _Piece:
 
 @dataclass
 class _Copy:
-    """A tensor item that could not be read in place: read into ``scratch``, then ``finish()``."""
+    """A tensor item that could not be read in place: read ``pieces`` (into scratch memory), then
+    ``finish()`` copies into the destination."""
 
     item: _Item
     target: torch.Tensor
     finish: Callable[[], None]
     pieces: list[_Piece] = field(default_factory=list)
+
+
+@dataclass
+class _Later:
+    """An item larger than one piece: its pieces are read by all threads, then ``finish`` runs."""
+
+    pieces: list[_Piece]
+    finish: Callable[[], None] | None
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -365,7 +374,8 @@ def _region_is_contiguous(size: Sequence[int], lengths: Sequence[int]) -> bool:
 
 
 class _ReadRun:
-    """One ``read_data`` call: locate records, plan pieces, read them on the pool, finish up."""
+    """One ``read_data`` call: locate records and read small items, read the pieces of large ones,
+    copy what went through scratch memory, commit."""
 
     def __init__(self, reader: Reader, planner: LoadPlanner, pool: ThreadPoolExecutor) -> None:
         self.reader = reader
@@ -388,29 +398,50 @@ class _ReadRun:
     def run(self, items: list[_Item]) -> None:
         tensors = [it for it in items if it.req.type != LoadItemType.BYTE_IO]
         blobs = [it for it in items if it.req.type == LoadItemType.BYTE_IO]
-        records = self._map(self._locate, tensors)
-        pieces: list[_Piece] = []
-        copies: list[_Copy] = []
-        targets: list[tuple[_Item, torch.Tensor]] = []
-        for item, record in zip(tensors, records):
-            target = self.planner.resolve_tensor(item.req).detach()
-            targets.append((item, target))
-            if isinstance(record, SavedTensor):
-                in_place = self._in_place(item, record, target)
-                if in_place is not None:
-                    pieces += in_place
-                    continue
-            copies.append(self._copy(item, record, target))
+        targets = [(it, self.planner.resolve_tensor(it.req).detach()) for it in tensors]
         blob_views = [memoryview(bytearray(it.info.length)) for it in blobs]
-        pieces += [p for copy in copies for p in copy.pieces]
-        pieces += [p for it, v in zip(blobs, blob_views) for p in _cut(it.file, it.info.offset, v)]
-        pieces.sort(key=lambda p: (p.file.path, p.offset))
+        # 1: each task locates one item's record and reads the item at once when it is small (the
+        #    header reads of some items overlap the data reads of others); larger items come back
+        #    as pieces, which 2: all threads share; 3: items that went through scratch memory are
+        #    copied into place.
+        started = self._map(self._start, targets)
+        started += self._map(self._start_blob, zip(blobs, blob_views))
+        later = [job for job in started if job is not None]
+        pieces = sorted(
+            (p for job in later for p in job.pieces), key=lambda p: (p.file.path, p.offset)
+        )
         self._map(lambda p: _read_into(p.file, p.offset, p.view), pieces)
-        self._map(lambda c: c.finish(), copies)
+        self._map(lambda job: job.finish(), [job for job in later if job.finish is not None])
         for item, target in targets:
             self.planner.commit_tensor(item.req, target)
         for item, view in zip(blobs, blob_views):
             self.planner.load_bytes(item.req, io.BytesIO(view.obj))  # type: ignore[arg-type]
+
+    def _start(self, job: tuple[_Item, torch.Tensor]) -> _Later | None:
+        item, target = job
+        record = self._locate(item)
+        pieces = None
+        finish: Callable[[], None] | None = None
+        if isinstance(record, SavedTensor):
+            pieces = self._in_place(item, record, target)
+        if pieces is None:
+            copy = self._copy(item, record, target)
+            pieces, finish = copy.pieces, copy.finish
+        return self._now_or_later(pieces, finish)
+
+    def _start_blob(self, job: tuple[_Item, memoryview]) -> _Later | None:
+        item, view = job
+        return self._now_or_later(_cut(item.file, item.info.offset, view), None)
+
+    @staticmethod
+    def _now_or_later(pieces: list[_Piece], finish: Callable[[], None] | None) -> _Later | None:
+        if len(pieces) > 1:
+            return _Later(pieces, finish)
+        for p in pieces:
+            _read_into(p.file, p.offset, p.view)
+        if finish is not None:
+            finish()
+        return None
 
     def _locate(self, item: _Item) -> SavedTensor | NeedsTorchLoad:
         try:
