@@ -56,7 +56,7 @@ from torch.futures import Future
 from .. import storage
 from ..errors import CheckpointingError
 from .safe_pickle import CorruptDCPError, file_name_problem, safe_loads
-from .saved_tensor import BadRecord, NeedsTorchLoad, SavedTensor, locate
+from .saved_tensor import WHOLE_ITEM, BadRecord, NeedsTorchLoad, SavedTensor, locate
 
 METADATA_NAME = ".metadata"
 DEFAULT_THREAD_COUNT = 4
@@ -419,7 +419,11 @@ class _ReadRun:
 
     def _start(self, job: tuple[_Item, torch.Tensor]) -> _Later | None:
         item, target = job
-        record = self._locate(item)
+        whole = None
+        if item.info.length <= WHOLE_ITEM:
+            # Small item: one read serves its header and its data (one request on object stores).
+            whole = item.read_at(0, item.info.length)
+        record = self._locate(item, whole)
         pieces = None
         finish: Callable[[], None] | None = None
         if isinstance(record, SavedTensor):
@@ -427,6 +431,11 @@ class _ReadRun:
         if pieces is None:
             copy = self._copy(item, record, target)
             pieces, finish = copy.pieces, copy.finish
+        if whole is not None:
+            for p in pieces:
+                start = p.offset - item.info.offset
+                p.view[:] = whole[start : start + len(p.view)]
+            pieces = []
         return self._now_or_later(pieces, finish)
 
     def _start_blob(self, job: tuple[_Item, memoryview]) -> _Later | None:
@@ -443,9 +452,10 @@ class _ReadRun:
             finish()
         return None
 
-    def _locate(self, item: _Item) -> SavedTensor | NeedsTorchLoad:
+    def _locate(self, item: _Item, whole: bytes | None) -> SavedTensor | NeedsTorchLoad:
+        read_at = item.read_at if whole is None else (lambda offset, n: whole[offset : offset + n])
         try:
-            record = locate(item.read_at, item.info.length)
+            record = locate(read_at, item.info.length)
         except NeedsTorchLoad as e:
             return e
         except BadRecord as e:
