@@ -31,6 +31,7 @@ import logging
 import mmap
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -96,16 +97,20 @@ class _Tags:
 
 
 def _map(path: str, nbytes: int, writable: bool) -> tuple[mmap.mmap | None, torch.Tensor]:
+    """A shared mapping of ``path`` as a byte tensor, its pages faulted in up front (one populate
+    instead of a page fault per 4 KiB while gloo moves the bytes)."""
     if nbytes == 0:
         return None, torch.empty(0, dtype=torch.uint8)
-    flags = os.O_RDWR if writable else os.O_RDONLY
-    fd = os.open(path, flags)
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
-        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY
-        m = mmap.mmap(fd, nbytes, access=access)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        m = mmap.mmap(fd, nbytes, flags=flags, prot=prot)
     finally:
         os.close(fd)
-    return m, torch.frombuffer(m, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only source: only ever sent from
+        return m, torch.frombuffer(m, dtype=torch.uint8)
 
 
 def _wait(works: list[tuple[Any, str]], deadline: float) -> None:

@@ -244,16 +244,10 @@ class LocalCheckpointManager:
         if strategy is None or strategy.replication_factor < 2:
             return
         start = time.perf_counter()
-        moves = [
-            transfer.FileMove(
-                origin,
-                holder,
-                str(self._dir_of(origin) / naming.part_name(iteration, origin)),
-                str(self._dir_of(holder) / naming.part_name(iteration, origin)),
-            )
-            for origin in range(self.world_size)
-            for holder in strategy.holders(origin)
-        ]
+        moves = self._part_moves(
+            iteration,
+            [(o, h, o) for o in range(self.world_size) for h in strategy.holders(o)],
+        )
         stats = transfer.move_files(
             moves,
             strategy.group,
@@ -588,20 +582,27 @@ class LocalCheckpointManager:
         self._latest, self._latest_world_size = iteration, self.world_size
         return ta, CkptID(iteration, self.rank, self.session_id)
 
+    def _part_moves(
+        self, iteration: int, triples: list[tuple[int, int, int]]
+    ) -> list[transfer.FileMove]:
+        """``(source, destination, origin)`` -> moves of origin's part between the two directories."""
+        name = naming.part_name
+        return [
+            transfer.FileMove(
+                src,
+                dst,
+                str(self._dir_of(src) / name(iteration, o)),
+                str(self._dir_of(dst) / name(iteration, o)),
+            )
+            for src, dst, o in triples
+        ]
+
     def _held_origins(self, iteration: int) -> list[int]:
         return sorted({origin for it, origin, _ in self._scan() if it == iteration})
 
     def _fetch(self, iteration: int, plan: RetrievalPlan, group: Any) -> list[list[int]]:
         """Carry out ``plan``'s moves; return ``[source, origin]`` of the moves to here that failed."""
-        moves = [
-            transfer.FileMove(
-                src,
-                dst,
-                str(self._dir_of(src) / naming.part_name(iteration, origin)),
-                str(self._dir_of(dst) / naming.part_name(iteration, origin)),
-            )
-            for src, dst, origin in plan.moves
-        ]
+        moves = self._part_moves(iteration, plan.moves)
         self._ensure_dir()
         try:
             transfer.move_files(
