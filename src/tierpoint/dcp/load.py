@@ -1,11 +1,15 @@
 """``tierpoint.dcp.load``: torch DCP load through tierpoint's :class:`Reader`, safe end to end.
 
 ``load(state_dict, path)`` is ``torch.distributed.checkpoint.load`` (in place, SPMD, reshards
-DTensor / ShardedTensor states saved with another number of ranks) with three differences:
+DTensor / ShardedTensor states saved with another number of ranks), with these differences:
 
-- the metadata is read by every rank with the allow-list unpickler *before* torch plans anything,
-  and a bad ``.metadata`` makes every rank raise the same :class:`CorruptCheckpointError`
-  (no rank is left waiting in a collective);
+- no planning collectives: torch's default load planning is local to each rank (its global step
+  returns the plans unchanged), so with the default planner every rank plans and reads on its own
+  and the ranks meet once, at the end, to agree on the outcome (one small all-gather on tierpoint's
+  coordination group, instead of torch's gather and scatter of every plan through rank 0 and its
+  final all-gather); with another planner or a ``process_group``, ``dcp.load`` runs as usual;
+- the metadata goes through the allow-list unpickler, and every data item is checked before it is
+  read (see :class:`Reader`);
 - non-tensor values (stored as ``torch.save`` bytes) are loaded with ``torch.load(weights_only=True)``
   by :class:`SafeLoadPlanner`, where torch's default planner uses ``weights_only=False`` (runs any
   pickled code). Plain Python values, containers and tensors load; a value that needs arbitrary
@@ -15,8 +19,8 @@ DTensor / ShardedTensor states saved with another number of ranks) with three di
   (a :class:`CorruptCheckpointError` when every failing rank found a damaged file), instead of
   torch's ``CheckpointException``.
 
-With ``process_group`` given, the metadata agreement is left to torch's collectives on that group
-(tierpoint's coordination group spans the whole job).
+With ``process_group`` given, agreement is left to torch's collectives on that group (tierpoint's
+coordination group spans the whole job).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+from torch.distributed.checkpoint.stateful import Stateful
 
-from ..dist import agree
+from ..dist import agree, get_rank
 from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
 from .reader import DEFAULT_THREAD_COUNT, Reader
 from .safe_pickle import CorruptDCPError
@@ -78,25 +83,53 @@ def load(
     :class:`CheckpointingError` (:class:`CorruptCheckpointError` for damaged files) on every rank.
     """
     reader = Reader(path, thread_count=thread_count, storage_options=storage_options)
-    if process_group is None:
-        with agree(f"reading the DCP metadata of {os.fspath(path)}"):
+    if planner is None:
+        planner = SafeLoadPlanner()
+    if process_group is None and type(planner) is SafeLoadPlanner:
+        with agree(f"loading {os.fspath(path)}"):
             try:
-                reader.read_metadata()
+                _load_without_collectives(state_dict, reader, planner)
             except CorruptCheckpointError as e:
                 # agree() keeps the class only for the classes tierpoint.errors names.
                 raise CorruptCheckpointError(e.path, e.reason) from e
+        return
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
                 state_dict,
                 storage_reader=reader,
-                planner=planner if planner is not None else SafeLoadPlanner(),
+                planner=planner,
                 process_group=process_group,
                 no_dist=not (dist.is_available() and dist.is_initialized()),
             )
     except CheckpointException as e:
         raise _from_torch(e, os.fspath(path)) from e
+
+
+def _load_without_collectives(
+    state_dict: dict[str, Any], reader: Reader, planner: SafeLoadPlanner
+) -> None:
+    """What ``dcp.load`` does, step for step, minus its collectives: with torch's default load
+    planning (every rank plans its own reads; the global step returns the plans unchanged) and this
+    reader (no global storage planning), shipping every plan to rank 0 and back changes nothing."""
+    keys = sorted(state_dict)
+    local = {
+        k: state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]
+        for k in keys
+    }
+    metadata = reader.read_metadata()
+    coordinator = get_rank() == 0
+    planner.set_up_planner(local, metadata, coordinator)
+    reader.set_up_storage_reader(metadata, coordinator)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
+    reader.read_data(planner.finish_plan(plan), planner).wait()
+    for k in keys:
+        if isinstance(state_dict[k], Stateful):
+            state_dict[k].load_state_dict(local[k])
+        else:
+            state_dict[k] = local[k]
 
 
 def _from_torch(e: CheckpointException, path: str) -> CheckpointingError:
