@@ -13,7 +13,8 @@ is written, then removed, so at most one is on the target at a time):
 2. torch ``dcp.save`` (``FileSystemWriter``, ``thread_count=2``); then tierpoint ``dcp.load`` (its
    ``Reader``, 4 threads) and torch ``dcp.load`` with ``FileSystemReader`` of that same checkpoint;
 3. torch ``dcp.async_save`` (same writer settings, default staging: a fresh copy per save, on its own
-   gloo group): blocking and durable;
+   gloo group): blocking and durable; then tierpoint's synchronous ``dcp.save`` (2 threads), which
+   writes straight from the tensors (no staging copy), for comparison;
 4. the raw floor: the same tensor bytes written back to back into a new file with ``os.write`` and
    fsynced, then read back with ``readinto`` into the same preallocated tensors.
 
@@ -23,8 +24,9 @@ before it is read (``posix_fadvise DONTNEED``: a cold restart); /dev/shm is memo
 
 A figure is the slowest rank's time (what the job waits for); tables give medians over repetitions;
 ratios are medians of per-repetition ratios (neighbours in time, so drift cancels). GB/s counts both
-ranks' tensor bytes. Targets (PASS/MISS): durable save >= 1.5x torch ``dcp.save``; load >= 1.5x
-torch's reader; both >= 0.7x the floor.
+ranks' tensor bytes. Targets (PASS/MISS): durable save (tierpoint async_save's time to durable)
+>= 1.5x torch ``dcp.save``; load >= 1.5x torch's reader; both >= 0.7x the floor. The same checks
+for tierpoint's sync save are shown in parentheses.
 
 Run: ``./run bench dcp`` or ``.venv/bin/python benchmarks/dcp_bench.py [--gib 1 --reps 3]``. Peak
 memory is about 3 x ``--gib`` GiB per rank (state, tierpoint's staging, torch's async staging copy)
@@ -187,7 +189,7 @@ def remove(*paths: Path) -> None:
 def one_repetition(r: Rank, root: Path, rep: int, pool: Any, times: Times) -> None:
     """One of each contender, interleaved; each checkpoint is loaded right after it is written and
     removed before the next one (peak: one checkpoint on disk, which matters on /dev/shm)."""
-    from tierpoint.dcp import load
+    from tierpoint.dcp import load, save
 
     def record(key: str, seconds: float) -> None:
         times.setdefault(key, []).append(seconds)
@@ -203,6 +205,7 @@ def one_repetition(r: Rank, root: Path, rep: int, pool: Any, times: Times) -> No
 
     threads = READER_THREADS
     tp_dir, torch_dir, async_dir = root / f"tp-{rep}", root / f"torch-{rep}", root / f"ta-{rep}"
+    sync_dir = root / f"tps-{rep}"
     raw = root / f"raw-{rep}-{r.rank}.bin"
 
     blocking, durable = tierpoint_async_save(r, tp_dir, pool)
@@ -222,6 +225,9 @@ def one_repetition(r: Rank, root: Path, rep: int, pool: Any, times: Times) -> No
     record("torch_async_block", blocking)
     record("torch_async_durable", durable)
     remove(async_dir)
+
+    record("tp_sync", timed(lambda: save(r.state, str(sync_dir))))
+    remove(sync_dir)
 
     record("raw_write", timed(lambda: raw_write(raw, r.source)))
     load_with("raw_read", lambda: raw_read(raw, r.source), [raw])
@@ -269,6 +275,7 @@ def bench_rank(rank: int, world: int, roots: list[str], gib: float, reps: int) -
 ROWS = [
     ("tierpoint async_save: blocking", "tp_block"),
     ("tierpoint async_save: time to durable", "tp_durable"),
+    ("tierpoint dcp.save (sync, 2 threads)", "tp_sync"),
     ("torch dcp.save (FileSystemWriter, 2 threads)", "torch_save"),
     ("torch dcp.async_save: blocking", "torch_async_block"),
     ("torch dcp.async_save: time to durable", "torch_async_durable"),
@@ -281,6 +288,8 @@ ROWS = [
 CHECKS = [
     ("durable save >= 1.5x torch dcp.save", "torch_save", "tp_durable", 1.5),
     ("durable save >= 0.7x raw write floor", "raw_write", "tp_durable", 0.7),
+    ("  (sync save >= 1.5x torch dcp.save)", "torch_save", "tp_sync", 1.5),
+    ("  (sync save >= 0.7x raw write floor)", "raw_write", "tp_sync", 0.7),
     ("load >= 1.5x torch FileSystemReader", "torch_load", "tp_load", 1.5),
     ("load >= 0.7x raw read floor", "raw_read", "tp_load", 0.7),
 ]

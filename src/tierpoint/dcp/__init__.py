@@ -1,7 +1,7 @@
 """Persistent tier: torch DCP checkpoints (see the modules for each part)."""
 
 from .layout import get_latest_complete_checkpoint, marker_name, step_path
-from .load import SafeLoadPlanner, load
+from .loading import SafeLoadPlanner, load
 from .reader import Reader, read_metadata
 from .safe_pickle import CorruptDCPError, safe_loads
 from .saving import SaveFuture, async_save, async_save_request, default_queue, save
