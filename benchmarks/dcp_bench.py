@@ -26,7 +26,9 @@ A figure is the slowest rank's time (what the job waits for); tables give median
 ratios are medians of per-repetition ratios (neighbours in time, so drift cancels). GB/s counts both
 ranks' tensor bytes. Targets (PASS/MISS): durable save (tierpoint async_save's time to durable)
 >= 1.5x torch ``dcp.save``; load >= 1.5x torch's reader; both >= 0.7x the floor. The same checks
-for tierpoint's sync save are shown in parentheses.
+for tierpoint's sync save are shown in parentheses. Next to each ratio to torch stands its ceiling:
+the ratio tierpoint would reach at exactly the floor's speed (when torch already runs near the
+floor, as with a cold disk, no reader or writer can reach 1.5x).
 
 Run: ``./run bench dcp`` or ``.venv/bin/python benchmarks/dcp_bench.py [--gib 1 --reps 3]``. Peak
 memory is about 3 x ``--gib`` GiB per rank (state, tierpoint's staging, torch's async staging copy)
@@ -286,12 +288,13 @@ ROWS = [
     ("raw read floor (readinto, preallocated)", "raw_read"),
 ]
 CHECKS = [
-    ("durable save >= 1.5x torch dcp.save", "torch_save", "tp_durable", 1.5),
-    ("durable save >= 0.7x raw write floor", "raw_write", "tp_durable", 0.7),
-    ("  (sync save >= 1.5x torch dcp.save)", "torch_save", "tp_sync", 1.5),
-    ("  (sync save >= 0.7x raw write floor)", "raw_write", "tp_sync", 0.7),
-    ("load >= 1.5x torch FileSystemReader", "torch_load", "tp_load", 1.5),
-    ("load >= 0.7x raw read floor", "raw_read", "tp_load", 0.7),
+    # (label, slower contender, tierpoint, target, floor bounding the ratio to torch)
+    ("durable save >= 1.5x torch dcp.save", "torch_save", "tp_durable", 1.5, "raw_write"),
+    ("durable save >= 0.7x raw write floor", "raw_write", "tp_durable", 0.7, None),
+    ("  (sync save >= 1.5x torch dcp.save)", "torch_save", "tp_sync", 1.5, "raw_write"),
+    ("  (sync save >= 0.7x raw write floor)", "raw_write", "tp_sync", 0.7, None),
+    ("load >= 1.5x torch FileSystemReader", "torch_load", "tp_load", 1.5, "raw_read"),
+    ("load >= 0.7x raw read floor", "raw_read", "tp_load", 0.7, None),
 ]
 
 
@@ -311,10 +314,20 @@ def report(per_rank: list[dict[str, Any]], roots: dict[str, str], reps: int) -> 
         for name, key in ROWS:
             print(f"{name:50s} {med[key]:8.3f} {total / med[key] / 1e9:7.2f}")
         print()
-        for name, slow, fast, target in CHECKS:
-            ratio = statistics.median([s / f for s, f in zip(slowest[slow], slowest[fast])])
+        for name, slow, fast, target, floor in CHECKS:
+            ratio = paired(slowest, slow, fast)
             verdict = "PASS" if ratio >= target else "MISS"
-            print(f"  {name:44s} {ratio:5.2f}x  {verdict}")
+            note = ""
+            if floor is not None:
+                # Even at the floor's speed tierpoint could not beat torch by more than this.
+                ceiling = paired(slowest, slow, floor)
+                note = f"  (ceiling at the floor's speed: {ceiling:.2f}x)"
+            print(f"  {name:44s} {ratio:5.2f}x  {verdict}{note}")
+
+
+def paired(times: Times, slow: str, fast: str) -> float:
+    """Median over repetitions of ``slow / fast`` (each pair ran close together in time)."""
+    return statistics.median([s / f for s, f in zip(times[slow], times[fast])])
 
 
 def disk_root() -> str:
