@@ -21,6 +21,18 @@ class CheckpointingError(RuntimeError):
         super().__init__(message)
         self.failures: dict[int, str] = dict(failures or {})
 
+    def __reduce__(self) -> tuple:
+        # Subclasses take other constructor arguments: rebuild from the message and attributes, so
+        # every tierpoint error survives pickling (torch DCP gathers rank errors that way).
+        return _rebuild, (type(self), str(self), self.__dict__)
+
+
+def _rebuild(cls: type, message: str, attributes: dict) -> CheckpointingError:
+    err = cls.__new__(cls)
+    CheckpointingError.__init__(err, message)
+    err.__dict__.update(attributes)
+    return err
+
 
 class CorruptCheckpointError(CheckpointingError):
     """A checkpoint file is damaged, truncated, or not a checkpoint file at all."""
