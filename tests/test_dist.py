@@ -50,6 +50,7 @@ def test_agree_success_and_gather():
 
 def _crash_inside_agree(rank: int, world: int) -> str:
     tpdist.coordination_group()
+    tpdist.barrier("every rank connected")  # the crash must come after group creation, not during
     try:
         with tpdist.agree("step with a crash"):
             if rank == 1:
