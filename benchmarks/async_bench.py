@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from floor import nbytes_of, tensors_of
 from machine import CpuSample, cpu_sample, machine_line
 
 from tierpoint import fileformat
@@ -129,18 +130,6 @@ def make_state(gib: float, seed: int = 0) -> dict[str, Any]:
     model["final_ln.weight"] = torch.ones(h, dtype=torch.bfloat16)
     model["position_ids"] = torch.arange(4096, dtype=torch.int64)
     return {"model": model, "optimizer": optim, "iteration": 0}
-
-
-def tensors_of(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in tensors_of(v)]
-    return []
-
-
-def nbytes_of(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 # ------------------------------------------------------------------------------------ contenders

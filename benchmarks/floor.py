@@ -14,6 +14,19 @@ from typing import Any
 import torch
 
 
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    """The tensors of a nested dict state, depth first."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors_of(v)]
+    return []
+
+
+def nbytes_of(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())

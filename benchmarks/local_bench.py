@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from floor import preallocate, raw_read, raw_write
+from floor import preallocate, raw_read, raw_write, tensors_of
 
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tierpoint.spawn import run_ranks
@@ -50,20 +50,6 @@ def make_state(mib: float, seed: int) -> dict:
         model[f"layers.{i}.norm"] = torch.randn(width, generator=g).to(torch.bfloat16)
     model["position_ids"] = torch.arange(4096, dtype=torch.int64)
     return {"model": model, "optimizer": optim, "iteration": 0}
-
-
-def tensors_of(state: dict) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-
-    def walk(node: object) -> None:
-        if isinstance(node, torch.Tensor):
-            out.append(node)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-
-    walk(state)
-    return out
 
 
 def timed(fn, *args) -> float:  # noqa: ANN001

@@ -82,6 +82,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from floor import tensors_of
 from machine import cpu_sample, machine_line
 
 from tierpoint import dist as tpdist
@@ -133,18 +134,6 @@ def make_state(mib: float, seed: int) -> dict[str, Any]:
             "exp_avg_sq": torch.rand(h, h, generator=g) * 1e-6,
         }
     return {"model": model, "optimizer": optim, "iteration": 0}
-
-
-def tensors_of(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in tensors_of(v)]
-    return []
-
-
-def nbytes_of(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 # ------------------------------------------------------------------------------------ phase clock
