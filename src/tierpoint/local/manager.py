@@ -483,11 +483,12 @@ class LocalCheckpointManager:
             failures,
         )
 
-    def _read_own(self, iteration: int) -> tuple[Any, str, str]:
+    def _read_own(self, iteration: int, verify: bool | None = None) -> tuple[Any, str, str]:
         """This rank's part of ``iteration`` read and verified: ``(loaded, reason, error kind)``."""
         path = self._part_path(iteration)
+        verify = self.verify if verify is None else verify
         try:
-            header, tensors = fileformat.read_flat(path, verify=self.verify, mmap=self.mmap_load)
+            header, tensors = fileformat.read_flat(path, verify=verify, mmap=self.mmap_load)
             fileformat.unflatten_checked(header, tensors)  # validates the skeleton before use
             return (header, tensors), "", ""
         except FileNotFoundError:
@@ -550,9 +551,10 @@ class LocalCheckpointManager:
                     len(plan.moves),
                     ", ".join(f"rank {s} -> {d} (part of {o})" for s, d, o in plan.moves),
                 )
-            bad = self._fetch(iteration, plan, group)
+            bad += self._fetch(iteration, plan, group)  # sources that failed stay excluded
             if loaded is None and any(d == self.rank == o for _, d, o in plan.moves):
-                loaded, reason, kind = self._read_own(iteration)
+                # Every checksum was verified on receipt: no second pass over the bytes.
+                loaded, reason, kind = self._read_own(iteration, verify=False)
                 if loaded is not None:
                     source = next(s for s, d, o in plan.moves if d == self.rank == o)
                     logger.warning(
