@@ -2,7 +2,8 @@
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes (spawn start method), each joins a
 gloo group through a TCPStore that the parent hosts on a free port of 127.0.0.1, then calls
-``fn(rank, world_size, *args)``. It returns the ranks' return values in rank order, or raises one
+``fn(rank, world_size, *args)``. Ranks are forked from a fork server that imported torch once (see
+``_context``) and see the caller's environment at the time of the call. It returns the ranks' return values in rank order, or raises one
 ``RankFailure`` carrying every failed rank's traceback. Ranks still running at the timeout are killed
 and reported as hung. ``fn`` must be importable (defined at module level in a test module).
 """
@@ -37,6 +38,8 @@ def _entry(
     results: Any,
     pg_timeout_s: float,
 ) -> None:
+    # The fork server's environment is a snapshot from its start; give the rank the caller's, as spawn would.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         {
@@ -67,6 +70,20 @@ def _entry(
         results.put((rank, "error", traceback.format_exc()))
 
 
+_PRELOAD = ["torch", "torch.distributed", "tierpoint"]
+
+
+def _context() -> mp.context.BaseContext:
+    """A fork server that imported torch once: each rank then starts in milliseconds, not seconds.
+
+    The server forks from a single-threaded process that never touched a process group, so children
+    start clean, as with ``spawn``; ``fn``'s module is imported in the child as with ``spawn``.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -81,10 +98,10 @@ def run_ranks(
     Ranks in ``allow_crash`` may die without reporting (their result is ``None``); the others must
     succeed.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     store = dist.TCPStore(HOST, 0, world_size + 1, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
-    env = {"GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
     procs = [
         ctx.Process(
             target=_entry,
