@@ -481,8 +481,18 @@ def resize_by(delta: int) -> Callable[[Path], None]:
     return damage
 
 
-HEADER_READERS = ("read", "read_noverify", "read_mmap", "read_header", "verify")
+def verify_arriving(path: Path, step: int = 5) -> fileformat.PartHeader:
+    """Check a file as peers do while it arrives: ``step`` bytes at a time."""
+    data = memoryview(path.read_bytes())
+    checker = fileformat.PartVerifier(path, data)
+    for available in range(0, len(data), step):
+        checker.advance(available)
+    return checker.finish()
+
+
+HEADER_READERS = ("read", "read_noverify", "read_mmap", "read_header", "verify", "stream")
 READERS: dict[str, Callable[[Path], Any]] = {
+    "stream": verify_arriving,
     "read": fileformat.read,
     "read_noverify": lambda p: fileformat.read(p, verify=False),
     "read_mmap": lambda p: fileformat.read_flat(p, mmap=True),
@@ -541,7 +551,7 @@ CORPUS: dict[str, Damage] = {
     "extended_file": Damage(resize_by(7), "7 unexpected bytes after the last tensor"),
     "skeleton_bad_index": Damage(set_doc("skeleton", {"~": "tensor", "i": 99}), "bad state skeleton", ("read", "read_noverify")),
     "skeleton_unknown_tag": Damage(set_doc("skeleton", [{"~": "evil"}]), "bad state skeleton", ("read", "read_noverify")),
-    "flipped_data_bit": Damage(flip_bit_in("w"), "checksum mismatch in tensor 'w'", ("read", "read_mmap", "verify")),
+    "flipped_data_bit": Damage(flip_bit_in("w"), "checksum mismatch in tensor 'w'", ("read", "read_mmap", "verify", "stream")),
 }  # fmt: skip
 
 
@@ -591,6 +601,19 @@ def test_damaged_file_raises_corrupt_checkpoint_error(
     assert err.path == str(good_part)
     assert str(err).startswith(f"corrupt checkpoint file {good_part}: ")
     assert CORPUS[case].reason in err.reason
+
+
+@pytest.mark.parametrize("step", [1, 7, 64, 1 << 20])
+def test_arriving_file_is_checked_piece_by_piece(good_part: Path, step: int) -> None:
+    header = verify_arriving(good_part, step)
+    assert header == fileformat.verify(good_part)
+    CORPUS["flipped_data_bit"].apply(good_part)
+    data = memoryview(good_part.read_bytes())
+    checker = fileformat.PartVerifier(good_part, data)
+    w_end = header.data_start + next(r.end for r in header.records if r.name == "w")
+    checker.advance(w_end - 1)  # w is not complete yet: nothing to say
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch in tensor 'w'"):
+        checker.advance(w_end)  # rejected as soon as w's last byte is there
 
 
 def test_flipped_data_bit_passes_without_verify(good_part: Path) -> None:

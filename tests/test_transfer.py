@@ -64,11 +64,21 @@ def _rejected(rank: int, world: int, tmp: str, how: str) -> str:
     if how == "digest" and rank == 0:
         transfer._digest = lambda view: 12345  # the sender announces a wrong checksum
 
-    def refuse(path: str, move: FileMove) -> None:
-        raise CorruptCheckpointError(path, "refused by the test")
+    class Refuse:
+        def __init__(self, move: FileMove, data: memoryview) -> None:
+            self.move = move
+
+        def advance(self, available: int) -> None:
+            if available > (1 << 20):  # rejected mid-stream: the rest is still drained
+                raise CorruptCheckpointError(self.move.dst_path, "refused by the test")
+
+        def finish(self) -> None:
+            raise AssertionError("finish after a rejection")
 
     try:
-        move_files(moves, timeout=30, verify=refuse if how == "verify" else None)
+        move_files(
+            moves, timeout=30, bucket_bytes=1 << 20, verify=Refuse if how == "verify" else None
+        )
     except CorruptCheckpointError as e:
         assert rank == 1
         assert sorted(os.listdir(d)) == ["own.bin"]  # nothing visible, no dirty file

@@ -502,7 +502,15 @@ def read_header(path: str | os.PathLike) -> PartHeader:
 
 def _read_header_from(f: Any, path: str) -> PartHeader:
     file_size = os.fstat(f.fileno()).st_size
-    prefix = f.read(8)
+    n = _header_length(f.read(8), file_size, path)
+    raw = f.read(n)
+    if len(raw) != n:
+        raise _fail(path, "truncated while reading the header")
+    return _decode_header(raw, file_size, path)
+
+
+def _header_length(prefix: bytes, file_size: int, path: str) -> int:
+    """The JSON header's length from the file's first 8 bytes, checked against the file's size."""
     if len(prefix) < 8:
         raise _fail(path, f"truncated: {file_size} bytes is too short to hold a header")
     (n,) = struct.unpack("<Q", prefix)
@@ -510,9 +518,12 @@ def _read_header_from(f: Any, path: str) -> PartHeader:
         raise _fail(path, f"header length {n} exceeds the limit of {MAX_HEADER_BYTES} bytes")
     if 8 + n > file_size:
         raise _fail(path, f"truncated: header claims {n} bytes but the file has {file_size}")
-    raw = f.read(n)
-    if len(raw) != n:
-        raise _fail(path, "truncated while reading the header")
+    return n
+
+
+def _decode_header(raw: bytes, file_size: int, path: str) -> PartHeader:
+    """Parse and check the JSON header (``raw``, without the length prefix) of a file of ``file_size``."""
+    n = len(raw)
     header = _parse_json(raw, "header", path)
     if not isinstance(header, dict):
         raise _fail(path, "header is not a JSON object")
@@ -783,6 +794,61 @@ def unflatten_checked(
         return unflatten(header.skeleton, tensors, allow_pickle=allow_pickle)
     except SkeletonError as e:
         raise CorruptCheckpointError(header.path, f"bad state skeleton: {e}") from None
+
+
+class PartVerifier:
+    """Checks a part file while its bytes arrive in order, e.g. bucket by bucket from a peer.
+
+    ``data`` is the whole file's memory (filled front to back); after each arrival call
+    ``advance(available)`` with how many leading bytes are now final: the header is checked as soon
+    as it is complete, and each tensor's checksum is computed over the bytes that arrived, so by the
+    time the last byte lands only that last piece is left to hash. ``finish()`` (after
+    ``advance(len(data))``) raises :class:`CorruptCheckpointError` unless header and every tensor
+    checksum hold, and returns the header. The same checks as :func:`verify`.
+    """
+
+    def __init__(self, path: str | os.PathLike, data: memoryview) -> None:
+        self.path = str(path)
+        self._data = data
+        self._available = 0
+        self._header: PartHeader | None = None
+        self._pending: list[TensorRecord] = []  # records not hashed to their end, by position
+        self._hasher = xxhash.xxh3_64()
+        self._hashed_to = 0  # absolute offset the current record's hasher has consumed
+
+    def advance(self, available: int) -> None:
+        self._available = max(self._available, min(available, len(self._data)))
+        if self._header is None:
+            if self._available < min(8, len(self._data)):
+                return
+            n = _header_length(bytes(self._data[:8]), len(self._data), self.path)
+            if self._available < 8 + n:
+                return
+            self._header = _decode_header(bytes(self._data[8 : 8 + n]), len(self._data), self.path)
+            self._pending = sorted(self._header.records, key=lambda r: r.begin, reverse=True)
+            if self._pending:
+                self._hashed_to = self._header.data_start + self._pending[-1].begin
+        start = self._header.data_start
+        while self._pending:
+            rec = self._pending[-1]
+            end = min(start + rec.end, self._available)
+            if end > self._hashed_to:
+                self._hasher.update(self._data[self._hashed_to : end])
+                self._hashed_to = end
+            if end < start + rec.end:
+                return
+            if self._hasher.hexdigest() != rec.checksum:
+                raise _fail(self.path, f"checksum mismatch in tensor {rec.name!r}")
+            self._pending.pop()
+            self._hasher.reset()
+            if self._pending:
+                self._hashed_to = start + self._pending[-1].begin
+
+    def finish(self) -> PartHeader:
+        self.advance(len(self._data))
+        if self._header is None:  # pragma: no cover - advance(len) parses the header or raises
+            raise _fail(self.path, "header never arrived")
+        return self._header
 
 
 def verify(path: str | os.PathLike) -> PartHeader:

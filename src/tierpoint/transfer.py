@@ -7,16 +7,18 @@ Call order: every rank of the group calls :func:`move_files` with the same list 
 :class:`FileMove` (computed alike everywhere, or planned on one rank and broadcast). A rank sends the
 files it is the source of and receives the ones it is the destination of; the others return at once.
 
-Protocol: for move ``i`` the source first sends a small header (size, and an xxh3-64 digest of the
-bytes when ``digest=True``), then the bytes in buckets of at most ``bucket_bytes``. Every send and
-receive is posted non-blocking before anything is waited for, so any pattern (pairs swapping files,
-rings, one source serving many) completes without deadlock; every wait is bounded by ``timeout``.
-Buckets go straight from a mapping of the source file into a mapping of the destination's dirty
-file: no intermediate copies, no memory beyond the files themselves.
+Protocol: for move ``i`` the source first sends a small header (the size, or -1: cannot send), then
+the bytes in buckets of at most ``bucket_bytes``, then (``digest=True``) a trailer with the xxh3-64
+of the bytes, computed while gloo sends. Every send and receive is posted non-blocking before
+anything is waited for, so any pattern (pairs swapping files, rings, one source serving many)
+completes without deadlock; every wait is bounded by ``timeout``. Buckets go straight from a mapping
+of the source file into a mapping of the destination's dirty file: no intermediate copies, no memory
+beyond the files themselves. The receiver checks each bucket as it lands (running digest, or the
+caller's :class:`ReceiveCheck`), so verification overlaps the transfer instead of following it.
 
 Invariants:
 - A received file becomes visible only verified: written as ``<dst>.dirty``, checked against the
-  sender's digest and/or the ``verify(path)`` callback, fsynced, renamed to ``dst``, directory fsynced.
+  sender's digest and/or the caller's check, fsynced, renamed to ``dst``, directory fsynced.
 - Any failure (peer gone, timeout, mismatch, full disk) removes the dirty file and raises a
   :class:`CheckpointingError` naming the file and the peer; it never leaves a partial file visible.
 - Tags never repeat within a process (a per-process sequence that all ranks advance alike, one step
@@ -30,13 +32,14 @@ import itertools
 import logging
 import mmap
 import os
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,7 +51,6 @@ from .fileformat import dirty_name, fsync_dir
 logger = logging.getLogger("tierpoint")
 
 DEFAULT_BUCKET_BYTES = 64 << 20
-_HEADER_WORDS = 2  # size, digest
 _TAGS_PER_CALL = 1 << 20
 _calls = itertools.count()
 _abandoned: list[Any] = []  # mappings a timed-out receive may still write into
@@ -77,8 +79,43 @@ def _digest(view: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(view) - (1 << 63)  # fits an int64
 
 
+class ReceiveCheck(Protocol):
+    """Checks a file while it arrives; made by ``verify(move, data)`` when its receive is posted."""
+
+    def advance(self, available: int) -> None:
+        """The first ``available`` bytes of ``data`` are final; raise to reject the file."""
+
+    def finish(self) -> Any:
+        """Everything arrived; raise to reject the file."""
+
+
+class _DigestCheck:
+    """Running xxh3-64 of the arriving bytes, compared with the sender's trailer at the end."""
+
+    def __init__(self, move: FileMove, data: memoryview) -> None:
+        self.move, self._data = move, data
+        self._hasher = xxhash.xxh3_64()
+        self._done = 0
+        self.trailer = torch.zeros(1, dtype=torch.int64)
+
+    def advance(self, available: int) -> None:
+        if available > self._done:
+            self._hasher.update(self._data[self._done : available])
+            self._done = available
+
+    def finish(self) -> None:
+        self.advance(len(self._data))
+        if self._hasher.intdigest() - (1 << 63) != int(self.trailer[0]):
+            raise CorruptCheckpointError(
+                self.move.dst_path,
+                f"bytes received from rank {self.move.src} do not match its checksum",
+            )
+
+
 class _Tags:
-    """Message tags of one call: below 2**31, disjoint from the previous 2047 calls' tags."""
+    """Message tags of one call: below 2**31, disjoint from the previous 2047 calls' tags.
+
+    A move's trailer uses the bucket tag after its last bucket."""
 
     def __init__(self, call: int, moves: int) -> None:
         self.base = (call % 2048) * _TAGS_PER_CALL
@@ -113,6 +150,94 @@ def _map(path: str, nbytes: int, writable: bool) -> tuple[mmap.mmap | None, torc
         return m, torch.frombuffer(m, dtype=torch.uint8)
 
 
+_Mapping = tuple["mmap.mmap | None", torch.Tensor]
+
+
+class _OneShotMappings:
+    """Each file mapped for one call and unmapped after it (no :class:`MappingCache` given)."""
+
+    def map(self, path: str, nbytes: int, writable: bool) -> _Mapping:
+        return _map(path, nbytes, writable)
+
+    def done(self, entry: _Mapping) -> None:
+        if entry[0] is not None:
+            entry[0].close()
+
+    forget = done
+
+    def abandon(self, entries: Iterable[_Mapping]) -> None:
+        _abandoned.extend(entries)
+
+
+class MappingCache:
+    """Mappings kept from one :func:`move_files` call to the next, for files that come back.
+
+    Checkpoint files circulate (an expired replica becomes a spare, the spare receives the next
+    replica or is rewritten as the next own part), so mapping and populating 256 MiB anew every save
+    is work thrown away. Entries are keyed by the file's (device, inode), always shared and writable
+    (so one mapping serves sending and receiving), and re-checked against the file's size on every
+    use. A mapping keeps a deleted file's pages alive: the owner calls :meth:`retain` with the files
+    that still exist after it removes some, and :meth:`close` when done. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor]] = {}
+
+    def map(self, path: str, nbytes: int, writable: bool) -> _Mapping:
+        if nbytes == 0:
+            return _map(path, 0, writable)
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            hit = self._maps.pop(key, None)
+            if hit is not None and len(hit[0]) == nbytes == st.st_size:
+                self._maps[key] = hit
+                return hit
+            if hit is not None:
+                hit[0].close()
+            entry = _map(path, nbytes, writable=True)
+            self._maps[key] = entry  # type: ignore[assignment]
+            return entry
+
+    def done(self, entry: _Mapping) -> None:
+        pass
+
+    def forget(self, entry: _Mapping) -> None:
+        """Unmap a file that is being deleted."""
+        with self._lock:
+            for key in [k for k, v in self._maps.items() if v[0] is entry[0]]:
+                del self._maps[key]
+        if entry[0] is not None:
+            entry[0].close()
+
+    def abandon(self, entries: Iterable[_Mapping]) -> None:
+        """A receive into these may still be in flight: never hand them out (or unmap them) again."""
+        gone = {id(e[0]) for e in entries}
+        with self._lock:
+            for key in [k for k, v in self._maps.items() if id(v[0]) in gone]:
+                _abandoned.append(self._maps.pop(key))
+
+    def retain(self, paths: Iterable[str | os.PathLike]) -> None:
+        """Unmap every file that is not one of ``paths``."""
+        keep = set()
+        for path in paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            keep.add((st.st_dev, st.st_ino))
+        with self._lock:
+            for key in [k for k in self._maps if k not in keep]:
+                self._maps.pop(key)[0].close()
+
+    def close(self) -> None:
+        self.retain(())
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
 def _wait(works: list[tuple[Any, str]], deadline: float) -> None:
     for work, what in works:
         left = max(0.001, deadline - time.monotonic())
@@ -134,9 +259,10 @@ def move_files(
     timeout: float = 300.0,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     digest: bool = True,
-    verify: Callable[[str, FileMove], Any] | None = None,
+    verify: Callable[[FileMove, memoryview], ReceiveCheck] | None = None,
     unavailable: str | None = None,
     reuse: Callable[[FileMove], str | None] | None = None,
+    mappings: MappingCache | None = None,
 ) -> MoveStats:
     """Carry out ``moves`` (identical list on every rank of ``group``); see the module docstring.
 
@@ -145,12 +271,14 @@ def move_files(
         timeout: seconds the whole call may take on this rank.
         bucket_bytes: largest single message.
         digest: the source hashes each file and the destination checks the hash.
-        verify: ``verify(dirty_path, move)`` for each received file before it is committed; raise
-            to reject it (e.g. check a part file with :func:`tierpoint.fileformat.verify`).
+        verify: ``verify(move, data)`` for each file this rank receives, ``data`` being the memory the
+            file arrives in; the returned :class:`ReceiveCheck` sees each bucket land and may reject
+            the file (e.g. :class:`tierpoint.fileformat.PartVerifier` checks a part file's checksums).
         unavailable: this rank cannot send its files (the reason): its destinations are told at once
             instead of waiting for the timeout, and this rank raises with that reason.
         reuse: for a file this rank receives, an existing file whose pages may be rewritten instead
             of filling a new one (renamed to the dirty name first; faster on tmpfs), or ``None``.
+        mappings: keep this call's file mappings for later calls (see :class:`MappingCache`).
 
     Every rank completes the transfers that can complete, then raises the first failure it saw (a
     source that could not send fails its destinations without a timeout).
@@ -167,23 +295,23 @@ def move_files(
     for _, m in mine:
         if m.src == m.dst:
             raise CheckpointingError(f"move of {m.src_path} has the same source and destination")
+    mapper = mappings if mappings is not None else _OneShotMappings()
     failures: list[BaseException] = []
     if unavailable is not None:
         failures.append(CheckpointingError(unavailable))
 
-    # Phase 1: sizes (-1: the source cannot send) and digests.
+    # Phase 1: sizes (-1: the source cannot send).
     sources: dict[int, tuple[mmap.mmap | None, torch.Tensor]] = {}
     headers: dict[int, torch.Tensor] = {}
     works: list[tuple[Any, str]] = []
     for i, m in mine:
-        header = torch.full((_HEADER_WORDS,), -1, dtype=torch.int64)
+        header = torch.full((1,), -1, dtype=torch.int64)
         if m.src == rank:
             if unavailable is None:
                 try:
                     nbytes = os.path.getsize(m.src_path)
-                    sources[i] = _map(m.src_path, nbytes, writable=False)
+                    sources[i] = mapper.map(m.src_path, nbytes, writable=False)
                     header[0] = nbytes
-                    header[1] = _digest(memoryview(sources[i][0])) if digest and nbytes else 0
                 except OSError as e:
                     failures.append(CheckpointingError(f"cannot send {m.src_path}: {e}"))
             work = dist.isend(header, m.dst, group=group, tag=tags.header(i))
@@ -195,11 +323,15 @@ def move_files(
     try:
         _wait(works, deadline)
     except BaseException:
-        _abandoned.extend(sources.values())
+        mapper.abandon(sources.values())
         raise
 
-    # Phase 2: the bytes of every move whose source could send.
-    targets: dict[int, tuple[mmap.mmap | None, torch.Tensor, Path]] = {}
+    # Phase 2: the bytes of every move whose source could send, checked as they land.
+    targets: dict[int, _Target] = {}
+    checks: dict[int, list[ReceiveCheck]] = {}
+    arrivals: list[
+        tuple[int, Any, int, str]
+    ] = []  # (move, work, bytes final once it completes, what)
     works = []
     sent = received = 0
     try:
@@ -213,45 +345,75 @@ def move_files(
                         )
                     )
                 continue
+            buckets = range(0, nbytes, bucket_bytes)
             if m.src == rank:
+                what = f"sending {m.src_path} to rank {m.dst}"
                 data = sources[i][1]
-                for b, begin in enumerate(range(0, nbytes, bucket_bytes)):
+                for b, begin in enumerate(buckets):
                     chunk = data[begin : begin + bucket_bytes]
-                    work = dist.isend(chunk, m.dst, group=group, tag=tags.bucket(i, b))
-                    works.append((work, f"sending {m.src_path} to rank {m.dst}"))
+                    works.append(
+                        (dist.isend(chunk, m.dst, group=group, tag=tags.bucket(i, b)), what)
+                    )
                 sent += nbytes
                 continue
+            what = f"receiving {m.dst_path} from rank {m.src}"
             try:
-                targets[i] = _open_target(m.dst_path, nbytes, reuse(m) if reuse else None)
-                view = targets[i][1]
+                spare = reuse(m) if reuse else None
+                targets[i] = _open_target(m.dst_path, nbytes, spare, mapper)
+                view = targets[i].tensor
+                checks[i] = [c(m, targets[i].memory) for c in _check_makers(digest, verify)]
             except OSError as e:  # e.g. a full disk: drain the bytes so the source is not stuck
                 failures.append(CheckpointingError(f"cannot write {m.dst_path}: {e}"))
                 view = None
                 scratch = torch.empty(min(nbytes, bucket_bytes), dtype=torch.uint8)
-            for b, begin in enumerate(range(0, nbytes, bucket_bytes)):
+            for b, begin in enumerate(buckets):
                 end = min(nbytes, begin + bucket_bytes)
                 chunk = view[begin:end] if view is not None else scratch[: end - begin]
                 work = dist.irecv(chunk, m.src, group=group, tag=tags.bucket(i, b))
-                works.append((work, f"receiving {m.dst_path} from rank {m.src}"))
+                arrivals.append((i, work, end, what))
+            if digest:
+                trailer = next(
+                    (c.trailer for c in checks.get(i, []) if isinstance(c, _DigestCheck)),
+                    torch.zeros(1, dtype=torch.int64),
+                )
+                work = dist.irecv(trailer, m.src, group=group, tag=tags.bucket(i, len(buckets)))
+                works.append((work, what))
             received += nbytes
+        if digest:  # hashed while gloo sends the buckets
+            for i, m in mine:
+                if i in sources and int(headers[i][0]) >= 0:
+                    m_map = sources[i][0]
+                    trailer = torch.tensor([_digest(memoryview(m_map)) if m_map else _digest(b"")])
+                    nb = len(range(0, int(headers[i][0]), bucket_bytes))
+                    work = dist.isend(trailer, m.dst, group=group, tag=tags.bucket(i, nb))
+                    works.append((work, f"sending {m.src_path} to rank {m.dst}"))
+        for i, work, end, what in arrivals:
+            _wait([(work, what)], deadline)
+            for check in checks.get(i, ()):
+                try:
+                    check.advance(end)
+                except CheckpointingError as e:
+                    failures.append(e)
+                    checks[i] = [_Rejected(e)]
+                    break
         _wait(works, deadline)
         for i, m in mine:
             if i in targets:
                 try:
-                    _commit(m, targets.pop(i), int(headers[i][1]) if digest else None, verify)
+                    _commit(m, targets.pop(i), checks.get(i, ()), mapper)
                 except (OSError, CheckpointingError) as e:
-                    failures.append(e)
+                    if not any(isinstance(c, _Rejected) for c in checks.get(i, ())):
+                        failures.append(e)
     except BaseException as e:
-        _abandoned.extend(sources.values())
-        for _, _, dirty in targets.values():
-            _unlink(dirty)
-        _abandoned.extend(targets.values())
+        mapper.abandon(sources.values())
+        for target in targets.values():
+            _unlink(target.dirty)
+        mapper.abandon((t.mapping, t.tensor) for t in targets.values())
         if isinstance(e, OSError):
             raise CheckpointingError(f"file transfer failed: {e}") from e
         raise
-    for m_map, _ in sources.values():
-        if m_map is not None:
-            m_map.close()
+    for entry in sources.values():
+        mapper.done(entry)
     if failures:
         first = failures[0]
         if isinstance(first, OSError):
@@ -262,9 +424,46 @@ def move_files(
     return MoveStats(sent, received, seconds)
 
 
+class _Rejected:
+    """Stands in for the checks of a file already rejected while arriving: its commit fails."""
+
+    def __init__(self, error: CheckpointingError) -> None:
+        self.error = error
+
+    def advance(self, available: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        raise self.error
+
+
+def _check_makers(
+    digest: bool, verify: Callable[[FileMove, memoryview], ReceiveCheck] | None
+) -> list[Callable[[FileMove, memoryview], ReceiveCheck]]:
+    return [maker for maker in ((_DigestCheck if digest else None), verify) if maker is not None]
+
+
+@dataclass
+class _Target:
+    """A file being received: its mapping, the same bytes as a tensor and a memoryview, its path."""
+
+    mapping: mmap.mmap | None
+    tensor: torch.Tensor
+    dirty: Path
+    memory: memoryview
+
+    def close(self, mapper: _OneShotMappings | MappingCache, keep: bool = True) -> None:
+        self.memory.release()
+        entry = (self.mapping, self.tensor)
+        if keep:
+            mapper.done(entry)
+        else:
+            mapper.forget(entry)
+
+
 def _open_target(
-    dst_path: str, nbytes: int, spare: str | None
-) -> tuple[mmap.mmap | None, torch.Tensor, Path]:
+    dst_path: str, nbytes: int, spare: str | None, mapper: _OneShotMappings | MappingCache
+) -> _Target:
     """The dirty file a received file is written into, sized and mapped."""
     dirty = dirty_name(dst_path)
     dirty.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -280,27 +479,22 @@ def _open_target(
         _unlink(dirty)
         raise
     os.close(fd)
-    m_map, view = _map(str(dirty), nbytes, writable=True)
-    return m_map, view, dirty
+    m_map, view = mapper.map(str(dirty), nbytes, writable=True)
+    return _Target(m_map, view, dirty, memoryview(m_map) if m_map is not None else memoryview(b""))
 
 
 def _commit(
     move: FileMove,
-    target: tuple[mmap.mmap | None, torch.Tensor, Path],
-    expected: int | None,
-    verify: Callable[[str, FileMove], Any] | None,
+    target: _Target,
+    checks: Sequence[ReceiveCheck],
+    mapper: _OneShotMappings | MappingCache,
 ) -> None:
-    m_map, _, dirty = target
+    """Finish the checks, then make the file durable and visible (fsync covers the mapped writes)."""
+    dirty = target.dirty
     try:
-        if m_map is not None:
-            if expected is not None and _digest(memoryview(m_map)) != expected:
-                raise CorruptCheckpointError(
-                    move.dst_path, f"bytes received from rank {move.src} do not match its checksum"
-                )
-            m_map.flush()
-            m_map.close()
-        if verify is not None:
-            verify(str(dirty), move)
+        for check in checks:
+            check.finish()
+        target.close(mapper)
         fd = os.open(dirty, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -310,6 +504,10 @@ def _commit(
         fsync_dir(Path(move.dst_path).parent)
     except BaseException:
         _unlink(dirty)
+        try:
+            target.close(mapper, keep=False)
+        except (BufferError, ValueError):  # pragma: no cover - a view still in use: left to the GC
+            pass
         raise
 
 

@@ -100,6 +100,7 @@ class LocalCheckpointManager:
         self.last_replication: transfer.MoveStats | None = None
         """Bytes and seconds of this rank's part of the last replication (for monitoring)."""
         self._stager = Stager()
+        self._mappings = transfer.MappingCache()
 
     # ------------------------------------------------------------------------------ identity, paths
 
@@ -253,9 +254,10 @@ class LocalCheckpointManager:
             strategy.group,
             timeout=tpdist.default_timeout().total_seconds(),
             digest=False,  # the part file carries its own checksums, verified on receipt
-            verify=_verify_received_part,
+            verify=_ReceivedPart,
             unavailable=None if written else f"rank {self.rank} could not write its own part",
             reuse=lambda move: self._take_spare(leftovers=False) if self.recycle else None,
+            mappings=self._mappings,
         )
         self.last_replication = stats
         logger.debug(
@@ -435,6 +437,16 @@ class LocalCheckpointManager:
             else:
                 _unlink(entry.path)
         fileformat.fsync_dir(self.local_ckpt_dir)
+        self._forget_removed_files()
+
+    def _forget_removed_files(self) -> None:
+        """Unmap the files replication mapped that no longer exist (a mapping pins their pages)."""
+        if len(self._mappings):
+            try:
+                present = [e.path for e in os.scandir(self.local_ckpt_dir)]
+            except OSError:
+                present = []
+            self._mappings.retain(present)
 
     def _remove_iteration(self, iteration: int) -> None:
         if not self.local_ckpt_dir.is_dir():
@@ -444,6 +456,7 @@ class LocalCheckpointManager:
             parsed = naming.parse_part_name(name)
             if parsed is not None and parsed[0] == iteration:
                 _unlink(entry.path)
+        self._forget_removed_files()
 
     # ------------------------------------------------------------------------------ loading
 
@@ -612,7 +625,8 @@ class LocalCheckpointManager:
                 group,
                 timeout=tpdist.default_timeout().total_seconds(),
                 digest=False,
-                verify=_verify_received_part,
+                verify=_ReceivedPart,
+                mappings=self._mappings,
             )
         except CheckpointingError as e:
             logger.warning("retrieving parts of iteration %d: %s", iteration, e)
@@ -624,15 +638,24 @@ class LocalCheckpointManager:
         ]
 
 
-def _verify_received_part(path: str, move: transfer.FileMove) -> None:
-    """A part received from a peer: every checksum holds and it is the part its name says."""
-    header = fileformat.verify(path)
-    expected = naming.parse_part_name(Path(move.dst_path).name)
-    meta = header.extra
-    if expected is None or (meta.get("iteration"), meta.get("rank")) != expected:
-        raise CorruptCheckpointError(
-            move.dst_path, f"rank {move.src} sent a part whose metadata does not match its name"
-        )
+class _ReceivedPart(fileformat.PartVerifier):
+    """A part arriving from a peer: every checksum holds (checked as it lands) and it is the part
+    its name says."""
+
+    def __init__(self, move: transfer.FileMove, data: memoryview) -> None:
+        super().__init__(move.dst_path, data)
+        self.move = move
+
+    def finish(self) -> fileformat.PartHeader:
+        header = super().finish()
+        expected = naming.parse_part_name(Path(self.move.dst_path).name)
+        meta = header.extra
+        if expected is None or (meta.get("iteration"), meta.get("rank")) != expected:
+            raise CorruptCheckpointError(
+                self.move.dst_path,
+                f"rank {self.move.src} sent a part whose metadata does not match its name",
+            )
+        return header
 
 
 def _unlink(path: str | os.PathLike) -> None:
