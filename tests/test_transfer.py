@@ -123,3 +123,23 @@ def test_empty_plan_is_a_no_op(tmp_path: Path) -> None:
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(CheckpointingError, match="bucket_bytes"):
         move_files([], bucket_bytes=0)
+
+
+def test_mapping_cache_reuses_rechecks_and_lets_go(tmp_path: Path) -> None:
+    cache = transfer.MappingCache()
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"x" * 8192)
+    b.write_bytes(b"y" * 4096)
+    first = cache.map(str(a), 8192, writable=False)
+    os.replace(a, tmp_path / "renamed.bin")  # circulating files change names, not inodes
+    assert cache.map(str(tmp_path / "renamed.bin"), 8192, writable=True)[0] is first[0]
+    os.truncate(tmp_path / "renamed.bin", 4096)  # a different size is mapped anew
+    again = cache.map(str(tmp_path / "renamed.bin"), 4096, writable=True)
+    assert again[0] is not first[0] and first[0].closed and len(again[0]) == 4096
+    cache.map(str(b), 4096, writable=True)
+    assert len(cache) == 2
+    b.unlink()
+    cache.retain([tmp_path / "renamed.bin", b])  # b is gone: its mapping must not pin its pages
+    assert len(cache) == 1 and not again[0].closed
+    cache.close()
+    assert len(cache) == 0 and again[0].closed
