@@ -50,13 +50,18 @@ def resolve_buffer(buffer: StagingBuffer | BufferRef) -> memoryview:
 
 
 def write_staged_part(
-    path: str, plan: dict[str, Any], buffer: StagingBuffer | BufferRef, recycle: str | None = None
+    path: str,
+    plan: dict[str, Any],
+    buffer: StagingBuffer | BufferRef,
+    recycle: str | None = None,
+    checksums: list[str] | None = None,
 ) -> int:
-    """Write a part file from a staging buffer laid out as ``plan`` (runs in the worker)."""
+    """Write a part file from a staging buffer laid out as ``plan`` (runs in the worker);
+    ``checksums``: the tensors' checksums when the snapshot computed them already."""
     part_plan = PartPlan.from_json(plan)
     data = resolve_buffer(buffer)
     views = [data[begin:end] for begin, end in part_plan.offsets]
-    return write_planned(path, part_plan, views, recycle=recycle).nbytes
+    return write_planned(path, part_plan, views, recycle=recycle, checksums=checksums).nbytes
 
 
 def _die_with_parent() -> None:

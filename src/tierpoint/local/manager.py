@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -359,9 +360,19 @@ class LocalCheckpointManager:
             self._pending = iteration
             spare = self._take_spare() if self.recycle else None
             t0 = time.perf_counter()
-            buffer = self._stager.stage(flat, plan)
+            checksums = None
+            if threading.current_thread() is threading.main_thread():
+                buffer = self._stager.stage(flat, plan)  # the copy alone: what training waits for
+            else:
+                # An overlapped snapshot: hashing each piece just copied costs little more than the
+                # copy and spares the worker a pass over the memory.
+                buffer, checksums = self._stager.stage_and_hash(flat, plan)
             logger.debug("snapshot of iteration %d: %.3f s", iteration, time.perf_counter() - t0)
-            return {"buffer": buffer, "recycle": str(spare) if spare else None}
+            return {
+                "buffer": buffer,
+                "recycle": str(spare) if spare else None,
+                "checksums": checksums,
+            }
 
         return AsyncRequest(
             write_staged_part,
