@@ -1,7 +1,7 @@
 """What else the machine did during a benchmark: CPU taken by other processes, the usual cause of drift.
 
 ``start = cpu_sample()`` before, ``machine_line(start)`` after: one line saying how many CPU-seconds
-this benchmark (with its child processes, once they exited) and everything else used.
+this benchmark (with all its descendant processes) and everything else used.
 """
 
 from __future__ import annotations
@@ -16,8 +16,33 @@ class CpuSample:
     machine_busy: float
     """CPU seconds the whole machine spent busy (all processes, from /proc/stat)."""
     own: float
-    """CPU seconds this process and its exited children spent."""
+    """CPU seconds this process and its descendants (live or exited) spent."""
     wall: float
+
+
+def _live_descendants_cpu() -> float:
+    """CPU seconds of this process's live descendants, with the children they reaped (ranks forked
+    by a fork server are its children, not ours: they show up here, not in ``os.times``)."""
+    parents: dict[int, int] = {}
+    used: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        used[int(entry)] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    ours = {os.getpid()}
+    grew = True
+    while grew:
+        new = {pid for pid, parent in parents.items() if parent in ours and pid not in ours}
+        ours |= new
+        grew = bool(new)
+    ours.discard(os.getpid())
+    return sum(used[pid] for pid in ours) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_sample() -> CpuSample:
@@ -25,9 +50,8 @@ def cpu_sample() -> CpuSample:
         ticks = [int(x) for x in f.readline().split()[1:9]]
     busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
     t = os.times()
-    return CpuSample(
-        busy, t.user + t.system + t.children_user + t.children_system, time.perf_counter()
-    )
+    own = t.user + t.system + t.children_user + t.children_system + _live_descendants_cpu()
+    return CpuSample(busy, own, time.perf_counter())
 
 
 def others_cpu_seconds(start: CpuSample, end: CpuSample) -> float:
