@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from floor import nbytes_of, tensors_of
-from machine import CpuSample, cpu_sample, machine_line
+from machine import CpuSample, cpu_sample, machine_line, require_memory
 
 from tierpoint import fileformat
 from tierpoint.asyncsave import AsyncCallsQueue
@@ -517,14 +517,7 @@ def check_room(gib: float, train_mib: float) -> bool:
     state = LAYERS * 144 * h * h + 12 * VOCAB * h
     # state, floor, staging, DCP cache, DCP fresh copy and its file, 2 tierpoint files
     need = 8 * state + 6 * train_mib * 2**20 + GIB // 2
-    with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvail"))
-    if available < need:
-        raise SystemExit(
-            f"not enough memory: {available / GIB:.1f} GiB available, this run needs about"
-            f" {need / GIB:.1f} GiB; use a smaller --gib"
-        )
-    return available >= need + state
+    return require_memory(need, "use a smaller --gib") >= need + state
 
 
 def bench_saves(

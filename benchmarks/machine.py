@@ -1,7 +1,8 @@
 """What else the machine did during a benchmark: CPU taken by other processes, the usual cause of drift.
 
 ``start = cpu_sample()`` before, ``machine_line(start)`` after: one line saying how many CPU-seconds
-this benchmark (with all its descendant processes) and everything else used.
+this benchmark (with all its descendant processes) and everything else used. ``require_memory(need,
+hint)`` refuses to start a run that would not fit in memory (an OOM kill skips clean-up).
 """
 
 from __future__ import annotations
@@ -68,3 +69,16 @@ def machine_line(start: CpuSample) -> str:
         f" {end.own - start.own:.0f} CPU-s, other processes {others:.0f} CPU-s"
         f" ({others / wall:.2f} CPUs on average)"
     )
+
+
+def require_memory(need: int, hint: str) -> int:
+    """Exit with a message (``hint``: how to make the run smaller) unless ``need`` bytes are
+    available; return the available bytes."""
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvail"))
+    if available < need:
+        raise SystemExit(
+            f"not enough memory: {available / 2**30:.1f} GiB available, this run needs about"
+            f" {need / 2**30:.1f} GiB; {hint}"
+        )
+    return available

@@ -84,7 +84,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 from floor import tensors_of
-from machine import cpu_sample, machine_line
+from machine import cpu_sample, machine_line, require_memory
 
 from tierpoint import dist as tpdist
 from tierpoint import fileformat, transfer
@@ -782,13 +782,7 @@ def check_room(mib: float) -> None:
     # per rank: state, raw send/recv buffers, torch.load result; in /dev/shm: own part, replica and
     # two spares (replicated manager), own part and a spare (plain), the mapped raw file
     need = WORLD * 11 * part + 2**30
-    with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvail"))
-    if available < need:
-        raise SystemExit(
-            f"not enough memory: {available / 2**30:.1f} GiB available, this run needs about"
-            f" {need / 2**30:.1f} GiB; use a smaller --mib"
-        )
+    require_memory(int(need), "use a smaller --mib")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

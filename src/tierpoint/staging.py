@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from .fileformat import DTYPES, PartPlan, byte_view
+from .fileformat import DTYPES, PartPlan, byte_view, checksum
 from .tree import FlatState
 
 _ids = itertools.count(1)
@@ -111,7 +111,7 @@ class Stager:
         targets = buf.views(plan)
         if any(s.device.type != "cpu" for s in flat.tensors):
             _copy_all(flat.tensors, targets, buf)
-            return buf, [xxhash.xxh3_64_hexdigest(_bytes_of(t)) for t in targets]
+            return buf, [checksum(byte_view(t)) for t in targets]
         with torch.no_grad():
             return buf, [_copy_and_hash(src, dst) for src, dst in zip(flat.tensors, targets)]
 
@@ -121,13 +121,8 @@ class Stager:
             self.buffer = None
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return byte_view(t) if t.numel() else memoryview(b"")
-
-
 def _copy_and_hash(src: torch.Tensor, dst: torch.Tensor) -> str:
     """Copy one CPU tensor into its staging place and return the checksum of the staged bytes."""
-    hasher = xxhash.xxh3_64()
     plain = (
         src.is_contiguous()
         and src.dtype == dst.dtype
@@ -137,9 +132,9 @@ def _copy_and_hash(src: torch.Tensor, dst: torch.Tensor) -> str:
     )
     if not plain or src.numel() == 0:
         dst.copy_(src.detach())
-        hasher.update(_bytes_of(dst))
-        return hasher.hexdigest()
-    staged = _bytes_of(dst)
+        return checksum(byte_view(dst))
+    hasher = xxhash.xxh3_64()
+    staged = byte_view(dst)
     nbytes, src_ptr, dst_ptr = len(staged), src.data_ptr(), dst.data_ptr()
     for offset in range(0, nbytes, _HASH_PIECE):
         n = min(_HASH_PIECE, nbytes - offset)

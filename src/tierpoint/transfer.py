@@ -125,6 +125,9 @@ class _Tags:
     def header(self, move: int) -> int:
         return self.base + move
 
+    def trailer(self, move: int, buckets: int) -> int:
+        return self.bucket(move, buckets)
+
     def bucket(self, move: int, bucket: int) -> int:
         if bucket >= self.per_move:
             raise CheckpointingError(
@@ -329,9 +332,8 @@ def move_files(
     # Phase 2: the bytes of every move whose source could send, checked as they land.
     targets: dict[int, _Target] = {}
     checks: dict[int, list[ReceiveCheck]] = {}
-    arrivals: list[
-        tuple[int, Any, int, str]
-    ] = []  # (move, work, bytes final once it completes, what)
+    # (move, its receive work, how many leading bytes are final once it completes, description)
+    arrivals: list[tuple[int, Any, int, str]] = []
     works = []
     sent = received = 0
     try:
@@ -357,11 +359,18 @@ def move_files(
                 sent += nbytes
                 continue
             what = f"receiving {m.dst_path} from rank {m.src}"
+            trailer = torch.zeros(1, dtype=torch.int64)  # the digest; a scratch one when draining
             try:
                 spare = reuse(m) if reuse else None
-                targets[i] = _open_target(m.dst_path, nbytes, spare, mapper)
-                view = targets[i].tensor
-                checks[i] = [c(m, targets[i].memory) for c in _check_makers(digest, verify)]
+                target = targets[i] = _open_target(m.dst_path, nbytes, spare, mapper)
+                view = target.tensor
+                checks[i] = []
+                if digest:
+                    digest_check = _DigestCheck(m, target.memory)
+                    trailer = digest_check.trailer
+                    checks[i].append(digest_check)
+                if verify is not None:
+                    checks[i].append(verify(m, target.memory))
             except OSError as e:  # e.g. a full disk: drain the bytes so the source is not stuck
                 failures.append(CheckpointingError(f"cannot write {m.dst_path}: {e}"))
                 view = None
@@ -372,11 +381,7 @@ def move_files(
                 work = dist.irecv(chunk, m.src, group=group, tag=tags.bucket(i, b))
                 arrivals.append((i, work, end, what))
             if digest:
-                trailer = next(
-                    (c.trailer for c in checks.get(i, []) if isinstance(c, _DigestCheck)),
-                    torch.zeros(1, dtype=torch.int64),
-                )
-                work = dist.irecv(trailer, m.src, group=group, tag=tags.bucket(i, len(buckets)))
+                work = dist.irecv(trailer, m.src, group=group, tag=tags.trailer(i, len(buckets)))
                 works.append((work, what))
             received += nbytes
         if digest:  # hashed while gloo sends the buckets
@@ -384,8 +389,10 @@ def move_files(
                 if i in sources and int(headers[i][0]) >= 0:
                     m_map = sources[i][0]
                     trailer = torch.tensor([_digest(memoryview(m_map)) if m_map else _digest(b"")])
-                    nb = len(range(0, int(headers[i][0]), bucket_bytes))
-                    work = dist.isend(trailer, m.dst, group=group, tag=tags.bucket(i, nb))
+                    buckets = range(0, int(headers[i][0]), bucket_bytes)
+                    work = dist.isend(
+                        trailer, m.dst, group=group, tag=tags.trailer(i, len(buckets))
+                    )
                     works.append((work, f"sending {m.src_path} to rank {m.dst}"))
         for i, work, end, what in arrivals:
             _wait([(work, what)], deadline)
@@ -435,12 +442,6 @@ class _Rejected:
 
     def finish(self) -> None:
         raise self.error
-
-
-def _check_makers(
-    digest: bool, verify: Callable[[FileMove, memoryview], ReceiveCheck] | None
-) -> list[Callable[[FileMove, memoryview], ReceiveCheck]]:
-    return [maker for maker in ((_DigestCheck if digest else None), verify) if maker is not None]
 
 
 @dataclass
