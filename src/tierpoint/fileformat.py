@@ -333,6 +333,13 @@ class PartPlan:
     def header_size(self) -> int:
         return len(_padded(self._header_json([_ZERO_SUM] * len(self.names), _ZERO_SUM)))
 
+    def data_start(self) -> int:
+        """File offset of the first tensor byte (a multiple of :data:`DATA_ALIGNMENT`)."""
+        return 8 + self.header_size()
+
+    def file_size(self) -> int:
+        return self.data_start() + self.data_size
+
     def _header_json(self, sums: Sequence[str], header_sum: str) -> bytes:
         entries: dict[str, Any] = {}
         records = []
@@ -428,7 +435,6 @@ def write_planned(
     start = time.perf_counter()
     path = Path(path)
     dirty = Path(dirty_path) if dirty_path is not None else dirty_name(path)
-    header_size = plan.header_size()
     order = plan.file_order
     if recycle is not None and os.path.exists(recycle) and not is_mapped(recycle):
         os.replace(recycle, dirty)
@@ -436,12 +442,9 @@ def write_planned(
     else:
         fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.lseek(fd, 8 + header_size, os.SEEK_SET)
+        os.lseek(fd, plan.data_start(), os.SEEK_SET)
         if checksums is not None:
-            if len(checksums) != len(views):
-                raise CheckpointingError(
-                    f"{len(checksums)} checksums given for {len(views)} tensors"
-                )
+            _check_count(checksums, plan)
             _write_data(fd, [views[i] for i in order])
             sums = list(checksums)
         else:
@@ -449,12 +452,117 @@ def write_planned(
             sums = [""] * len(views)
             for i, h in zip(order, ordered):
                 sums[i] = h
+        os.ftruncate(fd, plan.file_size())
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(dirty)
+        raise
+    return _seal(fd, dirty, path, plan, sums, fsync, start)
+
+
+def prepare_planned(
+    dirty_path: str | os.PathLike, plan: PartPlan, recycle: str | os.PathLike | None = None
+) -> int:
+    """Make ``dirty_path`` a file of the planned part's size whose data section a caller then fills
+    in place (through a shared mapping) before :func:`seal_planned`; returns the file size.
+
+    ``recycle`` names an expired file whose pages are reused. Space is reserved here, so a full
+    disk fails now with ENOSPC instead of as SIGBUS while the mapping is written.
+    """
+    dirty = Path(dirty_path)
+    total = plan.file_size()
+    if recycle is not None and os.path.exists(recycle) and not is_mapped(recycle):
+        os.replace(recycle, dirty)
+    fd = os.open(dirty, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if size > total:
+            os.ftruncate(fd, total)
+        elif size < total:
+            os.posix_fallocate(fd, 0, total)
+    except BaseException:
+        _unlink_quietly(dirty)
+        raise
+    finally:
+        os.close(fd)
+    return total
+
+
+def seal_planned(
+    path: str | os.PathLike,
+    plan: PartPlan,
+    *,
+    dirty_path: str | os.PathLike | None = None,
+    fsync: bool = True,
+    checksums: Sequence[str] | None = None,
+) -> WriteResult:
+    """Finish a part whose data section was written in place (see :func:`prepare_planned`): hash it
+    unless ``checksums`` are given, write the header, fsync and rename the dirty file to ``path``."""
+    start = time.perf_counter()
+    path = Path(path)
+    dirty = Path(dirty_path) if dirty_path is not None else dirty_name(path)
+    fd = os.open(dirty, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != plan.file_size():
+            raise CheckpointingError(f"{dirty}: not the planned size; was it prepared?")
+        if checksums is not None:
+            _check_count(checksums, plan)
+            sums = list(checksums)
+        else:
+            sums = _hash_planned(fd, plan)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(dirty)
+        raise
+    return _seal(fd, dirty, path, plan, sums, fsync, start)
+
+
+def _hash_planned(fd: int, plan: PartPlan) -> list[str]:
+    """Each planned tensor's checksum, read through a mapping of the file (no copy)."""
+    import mmap as mmap_module
+
+    if plan.data_size == 0:
+        return [checksum(b"") for _ in plan.offsets]
+    mapping = mmap_module.mmap(
+        fd,
+        plan.file_size(),
+        flags=mmap_module.MAP_SHARED | getattr(mmap_module, "MAP_POPULATE", 0),
+        prot=mmap_module.PROT_READ,
+    )
+    start = plan.data_start()
+    try:
+        with memoryview(mapping) as whole:
+            sums = []
+            for begin, end in plan.offsets:
+                with whole[start + begin : start + end] as part:
+                    sums.append(checksum(part))
+            return sums
+    finally:
+        mapping.close()
+
+
+def _check_count(checksums: Sequence[str], plan: PartPlan) -> None:
+    if len(checksums) != len(plan.offsets):
+        raise CheckpointingError(
+            f"{len(checksums)} checksums given for {len(plan.offsets)} tensors"
+        )
+
+
+def _seal(
+    fd: int,
+    dirty: Path,
+    path: Path,
+    plan: PartPlan,
+    sums: Sequence[str],
+    fsync: bool,
+    start: float,
+) -> WriteResult:
+    """Write the header of a part whose data is in place, fsync, close ``fd``, rename to ``path``."""
+    try:
         header = plan.header(sums)
-        if len(header) != header_size:  # pragma: no cover - fixed-width checksum fields
+        if len(header) != plan.header_size():  # pragma: no cover - fixed-width checksum fields
             raise CheckpointingError("internal error: header length changed while writing")
-        os.pwrite(fd, struct.pack("<Q", header_size) + header, 0)
-        total = 8 + header_size + plan.data_size
-        os.ftruncate(fd, total)
+        os.pwrite(fd, struct.pack("<Q", len(header)) + header, 0)
         if fsync:
             os.fsync(fd)
     except BaseException:
@@ -465,7 +573,7 @@ def write_planned(
     os.replace(dirty, path)
     if fsync:
         fsync_dir(path.parent)
-    return WriteResult(str(path), total, time.perf_counter() - start)
+    return WriteResult(str(path), plan.file_size(), time.perf_counter() - start)
 
 
 def _sum_field(value: str) -> bytes:

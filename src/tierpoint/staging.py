@@ -6,7 +6,10 @@ pays for) and returns the buffer; a worker process maps the same memory (its ``f
 Unix socket) and writes it to a file in one piece. ``stager.stage_and_hash(flat, plan)`` also returns
 each tensor's checksum, computed piece by piece right after each piece is copied, while the bytes
 are still in the CPU cache (for a snapshot taken off the training thread: the worker then only
-writes, one memory pass less).
+writes, one memory pass less). ``Stager.stage_into(flat, plan, data)`` copies into memory the caller
+owns instead: when checkpoints live on a RAM file system (:func:`in_memory_filesystem`), the shared
+mapping of the part file itself, so that the part file is the staging memory and the worker has
+nothing left to write but the header.
 
 Invariants:
 - A buffer is allocated once per layout (dtypes, shapes, offsets) and reused while the layout is
@@ -33,6 +36,7 @@ from .fileformat import DTYPES, PartPlan, byte_view, checksum
 from .tree import FlatState
 
 _ids = itertools.count(1)
+_RAM_FILESYSTEMS = {0x01021994, 0x858458F6}  # tmpfs, ramfs (statfs f_type)
 _HASH_PIECE = 512 << 10
 """Bytes copied then hashed at a time: small enough to be hashed from the CPU cache."""
 
@@ -60,14 +64,7 @@ class StagingBuffer:
 
     def views(self, plan: PartPlan) -> list[torch.Tensor]:
         """One tensor per planned tensor, viewing its place in the buffer."""
-        out = []
-        for (begin, end), dtype_name, shape in zip(plan.offsets, plan.dtypes, plan.shapes):
-            raw = self.tensor[begin:end]
-            dtype = DTYPES[dtype_name]
-            out.append(
-                raw.view(dtype).view(shape) if end > begin else torch.empty(shape, dtype=dtype)
-            )
-        return out
+        return planned_views(self.tensor, plan)
 
     def close(self) -> None:
         if self._pinned:
@@ -79,6 +76,34 @@ class StagingBuffer:
         except BufferError:  # views still alive somewhere: the mapping goes when they do
             pass
         os.close(self.fd)
+
+
+def in_memory_filesystem(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is on tmpfs or ramfs (where a file's pages are plain shared memory: filling
+    them through a mapping costs no more than filling a memfd). False when it cannot tell."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return False
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return False
+    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    return f_type in _RAM_FILESYSTEMS
+
+
+def planned_views(data: torch.Tensor, plan: PartPlan) -> list[torch.Tensor]:
+    """One tensor per planned tensor, viewing its place in ``data`` (uint8, laid out as ``plan``'s
+    data section)."""
+    out = []
+    for (begin, end), dtype_name, shape in zip(plan.offsets, plan.dtypes, plan.shapes):
+        dtype = DTYPES[dtype_name]
+        out.append(
+            data[begin:end].view(dtype).view(shape)
+            if end > begin
+            else torch.empty(shape, dtype=dtype)
+        )
+    return out
 
 
 class Stager:
@@ -112,13 +137,38 @@ class Stager:
         if any(s.device.type != "cpu" for s in flat.tensors):
             _copy_all(flat.tensors, targets, buf)
             return buf, [checksum(byte_view(t)) for t in targets]
+        return buf, _copy_and_hash_all(flat.tensors, targets)
+
+    @staticmethod
+    def stage_into(
+        flat: FlatState, plan: PartPlan, data: torch.Tensor, hash: bool = False
+    ) -> list[str] | None:
+        """Copy every (CPU) tensor of ``flat`` into ``data``, memory laid out as ``plan``'s data
+        section that the caller owns (e.g. the shared mapping of the part file being written);
+        ``hash``: also return each tensor's checksum as :meth:`stage_and_hash` does."""
+        if any(s.device.type != "cpu" for s in flat.tensors):
+            raise ValueError(
+                "stage_into copies CPU tensors only; stage CUDA tensors into pinned memory"
+            )
+        targets = planned_views(data, plan)
+        if hash:
+            return _copy_and_hash_all(flat.tensors, targets)
         with torch.no_grad():
-            return buf, [_copy_and_hash(src, dst) for src, dst in zip(flat.tensors, targets)]
+            for src, dst in zip(flat.tensors, targets):
+                dst.copy_(src.detach())
+        return None
 
     def close(self) -> None:
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
+
+
+def _copy_and_hash_all(
+    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+) -> list[str]:
+    with torch.no_grad():
+        return [_copy_and_hash(src, dst) for src, dst in zip(sources, targets)]
 
 
 def _copy_and_hash(src: torch.Tensor, dst: torch.Tensor) -> str:

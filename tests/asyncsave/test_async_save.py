@@ -18,6 +18,9 @@ from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tierpoint.spawn import run_ranks
+from tierpoint.staging import in_memory_filesystem
+
+from ..mounts import small_tmpfs
 
 WORLD = 4
 
@@ -54,8 +57,8 @@ def _async_equals_sync(rank: int, world: int, root: str) -> bool:
     )
 
 
-def test_async_and_sync_saves_load_identically(tmp_path):
-    assert run_ranks(_async_equals_sync, WORLD, str(tmp_path)) == [True] * WORLD
+def test_async_and_sync_saves_load_identically(tier_root):
+    assert run_ranks(_async_equals_sync, WORLD, str(tier_root)) == [True] * WORLD
 
 
 def _hundred_saves(rank: int, world: int, root: str) -> int:
@@ -84,8 +87,8 @@ def _hundred_saves(rank: int, world: int, root: str) -> int:
     return checked
 
 
-def test_hundred_async_saves_each_hold_their_snapshot(tmp_path):
-    assert run_ranks(_hundred_saves, WORLD, str(tmp_path), timeout=300) == [100] * WORLD
+def test_hundred_async_saves_each_hold_their_snapshot(tier_root):
+    assert run_ranks(_hundred_saves, WORLD, str(tier_root), timeout=300) == [100] * WORLD
 
 
 def _kill_worker_mid_save(rank: int, world: int, root: str) -> dict:
@@ -94,6 +97,8 @@ def _kill_worker_mid_save(rank: int, world: int, root: str) -> dict:
     big = make_state(rank, 1, numel=8 << 20)  # 32 MiB: the write takes a while
     queue.schedule_async_request(manager.save(BasicTensorAwareStateDict(big), 1, is_async=True))
     queue.maybe_finalize_async_calls(blocking=True)
+    if rank == 1:  # stopped first, so that the save is surely in flight when the worker dies
+        os.kill(queue._worker.process.pid, signal.SIGSTOP)
     queue.schedule_async_request(
         manager.save(BasicTensorAwareStateDict(make_state(rank, 2, 8 << 20)), 2, is_async=True)
     )
@@ -121,8 +126,8 @@ def _kill_worker_mid_save(rank: int, world: int, root: str) -> dict:
     }
 
 
-def test_killed_worker_fails_the_save_on_every_rank_and_the_next_save_works(tmp_path):
-    results = run_ranks(_kill_worker_mid_save, WORLD, str(tmp_path), timeout=300)
+def test_killed_worker_fails_the_save_on_every_rank_and_the_next_save_works(tier_root):
+    results = run_ranks(_kill_worker_mid_save, WORLD, str(tier_root), timeout=300)
     errors = {r["error"] for r in results}
     assert len(errors) == 1, errors
     (error,) = errors
@@ -149,11 +154,43 @@ def _abort_in_flight(rank: int, world: int, root: str) -> list[str]:
     )
 
 
-def test_close_with_abort_leaves_no_partial_checkpoint(tmp_path):
-    results = run_ranks(_abort_in_flight, 2, str(tmp_path))
+def test_close_with_abort_leaves_no_partial_checkpoint(tier_root):
+    results = run_ranks(_abort_in_flight, 2, str(tier_root))
     for rank, names in enumerate(results):
         assert names == [f"iter_0000001_{rank}_local.safetensors"]
-    assert run_ranks(_find_latest, 2, str(tmp_path)) == [1, 1]
+    assert run_ranks(_find_latest, 2, str(tier_root)) == [1, 1]
+
+
+def _full_disk_async(rank: int, world: int, root: str) -> dict:
+    manager = LocalCheckpointManager(root, session_id="j")
+    queue = AsyncCallsQueue(overlap_snapshot=rank == 1)
+    queue.schedule_async_request(
+        manager.save(BasicTensorAwareStateDict({"x": torch.ones(10)}), 1, is_async=True)
+    )
+    queue.maybe_finalize_async_calls(blocking=True)
+    big = {"x": torch.ones(10)} if rank != 1 else {"x": torch.ones(2**20)}  # 4 MiB > the 1 MiB disk
+    try:
+        queue.schedule_async_request(manager.save(BasicTensorAwareStateDict(big), 2, is_async=True))
+        queue.maybe_finalize_async_calls(blocking=True)
+        error = "no error"
+    except CheckpointingError as e:
+        error = str(e)
+    queue.close()
+    return {"error": error, "files": sorted(p.name for p in manager.local_ckpt_dir.iterdir())}
+
+
+def test_full_ram_disk_fails_the_async_save_on_every_rank_and_keeps_the_previous(tmp_path):
+    # The tier is a tmpfs: the snapshot goes straight into the part file, whose space is reserved
+    # first, so a full disk is an error (not a SIGBUS while copying into the mapping).
+    with small_tmpfs(tmp_path / "j" / "1"):
+        results = run_ranks(_full_disk_async, WORLD, str(tmp_path))
+        latest = run_ranks(_find_latest, WORLD, str(tmp_path))
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert "rank 1" in error and "No space left" in error, error
+    assert results[1]["files"] == ["iter_0000001_1_local.safetensors"]
+    assert latest == [1] * WORLD
 
 
 def _find_latest(rank: int, world: int, root: str) -> int:
@@ -223,15 +260,36 @@ def _kib_fields(path: str) -> dict[str, int]:
     return fields
 
 
-def _host_kib(pids: list[int]) -> int:
-    """Memory of the trainer and its worker: anonymous memory of each plus their shared staging memory
-    once. File-backed pages (libraries) are left out: their per-process share moves whenever another
-    process on the machine maps the same library."""
-    anon, shared = 0, 0
-    for pid in pids:
-        anon += _kib_fields(f"/proc/{pid}/smaps_rollup")["Pss_Anon"]
-        shared = max(shared, _kib_fields(f"/proc/{pid}/status")["RssShmem"])
-    return anon + shared
+def _staging_kib(pid: int) -> int:
+    """Resident memory of the memfd staging buffers a process maps."""
+    total, in_memfd = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's first line
+            in_memfd = "/memfd:tierpoint-staging" in line
+        elif in_memfd and first == "Rss:":
+            total += int(line.split()[1])
+    return total
+
+
+def _tier_kib(root: str, exclude: set[str]) -> int:
+    """Memory the part files in a RAM tier occupy (0 for a disk tier), ``exclude`` (names) aside."""
+    if not in_memory_filesystem(root):
+        return 0
+    return sum(
+        os.stat(os.path.join(d, f)).st_blocks // 2
+        for d, _, files in os.walk(root)
+        for f in files
+        if f not in exclude
+    )
+
+
+def _host_kib(pids: list[int], root: str, exclude: set[str] = frozenset()) -> int:
+    """Memory of the trainer and its worker: anonymous memory of each, their shared staging memory
+    once, and the part files when the tier is in RAM. File-backed pages (libraries) are left out:
+    their per-process share moves whenever another process on the machine maps the same library."""
+    anon = sum(_kib_fields(f"/proc/{pid}/smaps_rollup")["Pss_Anon"] for pid in pids)
+    return anon + max(_staging_kib(pid) for pid in pids) + _tier_kib(root, set(exclude))
 
 
 def _memory_profile(rank: int, world: int, root: str) -> dict[str, float]:
@@ -247,7 +305,7 @@ def _memory_profile(rank: int, world: int, root: str) -> dict[str, float]:
         manager.save(BasicTensorAwareStateDict(make_state(0, 0)), 1, is_async=True)
     )
     queue.maybe_finalize_async_calls(blocking=True)
-    before = _host_kib(pids)
+    before = _host_kib(pids, root)
     peak_extra = 0
     after: dict[int, int] = {}
     for it in range(2, 102):
@@ -255,17 +313,25 @@ def _memory_profile(rank: int, world: int, root: str) -> dict[str, float]:
         queue.schedule_async_request(
             manager.save(BasicTensorAwareStateDict(state), it, is_async=True)
         )
-        peak_extra = max(peak_extra, _host_kib(pids) - before)
+        # The committed checkpoint is what a save keeps, not what it costs.
+        committed = {f"iter_{it - 1:07d}_0_local.safetensors"}
+        peak_extra = max(peak_extra, _host_kib(pids, root, committed) - before)
         queue.maybe_finalize_async_calls(blocking=True)
         if it in (3, 101):
-            after[it] = _host_kib(pids)
+            after[it] = _host_kib(pids, root)
+    staged_in_place = queue._worker._sent == set()
     queue.close()
-    return {"flat": after[101] / after[3], "peak": peak_extra * 1024 / nbytes}
+    return {
+        "flat": after[101] / after[3],
+        "peak": peak_extra * 1024 / nbytes,
+        "in_place": staged_in_place,
+    }
 
 
-def test_host_memory_is_flat_across_saves_and_bounded_in_flight(tmp_path):
+def test_host_memory_is_flat_across_saves_and_bounded_in_flight(tier_root):
     # A fresh process, so that other tests' garbage does not move the numbers.
-    (profile,) = run_ranks(_memory_profile, 1, str(tmp_path), timeout=300)
+    (profile,) = run_ranks(_memory_profile, 1, str(tier_root), timeout=300)
+    assert profile["in_place"] == in_memory_filesystem(tier_root), profile
     assert profile["flat"] <= 1.05, profile
     assert profile["peak"] <= 1.1, profile
 
@@ -297,10 +363,10 @@ def _overlapped_saves(root: Path, hook: bool, iterations: int) -> list[int]:
     return torn
 
 
-def test_overlapped_snapshot_with_optimizer_hook_saves_pre_step_values(tmp_path):
-    assert _overlapped_saves(tmp_path / "hook", hook=True, iterations=5) == []
+def test_overlapped_snapshot_with_optimizer_hook_saves_pre_step_values(tier_root):
+    assert _overlapped_saves(tier_root / "hook", hook=True, iterations=5) == []
     # Without the hook the same loop tears snapshots: the test above can fail.
-    assert _overlapped_saves(tmp_path / "nohook", hook=False, iterations=10) != []
+    assert _overlapped_saves(tier_root / "nohook", hook=False, iterations=10) != []
 
 
 def _failing_snapshot() -> None:

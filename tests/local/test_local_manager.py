@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from tierpoint.local import (
 )
 from tierpoint.spawn import run_ranks
 
+from ..mounts import small_tmpfs
 from .helpers import assert_bitwise_equal, make_state
 
 WORLD = 4
@@ -246,20 +246,12 @@ def _full_disk(rank: int, world: int, root: str) -> str:
 
 
 def test_full_disk_on_one_rank(tmp_path):
-    mount_point = tmp_path / "job" / "1"
-    mount_point.mkdir(parents=True)
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True
-    ).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with small_tmpfs(tmp_path / "job" / "1") as mount_point:
         results = run_ranks(_full_disk, WORLD, str(tmp_path))
         assert (
             len(set(results)) == 1 and "rank 1" in results[0] and "No space left" in results[0]
         ), results
         assert sorted(p.name for p in mount_point.iterdir()) == ["iter_0000001_1_local.safetensors"]
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=False)
 
 
 def _flip_and_load(rank: int, world: int, root: str) -> str:

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..errors import CheckpointingError, CoordinationTimeoutError
-from ..fileformat import PartPlan, write_planned
+from ..fileformat import PartPlan, seal_planned, write_planned
 from ..staging import StagingBuffer
 
 _buffers: dict[str, memoryview] = {}
@@ -62,6 +62,12 @@ def write_staged_part(
     data = resolve_buffer(buffer)
     views = [data[begin:end] for begin, end in part_plan.offsets]
     return write_planned(path, part_plan, views, recycle=recycle, checksums=checksums).nbytes
+
+
+def seal_staged_part(path: str, plan: dict[str, Any], checksums: list[str] | None = None) -> int:
+    """Finish a part file the snapshot filled in place (its dirty file; runs in the worker): hash it
+    unless ``checksums`` came with it, write the header, fsync, rename."""
+    return seal_planned(path, PartPlan.from_json(plan), checksums=checksums).nbytes
 
 
 def _die_with_parent() -> None:

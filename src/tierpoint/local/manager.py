@@ -32,9 +32,9 @@ from typing import Any
 from .. import dist as tpdist
 from .. import fileformat, transfer
 from ..asyncsave.request import AsyncRequest
-from ..asyncsave.worker import write_staged_part
+from ..asyncsave.worker import seal_staged_part, write_staged_part
 from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
-from ..staging import Stager
+from ..staging import Stager, in_memory_filesystem
 from ..tensor_aware import BasicTensorAwareStateDict, TensorAwareStateDict
 from ..tree import FlatState
 from . import naming
@@ -353,6 +353,9 @@ class LocalCheckpointManager:
     ) -> AsyncRequest:
         path = self._part_path(iteration)
         start = time.perf_counter()
+        in_place = self._snapshots_in_place(flat)
+        if in_place:
+            self._stager.close()  # the part files are the staging memory now
 
         def snapshot() -> dict[str, Any]:
             # Runs when the queue schedules the request: after the previous save was finalized, so
@@ -360,22 +363,24 @@ class LocalCheckpointManager:
             self._pending = iteration
             spare = self._take_spare() if self.recycle else None
             t0 = time.perf_counter()
-            checksums = None
-            if threading.current_thread() is threading.main_thread():
-                buffer = self._stager.stage(flat, plan)  # the copy alone: what training waits for
-            else:
-                # An overlapped snapshot: hashing each piece just copied costs little more than the
-                # copy and spares the worker a pass over the memory.
+            # Off the training thread (an overlapped snapshot), hashing each piece just copied costs
+            # little more than the copy and spares the worker a pass over the memory; on it, the
+            # copy alone is what training waits for.
+            hash_now = threading.current_thread() is not threading.main_thread()
+            if in_place:
+                kwargs = {"checksums": self._stage_in_place(flat, plan, path, spare, hash_now)}
+            elif hash_now:
                 buffer, checksums = self._stager.stage_and_hash(flat, plan)
+                kwargs = {"buffer": buffer, "checksums": checksums}
+            else:
+                kwargs = {"buffer": self._stager.stage(flat, plan)}
+            if not in_place:
+                kwargs["recycle"] = str(spare) if spare else None
             logger.debug("snapshot of iteration %d: %.3f s", iteration, time.perf_counter() - t0)
-            return {
-                "buffer": buffer,
-                "recycle": str(spare) if spare else None,
-                "checksums": checksums,
-            }
+            return kwargs
 
         return AsyncRequest(
-            write_staged_part,
+            seal_staged_part if in_place else write_staged_part,
             (str(path), plan.to_json()),
             [lambda: self._commit(iteration, keep, plan.data_size, start)],
             preload_fn=snapshot,
@@ -385,6 +390,32 @@ class LocalCheckpointManager:
             if self.repl_strategy is None
             else lambda written: self._replicate(iteration, written),
         )
+
+    def _snapshots_in_place(self, flat: FlatState) -> bool:
+        """Whether an async snapshot goes straight into the part file's pages: the tier is in RAM
+        (so those pages are shared memory, as a staging buffer is), spares are recycled (so the
+        pages exist already and are reused) and every tensor is on the CPU."""
+        return (
+            self.recycle
+            and in_memory_filesystem(self.local_ckpt_dir)
+            and all(t.device.type == "cpu" for t in flat.tensors)
+        )
+
+    def _stage_in_place(
+        self,
+        flat: FlatState,
+        plan: fileformat.PartPlan,
+        path: Path,
+        spare: Path | None,
+        hash_now: bool,
+    ) -> list[str] | None:
+        """Copy ``flat`` into the data section of ``path``'s dirty file (the spare's pages when
+        there is one) through a mapping kept from save to save; the worker then seals it."""
+        dirty = fileformat.dirty_name(path)
+        size = fileformat.prepare_planned(dirty, plan, recycle=spare)
+        mapped = self._mappings.map(str(dirty), size, writable=True)[1]
+        data = mapped[plan.data_start() : plan.data_start() + plan.data_size]
+        return self._stager.stage_into(flat, plan, data, hash=hash_now)
 
     def _agree_on_iteration(self, iteration: int) -> set[int]:
         """Check (on every rank alike) that all ranks save the same, new iteration; return what to keep."""
