@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,56 @@ def test_wrong_number_of_checksums_is_refused(tmp_path: Path) -> None:
     with pytest.raises(fileformat.CheckpointingError, match="1 checksums given for 2 tensors"):
         fileformat.write_planned(tmp_path / "p.part", plan, views, checksums=["0" * 16])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("hash_now", [False, True])
+def test_a_part_filled_in_place_then_sealed_verifies_and_reads_back(
+    tmp_path: Path, hash_now: bool
+) -> None:
+    flat = tree.flatten(mixed_state())
+    plan = fileformat.plan_part(flat, {"iteration": 3})
+    path = tmp_path / "p.part"
+    # A larger expired file is recycled: its pages are reused and it is cut to the planned size.
+    spare = tmp_path / "spare"
+    spare.write_bytes(b"\xff" * (plan.file_size() + 12345))
+    dirty = fileformat.dirty_name(path)
+    size = fileformat.prepare_planned(dirty, plan, recycle=spare)
+    assert size == plan.file_size() == dirty.stat().st_size and not spare.exists()
+    with open(dirty, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED)
+    data = torch.frombuffer(mapping, dtype=torch.uint8)
+    section = data[plan.data_start() : plan.data_start() + plan.data_size]
+    sums = staging.Stager.stage_into(flat, plan, section, hash=hash_now)
+    assert (sums is not None) == hash_now
+    result = fileformat.seal_planned(path, plan, checksums=sums)
+    assert result.nbytes == plan.file_size() and not dirty.exists()
+    assert fileformat.verify(path).extra == {"iteration": 3}
+    back = fileformat.read(path)
+    for key, value in mixed_state().items():
+        assert torch.equal(back[key], value.resolve_conj())
+    del data, section
+    mapping.close()
+
+
+def test_sealing_an_unprepared_or_wrong_sized_file_is_refused_and_removes_it(
+    tmp_path: Path,
+) -> None:
+    plan = fileformat.plan_part(tree.flatten({"a": torch.ones(4)}))
+    path = tmp_path / "p.part"
+    with pytest.raises(FileNotFoundError):
+        fileformat.seal_planned(path, plan)
+    fileformat.dirty_name(path).write_bytes(b"short")
+    with pytest.raises(fileformat.CheckpointingError, match="not the planned size"):
+        fileformat.seal_planned(path, plan)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stage_into_refuses_cuda_tensors_and_ram_filesystems_are_recognised(tmp_path: Path) -> None:
+    assert staging.in_memory_filesystem("/dev/shm")
+    assert not staging.in_memory_filesystem(tmp_path / "missing")
+    flat = tree.flatten({"a": torch.ones(4)})
+    plan = fileformat.plan_part(flat)
+    if torch.cuda.is_available():  # pragma: no cover - no GPU here
+        flat = tree.flatten({"a": torch.ones(4, device="cuda")})
+        with pytest.raises(ValueError, match="CPU tensors only"):
+            staging.Stager.stage_into(flat, plan, torch.empty(16, dtype=torch.uint8))

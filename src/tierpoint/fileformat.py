@@ -39,7 +39,7 @@ import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +320,7 @@ class PartPlan:
     offsets: list[tuple[int, int]]
     data_size: int
     extra: dict[str, Any]
+    _header_size: int | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def file_order(self) -> list[int]:
@@ -331,7 +332,11 @@ class PartPlan:
         return _padded(body.replace(_sum_field(_ZERO_SUM), _sum_field(checksum(_padded(body))), 1))
 
     def header_size(self) -> int:
-        return len(_padded(self._header_json([_ZERO_SUM] * len(self.names), _ZERO_SUM)))
+        """Bytes of the padded header: fixed by the plan (checksum fields have a fixed width)."""
+        if self._header_size is None:
+            size = len(_padded(self._header_json([_ZERO_SUM] * len(self.names), _ZERO_SUM)))
+            object.__setattr__(self, "_header_size", size)  # computed once per plan
+        return self._header_size
 
     def data_start(self) -> int:
         """File offset of the first tensor byte (a multiple of :data:`DATA_ALIGNMENT`)."""
@@ -362,7 +367,7 @@ class PartPlan:
         ).encode()
 
     def to_json(self) -> dict[str, Any]:
-        return dict(vars(self))
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> PartPlan:

@@ -159,6 +159,16 @@ class LocalCheckpointManager:
         self._scan_cache = seen
         return found
 
+    def _remember_own_part(self, iteration: int) -> None:
+        """Spare the next scan re-reading the header of the part this process just wrote."""
+        path = self._part_path(iteration)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        self._scan_cache[path.name] = (version, [iteration, self.rank, self.world_size])
+
     @staticmethod
     def _validate_part(path: str, iteration: int, origin: int) -> list[int] | None:
         try:
@@ -329,6 +339,7 @@ class LocalCheckpointManager:
         self._pending = None
         self._latest, self._latest_world_size = iteration, self.world_size
         self._retire(keep | {iteration})
+        self._remember_own_part(iteration)
         seconds = time.perf_counter() - start
         logger.info(
             "saved local checkpoint iteration %d (rank %d): %.1f MiB in %.3f s, %.2f GB/s",
