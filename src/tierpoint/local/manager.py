@@ -18,6 +18,11 @@ Invariants kept here:
 - Recycling: a file no complete checkpoint needs any more becomes a spare (renamed away from its
   committed name first) whose pages the next save rewrites, which is several times faster on tmpfs
   than filling a new file. Spares are never part of any checkpoint.
+- Async snapshots on a RAM tier go straight into the pending part's dirty file (a recycled spare,
+  its space reserved before anything is copied) through a mapping kept in ``_mappings`` from save
+  to save; only the snapshot of the pending save writes through such a mapping, and the worker only
+  seals the file (checksums, header, fsync, rename). On a disk tier, or with CUDA tensors, the
+  snapshot goes into a reused memfd staging buffer instead (:mod:`tierpoint.staging`).
 """
 
 from __future__ import annotations
