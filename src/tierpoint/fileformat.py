@@ -441,8 +441,7 @@ def write_planned(
     path = Path(path)
     dirty = Path(dirty_path) if dirty_path is not None else dirty_name(path)
     order = plan.file_order
-    if recycle is not None and os.path.exists(recycle) and not is_mapped(recycle):
-        os.replace(recycle, dirty)
+    if _recycled_as(recycle, dirty):
         fd = os.open(dirty, os.O_WRONLY)
     else:
         fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -465,6 +464,15 @@ def write_planned(
     return _seal(fd, dirty, path, plan, sums, fsync, start)
 
 
+def _recycled_as(recycle: str | os.PathLike | None, dirty: Path) -> bool:
+    """Rename an expired file to ``dirty`` so that its pages are reused; False when there is none
+    (or its pages are mapped copy-on-write by loaded tensors)."""
+    if recycle is None or not os.path.exists(recycle) or is_mapped(recycle):
+        return False
+    os.replace(recycle, dirty)
+    return True
+
+
 def prepare_planned(
     dirty_path: str | os.PathLike, plan: PartPlan, recycle: str | os.PathLike | None = None
 ) -> int:
@@ -476,8 +484,7 @@ def prepare_planned(
     """
     dirty = Path(dirty_path)
     total = plan.file_size()
-    if recycle is not None and os.path.exists(recycle) and not is_mapped(recycle):
-        os.replace(recycle, dirty)
+    _recycled_as(recycle, dirty)
     fd = os.open(dirty, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         size = os.fstat(fd).st_size
@@ -524,24 +531,33 @@ def seal_planned(
 
 def _hash_planned(fd: int, plan: PartPlan) -> list[str]:
     """Each planned tensor's checksum, read through a mapping of the file (no copy)."""
+    return _mapped_checksums(fd, plan.file_size(), plan.data_start(), plan.offsets)
+
+
+def _mapped_checksums(
+    fd: int, file_size: int, data_start: int, ranges: Sequence[tuple[int, int]]
+) -> list[str]:
+    """The checksum of each ``(begin, end)`` range of a file's data section, hashed from a read-only
+    mapping on two threads (no copy into process memory)."""
     import mmap as mmap_module
 
-    if plan.data_size == 0:
-        return [checksum(b"") for _ in plan.offsets]
+    if file_size == 0:
+        return [checksum(b"") for _ in ranges]
     mapping = mmap_module.mmap(
         fd,
-        plan.file_size(),
+        file_size,
         flags=mmap_module.MAP_SHARED | getattr(mmap_module, "MAP_POPULATE", 0),
         prot=mmap_module.PROT_READ,
     )
-    start = plan.data_start()
-    try:
+
+    def digest(span: tuple[int, int]) -> str:
         with memoryview(mapping) as whole:
-            sums = []
-            for begin, end in plan.offsets:
-                with whole[start + begin : start + end] as part:
-                    sums.append(checksum(part))
-            return sums
+            with whole[data_start + span[0] : data_start + span[1]] as part:
+                return checksum(part)
+
+    try:
+        with ThreadPoolExecutor(2, thread_name_prefix="tierpoint-verify") as pool:
+            return list(pool.map(digest, ranges))
     finally:
         mapping.close()
 
@@ -979,30 +995,13 @@ def verify(path: str | os.PathLike) -> PartHeader:
 
     Hashes a read-only mapping of the file on two threads (no copy into process memory).
     """
-    import mmap as mmap_module
-
     path = str(path)
     with open(path, "rb", buffering=0) as f:
         header = _read_header_from(f, path)
         if not header.records:
             return header
-        mapping = mmap_module.mmap(
-            f.fileno(),
-            header.file_size,
-            flags=mmap_module.MAP_SHARED | getattr(mmap_module, "MAP_POPULATE", 0),
-            prot=mmap_module.PROT_READ,
-        )
-
-    def digest(rec: TensorRecord) -> str:
-        with memoryview(mapping) as whole:
-            with whole[header.data_start + rec.begin : header.data_start + rec.end] as part:
-                return checksum(part)
-
-    try:
-        with ThreadPoolExecutor(2, thread_name_prefix="tierpoint-verify") as pool:
-            sums = list(pool.map(digest, header.records))
-    finally:
-        mapping.close()
+        spans = [(rec.begin, rec.end) for rec in header.records]
+        sums = _mapped_checksums(f.fileno(), header.file_size, header.data_start, spans)
     for rec, got in zip(header.records, sums):
         if got != rec.checksum:
             raise _fail(path, f"checksum mismatch in tensor {rec.name!r}")

@@ -125,19 +125,16 @@ class Stager:
     def stage(self, flat: FlatState, plan: PartPlan) -> StagingBuffer:
         """Copy every tensor of ``flat`` into the staging buffer for ``plan`` (blocking)."""
         buf = self.buffer_for(plan)
-        targets = buf.views(plan)
-        _copy_all(flat.tensors, targets, buf)
+        _copy(flat.tensors, buf.views(plan), buf, hash=False)
         return buf
 
     def stage_and_hash(self, flat: FlatState, plan: PartPlan) -> tuple[StagingBuffer, list[str]]:
         """:meth:`stage`, also returning each tensor's xxh3-64 checksum (plan order), computed on
         one thread as the copy goes (no second pass over the memory)."""
         buf = self.buffer_for(plan)
-        targets = buf.views(plan)
-        if any(s.device.type != "cpu" for s in flat.tensors):
-            _copy_all(flat.tensors, targets, buf)
-            return buf, [checksum(byte_view(t)) for t in targets]
-        return buf, _copy_and_hash_all(flat.tensors, targets)
+        sums = _copy(flat.tensors, buf.views(plan), buf, hash=True)
+        assert sums is not None
+        return buf, sums
 
     @staticmethod
     def stage_into(
@@ -150,25 +147,12 @@ class Stager:
             raise ValueError(
                 "stage_into copies CPU tensors only; stage CUDA tensors into pinned memory"
             )
-        targets = planned_views(data, plan)
-        if hash:
-            return _copy_and_hash_all(flat.tensors, targets)
-        with torch.no_grad():
-            for src, dst in zip(flat.tensors, targets):
-                dst.copy_(src.detach())
-        return None
+        return _copy(flat.tensors, planned_views(data, plan), None, hash)
 
     def close(self) -> None:
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
-
-
-def _copy_and_hash_all(
-    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
-) -> list[str]:
-    with torch.no_grad():
-        return [_copy_and_hash(src, dst) for src, dst in zip(sources, targets)]
 
 
 def _copy_and_hash(src: torch.Tensor, dst: torch.Tensor) -> str:
@@ -193,19 +177,30 @@ def _copy_and_hash(src: torch.Tensor, dst: torch.Tensor) -> str:
     return hasher.hexdigest()
 
 
-def _copy_all(
-    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], buf: StagingBuffer
-) -> None:
-    on_device = [s for s in sources if s.device.type == "cuda"]
+def _copy(
+    sources: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    buf: StagingBuffer | None,
+    hash: bool,
+) -> list[str] | None:
+    """Copy each source into its target; ``hash``: return the staged bytes' checksums (CPU tensors
+    hashed piece by piece as they are copied). CUDA sources go on a side stream into ``buf``, pinned."""
     with torch.no_grad():
-        if not on_device:
+        if all(s.device.type == "cpu" for s in sources):
+            if hash:
+                return [_copy_and_hash(src, dst) for src, dst in zip(sources, targets)]
             for src, dst in zip(sources, targets):
                 dst.copy_(src.detach())
-            return
-        buf.pin()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+            return None
+        if buf is not None and any(s.device.type == "cuda" for s in sources):
+            buf.pin()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for src, dst in zip(sources, targets):
+                    dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+            stream.synchronize()
+        else:
             for src, dst in zip(sources, targets):
-                dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
-        stream.synchronize()
+                dst.copy_(src.detach())
+    return [checksum(byte_view(t)) for t in targets] if hash else None

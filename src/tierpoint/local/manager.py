@@ -385,13 +385,14 @@ class LocalCheckpointManager:
             hash_now = threading.current_thread() is not threading.main_thread()
             if in_place:
                 kwargs = {"checksums": self._stage_in_place(flat, plan, path, spare, hash_now)}
-            elif hash_now:
-                buffer, checksums = self._stager.stage_and_hash(flat, plan)
-                kwargs = {"buffer": buffer, "checksums": checksums}
             else:
-                kwargs = {"buffer": self._stager.stage(flat, plan)}
-            if not in_place:
-                kwargs["recycle"] = str(spare) if spare else None
+                buffer, checksums = (
+                    self._stager.stage_and_hash(flat, plan)
+                    if hash_now
+                    else (self._stager.stage(flat, plan), None)
+                )
+                recycle = str(spare) if spare else None
+                kwargs = {"buffer": buffer, "checksums": checksums, "recycle": recycle}
             logger.debug("snapshot of iteration %d: %.3f s", iteration, time.perf_counter() - t0)
             return kwargs
 
