@@ -9,7 +9,8 @@ each data file, :func:`publish` the commit file last, :func:`remove` the marker.
 
 Invariants:
 - Local writes are durable when the call returns: files are fsynced, and so is the directory that
-  names them (after create, rename and remove).
+  names them (after create, rename and remove). Large files that are fsynced anyway bypass the page
+  cache on disk file systems (:mod:`tierpoint.direct_write`).
 - :func:`publish` is atomic: a reader sees the old content or the new, never a part (local: tmp file,
   fsync, rename; object stores: one PUT).
 - Large uploads to S3 are multipart, parts sent in parallel and each retried on transient errors
@@ -32,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from . import direct_write
 from .errors import CheckpointingError
 
 logger = logging.getLogger("tierpoint")
@@ -173,6 +175,10 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def _write_local(path: str, views: Views, fsync: bool) -> int:
+    if fsync and direct_write.suitable(path, views):
+        written = direct_write.write_file(path, views)
+        if written is not None:
+            return written
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         total = _write_views(fd, views)

@@ -15,7 +15,8 @@ Invariants:
   so that one writer thread per file finishes at about the same time.
 - The tensor section of every file is a fixed byte layout (heads, tails and padding depend only on
   dtypes and shapes): :attr:`RankFiles.staging_bytes` bytes hold all files' tensor sections back to
-  back, each starting 64-byte aligned, so a staged copy of a file is one contiguous range.
+  back, each starting page-aligned (so the staged range of a file can go to the device as it is,
+  see :mod:`tierpoint.direct_write`); a staged copy of a file is one contiguous range.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .. import direct_write
 from .tensor_record import RecordTemplate, aligned, record_template
 
 SUFFIX = ".distcp"
@@ -126,7 +128,7 @@ def plan_files(plan: SavePlan, prefix: str, thread_count: int) -> RankFiles:
         files.append(
             FileSpec(f"{prefix}{k}{SUFFIX}", tuple(slots), end, byte_items if k == 0 else (), base)
         )
-        base = aligned(base + end)
+        base = -(-(base + end) // direct_write.ALIGN) * direct_write.ALIGN
     key = tuple(
         (f.name, tuple((s.offset, s.template) for s in f.tensors), f.staging_base) for f in files
     )
