@@ -21,9 +21,10 @@ Invariants:
   sender's digest and/or the caller's check, fsynced, renamed to ``dst``, directory fsynced.
 - Any failure (peer gone, timeout, mismatch, full disk) removes the dirty file and raises a
   :class:`CheckpointingError` naming the file and the peer; it never leaves a partial file visible.
-- Tags never repeat within a process (a per-process sequence that all ranks advance alike, one step
-  per call), so a receive left over from a timed-out call can never match a later call's data; its
-  destination mapping is kept alive (never unmapped) for the same reason.
+- Tags never repeat within a process and group (a sequence per group that all ranks advance alike,
+  one step per call), so a receive left over from a timed-out call can never match a later call's
+  data; its destination mapping is kept alive (never unmapped) for the same reason. Calls on
+  different groups may run at the same time on different threads (e.g. a background restore).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ logger = logging.getLogger("tierpoint")
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 _TAGS_PER_CALL = 1 << 20
-_calls = itertools.count()
+_calls: dict[Any, itertools.count] = {}  # group -> call sequence
+_calls_lock = threading.Lock()
 _abandoned: list[Any] = []  # mappings a timed-out receive may still write into
 
 
@@ -288,7 +290,9 @@ def move_files(
     """
     if bucket_bytes < 1:
         raise CheckpointingError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    tags = _Tags(next(_calls), len(moves))
+    with _calls_lock:
+        call = next(_calls.setdefault(group, itertools.count()))
+    tags = _Tags(call, len(moves))
     rank = dist.get_rank()
     start = time.monotonic()
     deadline = start + timeout

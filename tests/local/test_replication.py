@@ -125,6 +125,7 @@ def _load(rank: int, world: int, root: str, lazy: bool = False) -> tuple[int, li
     if iteration != -1:
         ta, _ = manager.load()
         assert_bitwise_equal(ta.state_dict, make_state(rank, iteration))
+        manager.wait_for_restore()  # replicas come back in the background
     return iteration, records.messages
 
 

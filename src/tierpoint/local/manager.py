@@ -18,6 +18,9 @@ Invariants kept here:
 - Recycling: a file no complete checkpoint needs any more becomes a spare (renamed away from its
   committed name first) whose pages the next save rewrites, which is several times faster on tmpfs
   than filling a new file. Spares are never part of any checkpoint.
+- A load fetches missing or corrupt own parts before it returns; the replicas a replaced node
+  should hold come back on a background thread (the strategy's restore group), which every later
+  collective call of the manager (and :meth:`LocalCheckpointManager.wait_for_restore`) joins first.
 - Async snapshots on a RAM tier go straight into the pending part's dirty file (a recycled spare,
   its space reserved before anything is copied) through a mapping kept in ``_mappings`` from save
   to save; only the snapshot of the pending save writes through such a mapping, and the worker only
@@ -107,6 +110,7 @@ class LocalCheckpointManager:
         """Bytes and seconds of this rank's part of the last replication (for monitoring)."""
         self._stager = Stager()
         self._mappings = transfer.MappingCache()
+        self._restore: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------ identity, paths
 
@@ -208,6 +212,7 @@ class LocalCheckpointManager:
 
     def find_latest(self) -> int:
         """The newest iteration complete on every rank, or -1. Collective; cached until the next save."""
+        self.wait_for_restore()
         if self._latest is not None:
             return self._latest
         start = time.perf_counter()
@@ -298,6 +303,7 @@ class LocalCheckpointManager:
         """
         if type(iteration) is not int or iteration < 0:
             raise CheckpointingError(f"iteration must be a non-negative integer, got {iteration!r}")
+        self.wait_for_restore()
         if not isinstance(ta_state_dict, TensorAwareStateDict):
             raise CheckpointingError(
                 f"save expects a TensorAwareStateDict (e.g. BasicTensorAwareStateDict(state)), got {type(ta_state_dict).__name__}"
@@ -520,7 +526,11 @@ class LocalCheckpointManager:
     # ------------------------------------------------------------------------------ loading
 
     def load(self) -> tuple[TensorAwareStateDict, CkptID]:
-        """Load this rank's part of the latest complete iteration (verified). Collective."""
+        """Load this rank's part of the latest complete iteration (verified). Collective.
+
+        Missing or corrupt own parts are fetched from their holders first; replicas a replaced node
+        should hold are restored in the background after this returns (see :meth:`wait_for_restore`).
+        """
         iteration = self.find_latest()
         if iteration == _NO_CHECKPOINT:
             where = self.root_local_ckpt_dir / self.session_id
@@ -588,9 +598,8 @@ class LocalCheckpointManager:
                 {**vars(status), "reason": reason, "kind": kind}, f"{what}: gathering what is held"
             )
             plan = None
-            if self.rank == 0:
-                holders = self.repl_strategy.holders if self.repl_strategy else None
-                plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], holders)
+            if self.rank == 0:  # own parts only; replicas are restored after the load
+                plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], None)
                 plan = plan.to_json()
             plan = RetrievalPlan.from_json(
                 tpdist.broadcast_json(plan, 0, f"{what}: sharing the retrieval plan")
@@ -608,13 +617,6 @@ class LocalCheckpointManager:
                 )
                 return None
             if not plan.moves:
-                for holder, origin in plan.unreplicated:
-                    if holder == self.rank:
-                        logger.warning(
-                            "iteration %d: could not restore the replica of rank %d's part here",
-                            iteration,
-                            origin,
-                        )
                 break
             if self.rank == 0:
                 logger.info(
@@ -654,7 +656,81 @@ class LocalCheckpointManager:
             header.file_size / seconds / 1e9,
         )
         self._latest, self._latest_world_size = iteration, self.world_size
+        self._restore_replicas(iteration)
         return ta, CkptID(iteration, self.rank, self.session_id)
+
+    def _restore_replicas(self, iteration: int) -> None:
+        """Give back the replicas of ``iteration`` that ranks should hold but lack (a replaced node).
+
+        The plan is agreed now (collective, small); the bytes move on a background thread over the
+        strategy's restore group while training resumes. :meth:`wait_for_restore` joins it, and so
+        does every later collective call of this manager.
+        """
+        strategy = self.repl_strategy
+        if strategy is None or strategy.replication_factor < 2:
+            return
+        what = f"restoring the replicas of local checkpoint iteration {iteration}"
+        status = HolderStatus(True, self._held_origins(iteration), [])
+        statuses = tpdist.all_gather_json(vars(status), f"{what}: gathering what is held")
+        plan = None
+        if self.rank == 0:
+            held = [HolderStatus.from_json(x) for x in statuses]
+            plan = plan_retrieval(held, strategy.holders).to_json()
+        plan = RetrievalPlan.from_json(tpdist.broadcast_json(plan, 0, f"{what}: sharing the plan"))
+        for holder, origin in plan.unreplicated:
+            if holder == self.rank:
+                logger.warning(
+                    "iteration %d: could not restore the replica of rank %d's part here",
+                    iteration,
+                    origin,
+                )
+        if not plan.moves:
+            return
+        if self.rank == 0:
+            logger.info(
+                "local iteration %d: restoring %d replica(s) in the background: %s",
+                iteration,
+                len(plan.moves),
+                ", ".join(f"rank {s} -> {d} (part of {o})" for s, d, o in plan.moves),
+            )
+        group = strategy.restore_group
+        self._restore = threading.Thread(
+            target=self._restore_in_background,
+            args=(iteration, plan, group),
+            name="tierpoint-restore",
+        )
+        self._restore.start()
+
+    def _restore_in_background(self, iteration: int, plan: RetrievalPlan, group: Any) -> None:
+        try:
+            missing = self._fetch(iteration, plan, group)
+        except Exception as e:  # noqa: BLE001 - a background thread: logged, the next save repairs
+            logger.warning("restoring replicas of iteration %d failed: %s", iteration, e)
+            return
+        for _, origin in missing:
+            logger.warning(
+                "iteration %d: could not restore the replica of rank %d's part here (the next "
+                "save replicates anew)",
+                iteration,
+                origin,
+            )
+
+    def wait_for_restore(self, timeout: float | None = None) -> None:
+        """Wait until the replicas the last :meth:`load` restores in the background are in place
+        (failures are logged as warnings; the next save replicates anew). Not collective.
+
+        Call it before destroying the process group right after a load. Raises
+        :class:`CheckpointingError` after ``timeout`` seconds (default: the coordination timeout
+        plus a minute; the transfers themselves time out before that).
+        """
+        thread = self._restore
+        if thread is None:
+            return
+        limit = tpdist.default_timeout().total_seconds() + 60 if timeout is None else timeout
+        thread.join(limit)
+        if thread.is_alive():
+            raise CheckpointingError(f"restoring replicas did not finish within {limit:.0f} s")
+        self._restore = None
 
     def _part_moves(
         self, iteration: int, triples: list[tuple[int, int, int]]

@@ -18,7 +18,9 @@ Invariants:
   :func:`tierpoint.dist.node_id`): a warning, or :class:`SameMachineReplicationException` with
   ``strict=True``.
 - Replica traffic runs on the strategy's own gloo group, never on the coordination group, so a
-  replication running in the background cannot interleave with the manager's collectives.
+  replication running in the background cannot interleave with the manager's collectives; replicas
+  restored in the background after a load run on a second group of their own
+  (:attr:`CliqueReplicationStrategy.restore_group`), so they never share a group with a save.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class CliqueReplicationStrategy:
         self.replication_jump: int | None = None
         self.world_size: int | None = None
         self._group: Any = None
+        self._restore_group: Any = None
         if not self.lazy and tpdist.is_distributed():
             self.setup()
 
@@ -103,6 +106,7 @@ class CliqueReplicationStrategy:
         self._check_nodes(layout.node_of_rank)
         if tpdist.is_distributed():
             self._group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
+            self._restore_group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
 
     def _check_nodes(self, node_of_rank: tuple[str, ...]) -> None:
         for clique in self.cliques():
@@ -125,9 +129,16 @@ class CliqueReplicationStrategy:
         self.setup()
         return self._group
 
+    @property
+    def restore_group(self) -> Any:
+        """The gloo group replicas restored in the background after a load run on."""
+        self.setup()
+        return self._restore_group
+
     def reset(self) -> None:
-        """Forget the group (after a failed exchange every rank does this, so all agree)."""
+        """Forget the groups (after a failed exchange every rank does this, so all agree)."""
         self._group = None
+        self._restore_group = None
         self.world_size = None
 
     # ------------------------------------------------------------------------------ cliques
