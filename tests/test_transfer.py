@@ -58,6 +58,48 @@ def test_ring_and_swap_arrive_intact(tmp_path: Path) -> None:
     assert received0 == ((1 << 20) + 17) + 0  # from rank 3, plus rank 1's empty file
 
 
+def _two_groups_at_once(rank: int, world: int, tmp: str) -> list[bool]:
+    """Two threads move files on two groups at the same time, started in opposite orders on the two
+    ranks (as a background restore and a foreground call may be): each group's calls pair up."""
+    import threading
+    import time
+
+    _setup_dir(tmp, rank, 2 << 20)
+    groups = [dist.new_group(backend="gloo"), dist.new_group(backend="gloo")]
+    other = 1 - rank
+    moves = [
+        [FileMove(other, rank, f"{tmp}/r{other}/own.bin", f"{tmp}/r{rank}/via_{g}.bin")]
+        + [FileMove(rank, other, f"{tmp}/r{rank}/own.bin", f"{tmp}/r{other}/via_{g}.bin")]
+        for g in range(2)
+    ]
+    for m in moves:
+        m.sort(key=lambda move: move.src)  # the same list on both ranks
+    errors: list[BaseException] = []
+
+    def run(g: int) -> None:
+        try:
+            move_files(moves[g], groups[g], timeout=20, bucket_bytes=64 << 10)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    order = [0, 1] if rank == 0 else [1, 0]
+    threads = []
+    for g in order:
+        threads.append(threading.Thread(target=run, args=(g,)))
+        threads[-1].start()
+        time.sleep(0.3)
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return [
+        Path(f"{tmp}/r{rank}/via_{g}.bin").read_bytes() == _payload(other, 2 << 20) for g in (0, 1)
+    ]
+
+
+def test_calls_on_two_groups_may_overlap(tmp_path: Path) -> None:
+    assert run_ranks(_two_groups_at_once, 2, str(tmp_path)) == [[True, True], [True, True]]
+
+
 def _rejected(rank: int, world: int, tmp: str, how: str) -> str:
     d = _setup_dir(tmp, rank, 2 << 20)
     moves = [FileMove(0, 1, f"{tmp}/r0/own.bin", f"{tmp}/r1/copy.bin")]
