@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,49 @@ def test_wiped_node_is_restored_from_peers(tmp_path: Path) -> None:
     for rank in (0, 1):
         shutil.rmtree(tmp_path / "job" / str(rank))
     assert [it for it, _ in run_ranks(_load, WORLD, str(tmp_path))] == [7] * WORLD
+
+
+def _load_then_rank_0_dies(rank: int, world: int, root: str) -> tuple[float, list[str]]:
+    import time
+
+    from tierpoint import transfer
+
+    _as_node(rank)
+    records = _Records()
+    manager = _manager(root)
+    if rank == 0:
+        real = transfer.move_files
+
+        def dies_in_the_background(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                os._exit(3)  # gone while the replica of its part is on its way to rank 2
+            return real(*args, **kwargs)
+
+        transfer.move_files = dies_in_the_background
+    manager.find_latest()
+    ta, _ = manager.load()
+    assert_bitwise_equal(ta.state_dict, make_state(rank, 3))
+    start = time.monotonic()
+    manager.wait_for_restore()
+    return time.monotonic() - start, records.messages
+
+
+def test_a_peer_lost_while_replicas_come_back_is_a_warning_not_a_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_ranks(_save, WORLD, str(tmp_path), [3], False)
+    for rank in (2, 3):
+        shutil.rmtree(tmp_path / "job" / str(rank))
+    monkeypatch.setenv("TIERPOINT_TIMEOUT", "20")
+    results = run_ranks(_load_then_rank_0_dies, WORLD, str(tmp_path), allow_crash={0}, timeout=150)
+    seconds, messages = results[2]
+    assert seconds < 60
+    assert any("could not restore the replica of rank 0's part" in m for m in messages), messages
+    node1 = tmp_path / "job"
+    assert not (node1 / "2" / part_name(3, 0)).exists()  # no partial replica, no dirty file
+    assert not [p for p in (node1 / "2").iterdir() if p.name.endswith(".dirty")]
+    assert (node1 / "2" / part_name(3, 2)).exists()  # its own part came back before load returned
+    assert (node1 / "3" / part_name(3, 1)).exists()  # rank 1's replica reached rank 3
 
 
 def test_corrupt_part_is_replaced_with_a_warning(tmp_path: Path) -> None:
