@@ -594,16 +594,8 @@ class LocalCheckpointManager:
         what = f"loading local checkpoint iteration {iteration}"
         for _ in range(self.world_size + 1):
             status = HolderStatus(loaded is not None, self._held_origins(iteration), bad)
-            statuses = tpdist.all_gather_json(
-                {**vars(status), "reason": reason, "kind": kind}, f"{what}: gathering what is held"
-            )
-            plan = None
-            if self.rank == 0:  # own parts only; replicas are restored after the load
-                plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], None)
-                plan = plan.to_json()
-            plan = RetrievalPlan.from_json(
-                tpdist.broadcast_json(plan, 0, f"{what}: sharing the retrieval plan")
-            )
+            # Own parts only; replicas are restored after the load.
+            statuses, plan = self._agree_on_plan(status, None, what, reason=reason, kind=kind)
             if plan.lost:
                 for r in plan.lost:
                     failures[r] = statuses[r]["reason"] or "no copy of its part"
@@ -618,13 +610,7 @@ class LocalCheckpointManager:
                 return None
             if not plan.moves:
                 break
-            if self.rank == 0:
-                logger.info(
-                    "local iteration %d: restoring %d part(s) from peers: %s",
-                    iteration,
-                    len(plan.moves),
-                    ", ".join(f"rank {s} -> {d} (part of {o})" for s, d, o in plan.moves),
-                )
+            self._log_plan(iteration, plan, "part(s) from peers")
             bad += self._fetch(iteration, plan, group)  # sources that failed stay excluded
             if loaded is None and any(d == self.rank == o for _, d, o in plan.moves):
                 # Every checksum was verified on receipt: no second pass over the bytes.
@@ -671,12 +657,7 @@ class LocalCheckpointManager:
             return
         what = f"restoring the replicas of local checkpoint iteration {iteration}"
         status = HolderStatus(True, self._held_origins(iteration), [])
-        statuses = tpdist.all_gather_json(vars(status), f"{what}: gathering what is held")
-        plan = None
-        if self.rank == 0:
-            held = [HolderStatus.from_json(x) for x in statuses]
-            plan = plan_retrieval(held, strategy.holders).to_json()
-        plan = RetrievalPlan.from_json(tpdist.broadcast_json(plan, 0, f"{what}: sharing the plan"))
+        _, plan = self._agree_on_plan(status, strategy.holders, what)
         for holder, origin in plan.unreplicated:
             if holder == self.rank:
                 logger.warning(
@@ -686,13 +667,7 @@ class LocalCheckpointManager:
                 )
         if not plan.moves:
             return
-        if self.rank == 0:
-            logger.info(
-                "local iteration %d: restoring %d replica(s) in the background: %s",
-                iteration,
-                len(plan.moves),
-                ", ".join(f"rank {s} -> {d} (part of {o})" for s, d, o in plan.moves),
-            )
+        self._log_plan(iteration, plan, "replica(s) in the background")
         group = strategy.restore_group
         self._restore = threading.Thread(
             target=self._restore_in_background,
@@ -700,6 +675,30 @@ class LocalCheckpointManager:
             name="tierpoint-restore",
         )
         self._restore.start()
+
+    def _agree_on_plan(
+        self, status: HolderStatus, holders: Any, what: str, **extra: str
+    ) -> tuple[list[dict[str, Any]], RetrievalPlan]:
+        """Every rank's status (with ``extra``) and the retrieval plan rank 0 made from them.
+        Collective."""
+        statuses = tpdist.all_gather_json(
+            {**vars(status), **extra}, f"{what}: gathering what is held"
+        )
+        plan = None
+        if self.rank == 0:
+            plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], holders).to_json()
+        shared = tpdist.broadcast_json(plan, 0, f"{what}: sharing the retrieval plan")
+        return statuses, RetrievalPlan.from_json(shared)
+
+    def _log_plan(self, iteration: int, plan: RetrievalPlan, what: str) -> None:
+        if self.rank == 0:
+            logger.info(
+                "local iteration %d: restoring %d %s: %s",
+                iteration,
+                len(plan.moves),
+                what,
+                ", ".join(f"rank {s} -> {d} (part of {o})" for s, d, o in plan.moves),
+            )
 
     def _restore_in_background(self, iteration: int, plan: RetrievalPlan, group: Any) -> None:
         try:
