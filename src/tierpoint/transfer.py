@@ -47,7 +47,7 @@ import torch.distributed as dist
 import xxhash
 
 from .errors import CheckpointingError, CoordinationTimeoutError, CorruptCheckpointError
-from .fileformat import dirty_name, fsync_dir
+from .fileformat import dirty_name, fsync_dir, reserve
 
 logger = logging.getLogger("tierpoint")
 
@@ -476,9 +476,7 @@ def _open_target(
         os.replace(spare, dirty)
     fd = os.open(dirty, os.O_RDWR | os.O_CREAT | (0 if spare else os.O_TRUNC), 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-        if nbytes:
-            os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, not as SIGBUS while receiving
+        reserve(fd, nbytes)  # ENOSPC now, not as SIGBUS while receiving
     except OSError:
         os.close(fd)
         _unlink(dirty)
