@@ -41,6 +41,11 @@ _thread = threading.local()
 _verdicts: dict[int, bool] = {}  # st_dev -> O_DIRECT worth trying there
 
 
+def round_up(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def _enabled() -> bool:
     return bool(_O_DIRECT) and os.environ.get("TIERPOINT_DIRECT_IO", "1") != "0"
 
@@ -51,29 +56,41 @@ def suitable(path: str, views: Sequence[bytes | bytearray | memoryview]) -> bool
     (a staged copy does; live tensors, which would all go through the bounce buffer, do not)."""
     if not _enabled() or _straight_bytes(views) < MIN_BYTES:
         return False
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        dev = os.stat(directory).st_dev
-    except OSError:
+    dev = _device_of_directory(path)
+    if dev is None:
         return False
     verdict = _verdicts.get(dev)
     if verdict is None:
         from .staging import in_memory_filesystem
 
-        verdict = _verdicts[dev] = not in_memory_filesystem(directory)
+        verdict = _verdicts[dev] = not in_memory_filesystem(os.path.dirname(os.path.abspath(path)))
     return verdict
 
 
+def _device_of_directory(path: str) -> int | None:
+    try:
+        return os.stat(os.path.dirname(os.path.abspath(path))).st_dev
+    except OSError:
+        return None
+
+
+def _goes_straight(view: memoryview, position: int) -> bool:
+    """Whether ``view``, written at file offset ``position``, goes to the device from its own
+    memory: whole blocks of page-aligned memory at a page-aligned offset."""
+    if position % ALIGN or len(view) < ALIGN:
+        return False
+    at = _address(view)
+    return at is not None and at % ALIGN == 0
+
+
 def _straight_bytes(views: Sequence[bytes | bytearray | memoryview]) -> int:
-    """How many bytes of ``views`` :func:`_write_views` would send without the bounce buffer."""
-    offset = straight = 0
+    """How many bytes of ``views`` :func:`_write_views` sends without the bounce buffer."""
+    position = straight = 0
     for raw in views:
         view = memoryview(raw).cast("B")
-        if offset % ALIGN == 0 and len(view) >= ALIGN:
-            at = _address(view)
-            if at is not None and at % ALIGN == 0:
-                straight += len(view) - len(view) % ALIGN
-        offset += len(view)
+        if _goes_straight(view, position):
+            straight += len(view) - len(view) % ALIGN
+        position += len(view)
     return straight
 
 
@@ -125,10 +142,9 @@ def write_file(path: str, views: Sequence[bytes | bytearray | memoryview]) -> in
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        try:
-            _verdicts[os.stat(os.path.dirname(os.path.abspath(path))).st_dev] = False
-        except OSError:
-            pass
+        dev = _device_of_directory(path)
+        if dev is not None:
+            _verdicts[dev] = False
         return None
     try:
         total = _write_views(fd, views)
@@ -148,8 +164,10 @@ def _write_views(fd: int, views: Sequence[bytes | bytearray | memoryview]) -> in
         view = memoryview(raw).cast("B")
         total += len(view)
         while len(view):
-            at = _address(view) if filled == 0 and len(view) >= ALIGN else None
-            if at is not None and at % ALIGN == 0:
+            if _goes_straight(view, offset + filled):
+                if filled:  # whole blocks wait in the bounce buffer: they go first
+                    _pwrite_all(fd, space[:filled], offset)
+                    offset, filled = offset + filled, 0
                 n = len(view) - len(view) % ALIGN
                 _pwrite_all(fd, view[:n], offset)
                 view, offset = view[n:], offset + n
@@ -166,7 +184,7 @@ def _write_views(fd: int, views: Sequence[bytes | bytearray | memoryview]) -> in
                 _pwrite_all(fd, space, offset)
                 offset, filled = offset + filled, 0
     if filled:
-        padded = -(-filled // ALIGN) * ALIGN
+        padded = round_up(filled)
         space[filled:padded] = bytes(padded - filled)
         _pwrite_all(fd, space[:padded], offset)
         os.ftruncate(fd, offset + filled)

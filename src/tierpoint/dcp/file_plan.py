@@ -128,7 +128,7 @@ def plan_files(plan: SavePlan, prefix: str, thread_count: int) -> RankFiles:
         files.append(
             FileSpec(f"{prefix}{k}{SUFFIX}", tuple(slots), end, byte_items if k == 0 else (), base)
         )
-        base = -(-(base + end) // direct_write.ALIGN) * direct_write.ALIGN
+        base = direct_write.round_up(base + end)
     key = tuple(
         (f.name, tuple((s.offset, s.template) for s in f.tensors), f.staging_base) for f in files
     )

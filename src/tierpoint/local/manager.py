@@ -111,6 +111,7 @@ class LocalCheckpointManager:
         self._stager = Stager()
         self._mappings = transfer.MappingCache()
         self._restore: threading.Thread | None = None
+        self._tier_in_memory: bool | None = None
 
     # ------------------------------------------------------------------------------ identity, paths
 
@@ -154,8 +155,7 @@ class LocalCheckpointManager:
             parsed = naming.parse_part_name(entry.name)
             if parsed is None:
                 continue
-            st = entry.stat()
-            version = (st.st_ino, st.st_size, st.st_mtime_ns)
+            version = _file_version(entry.stat())
             cached = self._scan_cache.get(entry.name)
             if cached is not None and cached[0] == version:
                 part = cached[1]
@@ -172,10 +172,9 @@ class LocalCheckpointManager:
         """Spare the next scan re-reading the header of the part this process just wrote."""
         path = self._part_path(iteration)
         try:
-            st = os.stat(path)
+            version = _file_version(os.stat(path))
         except OSError:
             return
-        version = (st.st_ino, st.st_size, st.st_mtime_ns)
         self._scan_cache[path.name] = (version, [iteration, self.rank, self.world_size])
 
     @staticmethod
@@ -418,9 +417,11 @@ class LocalCheckpointManager:
         """Whether an async snapshot goes straight into the part file's pages: the tier is in RAM
         (so those pages are shared memory, as a staging buffer is), spares are recycled (so the
         pages exist already and are reused) and every tensor is on the CPU."""
+        if self._tier_in_memory is None:  # decided once: the tier does not change file system
+            self._tier_in_memory = in_memory_filesystem(self.local_ckpt_dir)
         return (
             self.recycle
-            and in_memory_filesystem(self.local_ckpt_dir)
+            and self._tier_in_memory
             and all(t.device.type == "cpu" for t in flat.tensors)
         )
 
@@ -660,11 +661,7 @@ class LocalCheckpointManager:
         _, plan = self._agree_on_plan(status, strategy.holders, what)
         for holder, origin in plan.unreplicated:
             if holder == self.rank:
-                logger.warning(
-                    "iteration %d: could not restore the replica of rank %d's part here",
-                    iteration,
-                    origin,
-                )
+                _warn_unrestored(iteration, origin, "no rank holds a good copy")
         if not plan.moves:
             return
         self._log_plan(iteration, plan, "replica(s) in the background")
@@ -707,12 +704,7 @@ class LocalCheckpointManager:
             logger.warning("restoring replicas of iteration %d failed: %s", iteration, e)
             return
         for _, origin in missing:
-            logger.warning(
-                "iteration %d: could not restore the replica of rank %d's part here (the next "
-                "save replicates anew)",
-                iteration,
-                origin,
-            )
+            _warn_unrestored(iteration, origin, "the transfer failed")
 
     def wait_for_restore(self, timeout: float | None = None) -> None:
         """Wait until the replicas the last :meth:`load` restores in the background are in place
@@ -790,6 +782,21 @@ class _ReceivedPart(fileformat.PartVerifier):
                 f"rank {self.move.src} sent a part whose metadata does not match its name",
             )
         return header
+
+
+def _warn_unrestored(iteration: int, origin: int, why: str) -> None:
+    logger.warning(
+        "iteration %d: could not restore the replica of rank %d's part here (%s; the next save "
+        "replicates anew)",
+        iteration,
+        origin,
+        why,
+    )
+
+
+def _file_version(st: os.stat_result) -> tuple[int, int, int]:
+    """What identifies one version of a file for the scan cache: inode, size, mtime."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _unlink(path: str | os.PathLike) -> None:
