@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 import sys
 import time
@@ -52,7 +53,8 @@ from .tree import FlatState, SkeletonError, flatten, unflatten
 FORMAT_VERSION = 1
 DATA_ALIGNMENT = 64
 """The tensor data starts at a multiple of this offset; tensors are ordered so each is aligned."""
-MAX_HEADER_BYTES = 256 * 1024 * 1024
+MAX_HEADER_BYTES = 100_000_000
+"""safetensors' own limit: a larger header would not open with ``safe_open``."""
 MAX_DIMS = 64
 CHECKSUM_KEY = "tierpoint_header_xxh3"
 _ZERO_SUM = "0" * 16
@@ -159,6 +161,10 @@ def _check_savable(t: torch.Tensor, path: str) -> None:
         raise UnsupportedStateError(path, f"{t.device.type} / quantized tensors cannot be saved")
     if str(t.dtype).removeprefix("torch.") not in DTYPES:
         raise UnsupportedStateError(path, f"dtype {t.dtype} is not supported")
+    if t.dim() > MAX_DIMS:  # readers refuse more: saving it would lose the checkpoint
+        raise UnsupportedStateError(
+            path, f"tensors of more than {MAX_DIMS} dimensions cannot be saved"
+        )
     if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
         raise CheckpointingError("tierpoint part files need a little-endian host")
 
@@ -335,6 +341,12 @@ class PartPlan:
         """Bytes of the padded header: fixed by the plan (checksum fields have a fixed width)."""
         if self._header_size is None:
             size = len(_padded(self._header_json([_ZERO_SUM] * len(self.names), _ZERO_SUM)))
+            if size > MAX_HEADER_BYTES:  # readers refuse more: saving it would lose the checkpoint
+                raise UnsupportedStateError(
+                    "",
+                    f"the part file header would take {size} bytes, over the limit of "
+                    f"{MAX_HEADER_BYTES}: store large non-tensor data (long lists...) as tensors",
+                )
             object.__setattr__(self, "_header_size", size)  # computed once per plan
         return self._header_size
 
@@ -643,8 +655,21 @@ def _fail(path: str, reason: str) -> CorruptCheckpointError:
 
 def read_header(path: str | os.PathLike) -> PartHeader:
     """Read and validate the header of a part file (no tensor data is read)."""
-    with open(path, "rb", buffering=0) as f:
+    with _open_part(str(path)) as f:
         return _read_header_from(f, str(path))
+
+
+def _open_part(path: str) -> Any:
+    """Open a part file for reading; anything but a regular file is refused. ``O_NONBLOCK``: opening
+    a FIFO would wait for a writer forever (on a regular file the flag changes nothing)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _fail(path, "not a regular file")
+        return open(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _read_header_from(f: Any, path: str) -> PartHeader:
@@ -696,6 +721,8 @@ def _decode_header(raw: bytes, file_size: int, path: str) -> PartHeader:
         raise _fail(
             path, f"unsupported format version {version!r} (this tierpoint reads {FORMAT_VERSION})"
         )
+    if "skeleton" not in doc:
+        raise _fail(path, "the state skeleton is missing")
     data_start = 8 + n
     records = _validate_records(doc.get("tensors"), header, file_size - data_start, path)
     extra = doc.get("extra", {})
@@ -712,6 +739,7 @@ def _validate_records(
     if len(raw_records) != len(entries):
         raise _fail(path, f"{len(raw_records)} tensor records but {len(entries)} header entries")
     records = []
+    names: set[str] = set()
     for rec in raw_records:
         if not (isinstance(rec, list) and len(rec) == 5):
             raise _fail(path, f"malformed tensor record {str(rec)[:80]!r}")
@@ -719,6 +747,9 @@ def _validate_records(
         entry = entries.get(name) if isinstance(name, str) else None
         if not isinstance(entry, dict):
             raise _fail(path, f"tensor {str(name)[:80]!r} has no header entry")
+        if name in names:  # else another entry would go unchecked
+            raise _fail(path, f"tensor {name!r} has two records")
+        names.add(name)
         dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise _fail(path, f"tensor {name!r} has unknown dtype {str(dtype_name)[:40]!r}")
@@ -751,6 +782,11 @@ def _validate_records(
             raise _fail(
                 path,
                 f"tensor {name!r}: header dtype {entry.get('dtype')!r} disagrees with {dtype_name}",
+            )
+        if entry.get("shape") != (shape if dtype in _NATIVE_CODES else [expected]):
+            raise _fail(  # safetensors would read another tensor than tierpoint does
+                path,
+                f"tensor {name!r}: header shape {str(entry.get('shape'))[:80]} disagrees with {shape}",
             )
         if not (isinstance(sum_hex, str) and len(sum_hex) == 16) or not isinstance(device, str):
             raise _fail(path, f"tensor {name!r} has a malformed checksum or device")
@@ -796,7 +832,7 @@ def read_flat(
     """
     path = str(path)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    with open(path, "rb", buffering=0) as f:
+    with _open_part(path) as f:
         header = _read_header_from(f, path)
         if mmap and targets is None:
             tensors = _map_tensors(f, header)
@@ -1004,7 +1040,7 @@ def verify(path: str | os.PathLike) -> PartHeader:
     Hashes a read-only mapping of the file on two threads (no copy into process memory).
     """
     path = str(path)
-    with open(path, "rb", buffering=0) as f:
+    with _open_part(path) as f:
         header = _read_header_from(f, path)
         if not header.records:
             return header

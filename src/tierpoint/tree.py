@@ -231,9 +231,10 @@ def _dec_int(node: dict, *_: Any) -> int:
 
 
 def _dec_dtype(node: dict, *_: Any) -> torch.dtype:
-    value = getattr(torch, str(node["v"]), None)
+    # vars, not getattr: torch's module __getattr__ imports submodules (torch._dynamo: seconds)
+    value = vars(torch).get(str(node["v"]))
     if not isinstance(value, torch.dtype):
-        raise SkeletonError(f"unknown dtype {node['v']!r}")
+        raise SkeletonError(f"unknown dtype {str(node['v'])[:40]!r}")
     return value
 
 
@@ -297,7 +298,7 @@ _DECODERS: dict[Any, Any] = {
     "odict": _dec_dict,
     "bytes": lambda node, *_: base64.b64decode(node["v"], validate=True),
     "dtype": _dec_dtype,
-    "size": lambda node, *_: torch.Size(_int_list(node["v"])),
+    "size": lambda node, *_: _dec_size(node["v"]),
     "device": _dec_device,
     "ndbytes": _dec_ndbytes,
     "npscalar": _dec_npscalar,
@@ -309,6 +310,13 @@ def _as_list(value: Any) -> list:
     if not isinstance(value, list):
         raise SkeletonError("expected a list")
     return value
+
+
+def _dec_size(value: Any) -> torch.Size:
+    dims = _int_list(value)
+    if not all(-(2**63) <= d < 2**63 for d in dims):  # torch.Size would take them, then fail in use
+        raise SkeletonError(f"torch.Size dimension out of the int64 range in {str(dims)[:80]}")
+    return torch.Size(dims)
 
 
 def _int_list(value: Any) -> list[int]:
