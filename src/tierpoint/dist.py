@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,11 +51,29 @@ def is_distributed() -> bool:
 
 
 def get_rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
+    if is_distributed():
+        return dist.get_rank()
+    _refuse_uninitialised_launch()
+    return 0
 
 
 def get_world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
+    if is_distributed():
+        return dist.get_world_size()
+    _refuse_uninitialised_launch()
+    return 1
+
+
+def _refuse_uninitialised_launch() -> None:
+    """A launcher (torchrun, ...) started several processes but ``torch.distributed`` is not
+    initialised: as "rank 0 of 1" every process would write the same files, so refuse."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        raise CheckpointingError(
+            f"WORLD_SIZE={launched} is set but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group() before using tierpoint (or unset WORLD_SIZE "
+            "for a single-process job)"
+        )
 
 
 def node_id() -> str:
@@ -107,12 +126,34 @@ def _first_line(text: str) -> str:
 
 
 def all_gather_json(obj: Any, what: str = "all_gather", group: Any = None) -> list[Any]:
-    """Every rank's ``obj`` (JSON-serialisable), in rank order."""
+    """Every rank's ``obj`` (JSON-serialisable), in rank order.
+
+    ``what`` names the step; ranks at different steps (e.g. one saving, one loading) get the same
+    clear error instead of a garbled message or a hang.
+    """
     if not is_distributed():
         return [json.loads(json.dumps(obj))]
     group = group or coordination_group()
     world = dist.get_world_size(group)
-    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    gathered = _gather_bytes(json.dumps([what, obj]).encode(), what, group, world)
+    steps, objs = zip(*(json.loads(g) for g in gathered))
+    if len({_step(s) for s in steps}) > 1:
+        detail = "; ".join(f"rank {r}: {step[:200]!r}" for r, step in enumerate(steps))
+        raise CheckpointingError(
+            f"ranks are at different tierpoint steps ({detail}): every rank must make the same "
+            "tierpoint calls in the same order"
+        )
+    return list(objs)
+
+
+def _step(what: str) -> str:
+    """The kind of step ``what`` names: numbers and paths may differ between ranks (node-local
+    directories, iterations they disagree on: the callers check those with a better message)."""
+    return re.sub(r"\d+", "N", re.sub(r"\S*[/\\]\S*", "<path>", what))
+
+
+def _gather_bytes(data: bytes, what: str, group: Any, world: int) -> list[bytes]:
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     _run_collective(what, dist.all_gather, sizes, size, group=group)
@@ -121,7 +162,7 @@ def all_gather_json(obj: Any, what: str = "all_gather", group: Any = None) -> li
     padded[: payload.numel()] = payload
     gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
     _run_collective(what, dist.all_gather, gathered, padded, group=group)
-    return [json.loads(bytes(g[: int(s.item())].numpy())) for g, s in zip(gathered, sizes)]
+    return [bytes(g[: int(s.item())].numpy()) for g, s in zip(gathered, sizes)]
 
 
 def broadcast_json(obj: Any, src: int = 0, what: str = "broadcast", group: Any = None) -> Any:
@@ -189,12 +230,23 @@ def node_layout() -> NodeLayout:
 
 def raise_if_any_failed(what: str, error: BaseException | str | None) -> None:
     """Collective: if any rank passes an error, every rank raises the same :class:`CheckpointingError`."""
-    status = None
-    if error is not None:
-        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        kind = "CheckpointingError" if isinstance(error, str) else type(error).__name__
-        status = [kind, message[:_MAX_MESSAGE]]
-    statuses = all_gather_json(status, f"{what} (agreeing on the outcome)")
+    statuses = all_gather_json(failure_status(error), f"{what} (agreeing on the outcome)")
+    raise_failures(what, statuses, error)
+
+
+def failure_status(error: BaseException | str | None) -> list[str] | None:
+    """What a rank tells the others of its ``error`` (``None``: it succeeded); see :func:`raise_failures`."""
+    if error is None:
+        return None
+    message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    kind = "CheckpointingError" if isinstance(error, str) else type(error).__name__
+    return [kind, message[:_MAX_MESSAGE]]
+
+
+def raise_failures(
+    what: str, statuses: list[list[str] | None], error: BaseException | str | None = None
+) -> None:
+    """Raise the same error on every rank when any of the gathered :func:`failure_status` failed."""
     failures = {rank: s[1] for rank, s in enumerate(statuses) if s is not None}
     if not failures:
         return

@@ -64,7 +64,8 @@ def _entry(
         try:
             value = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # ``fn`` may have destroyed it already
+                dist.destroy_process_group()
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         results.put((rank, "error", traceback.format_exc()))

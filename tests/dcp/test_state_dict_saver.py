@@ -21,6 +21,7 @@ from tierpoint.dcp import (
     save_state_dict_async_plan,
     step_path,
 )
+from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -206,3 +207,23 @@ def test_plans_loaded_with_the_metadata_skip_planning(tmp_path):
     other.set_cached_global_metadata(loaded)
     save({"w": torch.zeros(7), "n": 1}, step_path(tmp_path, 3), metadata_cache=other)
     assert other.planning_rounds == 1
+
+
+def _save_into_step_of_rank(rank: int, world: int, base: str) -> str:
+    from tierpoint.dcp import save, step_path
+
+    try:
+        save({"w": torch.full((4,), float(rank))}, step_path(base, 10 + rank))
+    except CheckpointingError as e:
+        return str(e)
+    return "saved"
+
+
+def test_ranks_saving_into_different_steps_commit_nothing(tmp_path):
+    from tierpoint.dcp import get_latest_complete_checkpoint
+
+    results = run_ranks(_save_into_step_of_rank, 2, str(tmp_path))
+    assert len(set(results)) == 1 and "every rank must pass the same step directory" in results[0]
+    assert "'step-10'" in results[0] and "'step-11'" in results[0]
+    assert get_latest_complete_checkpoint(tmp_path) is None
+    assert not any(tmp_path.rglob(".metadata"))

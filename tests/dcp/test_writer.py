@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from tierpoint import storage
-from tierpoint.dcp import Writer, get_latest_complete_checkpoint, save, step_path
+from tierpoint.dcp import Writer, get_latest_complete_checkpoint, load, save, step_path
 from tierpoint.dcp.tensor_record import record_template
 from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
@@ -130,13 +130,21 @@ def test_commit_protocol_order(tmp_path, monkeypatch):
     assert max(data) < commit < unmark
 
 
-def test_resaving_a_committed_directory_uncommits_it_first(tmp_path):
-    path = str(tmp_path / "c")
+def test_a_committed_directory_is_kept_unless_overwrite_is_asked_for(tmp_path):
+    path = step_path(tmp_path, 1)
     save({"a": torch.zeros(4)}, path)
-    w = Writer(path)
+    with pytest.raises(CheckpointingError, match="already holds a committed checkpoint"):
+        save({"a": torch.ones(4)}, path)
+    assert get_latest_complete_checkpoint(tmp_path) == path  # untouched, still committed
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp"]
+    w = Writer(path, overwrite=True)
     w.set_up_storage_writer(True, rank=0)  # a new save starts: marker in, old commit out
     assert sorted(os.listdir(path)) == [".unfinished-0", "__0_0.distcp"]
     assert get_latest_complete_checkpoint(tmp_path) is None
+    save({"a": torch.ones(4)}, path, overwrite=True)
+    loaded = {"a": torch.zeros(4)}
+    load(loaded, path)
+    assert torch.equal(loaded["a"], torch.ones(4))
 
 
 def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+
+class WarningRecords(logging.Handler):
+    """Collects the messages of tierpoint's warnings in this process from now on."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        logging.getLogger("tierpoint").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def make_state(rank: int, iteration: int) -> dict:

@@ -342,3 +342,127 @@ def test_stale_dirty_file_never_blocks_a_save(tmp_path):
     assert not stale.exists()
     assert load_latest(str(tmp_path), 0) == 1
     assert Path(manager.local_ckpt_dir / "iter_0000001_0_local.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------ misuse
+
+
+def _save_after_destroying_the_group(rank: int, world: int, root: str) -> str:
+    import torch.distributed as dist
+
+    manager = save_iterations(root, rank, [1])
+    dist.destroy_process_group()  # e.g. a final save in a shutdown hook after teardown
+    os.environ.pop("WORLD_SIZE")  # not launched by torchrun: only the manager can tell
+    try:
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 2)), 2)
+    except CheckpointingError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_save_after_the_process_group_is_gone_refuses_and_keeps_the_checkpoint(tmp_path):
+    results = run_ranks(_save_after_destroying_the_group, 2, str(tmp_path))
+    assert all("world size 2" in r and "now has world size 1" in r for r in results), results
+    assert run_ranks(_load_latest, 2, str(tmp_path)) == [1, 1]
+
+
+def test_several_launched_processes_without_a_process_group_refuse(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    manager = LocalCheckpointManager(tmp_path, session_id="job")
+    with pytest.raises(CheckpointingError, match="WORLD_SIZE=2 is set but torch.distributed"):
+        manager.save(BasicTensorAwareStateDict(make_state(0, 1)), 1)
+    assert not any(tmp_path.rglob("*.safetensors*"))
+
+
+def _async_twice(rank: int, world: int, root: str) -> str:
+    from tierpoint.asyncsave import AsyncCallsQueue
+
+    manager = LocalCheckpointManager(root, session_id="job")
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(
+            manager.save(BasicTensorAwareStateDict(make_state(rank, 2)), 2, is_async=True)
+        )
+        try:
+            manager.save(BasicTensorAwareStateDict(make_state(rank, 3)), 2, is_async=True)
+            outcome = "accepted"
+        except CheckpointingError as e:
+            outcome = str(e)
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    return outcome
+
+
+def test_an_async_save_of_an_iteration_in_flight_is_refused(tmp_path):
+    results = run_ranks(_async_twice, 2, str(tmp_path))
+    assert len(set(results)) == 1 and "async save of iteration 2 was requested" in results[0]
+    assert run_ranks(_load_latest, 2, str(tmp_path)) == [2, 2]  # the first one, intact
+
+
+def _root_is_a_file_on_rank_one(rank: int, world: int, root: str) -> str:
+    mine = Path(root) / str(rank)
+    if rank == 1:
+        mine.write_text("not a directory")
+    else:
+        mine.mkdir()
+    try:
+        save_iterations(str(mine), rank, [1])
+    except CheckpointingError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+def test_a_rank_that_cannot_create_its_directory_fails_every_rank_at_once(tmp_path):
+    results = run_ranks(_root_is_a_file_on_rank_one, 2, str(tmp_path))
+    assert len(set(results)) == 1, results  # the same error, not a timeout on rank 0
+    assert results[0].startswith("CheckpointingError: save: agreeing on the iteration failed")
+    assert "rank 1:" in results[0] and "not a directory" in results[0].lower()
+
+
+def _mixed_calls(rank: int, world: int, root: str) -> str:
+    manager = save_iterations(root, rank, [1])
+    try:
+        if rank == 0:
+            manager.save(BasicTensorAwareStateDict(make_state(rank, 2)), 2)
+        else:
+            LocalCheckpointManager(root, session_id="job").find_latest()
+    except CheckpointingError as e:
+        return str(e)
+    return "ok"
+
+
+def test_ranks_in_different_calls_get_one_clear_error(tmp_path):
+    results = run_ranks(_mixed_calls, 2, str(tmp_path))
+    assert len(set(results)) == 1 and "ranks are at different tierpoint steps" in results[0]
+    assert "rank 0: 'save" in results[0] and "rank 1: 'find_latest" in results[0]
+
+
+def test_pickled_state_loads_only_when_allowed(tmp_path):
+    from fractions import Fraction
+
+    manager = LocalCheckpointManager(tmp_path, session_id="job")
+    manager.save(BasicTensorAwareStateDict(make_state(0, 1)), 1)
+    state = {"w": torch.ones(3), "ratio": Fraction(1, 3)}
+    manager.save(BasicTensorAwareStateDict(state, allow_pickle=True), 2)
+    with pytest.raises(CheckpointingError, match="allow_pickle=True") as info:
+        LocalCheckpointManager(tmp_path, session_id="job").load()  # no fallback to iteration 1
+    assert type(info.value).__name__ == "UnsupportedStateError"
+    ta, ckpt_id = LocalCheckpointManager(tmp_path, session_id="job").load(allow_pickle=True)
+    assert ckpt_id.iteration == 2 and ta.state_dict["ratio"] == Fraction(1, 3)
+
+
+def _find_latest_with_warnings(rank: int, world: int, root: str) -> tuple[int, list[str]]:
+    from .helpers import WarningRecords
+
+    records = WarningRecords()
+    return LocalCheckpointManager(root, session_id="job").find_latest(), records.messages
+
+
+def test_a_checkpoint_of_another_world_size_is_not_offered(tmp_path):
+    run_ranks(_save_world, 2, str(tmp_path))
+    results = run_ranks(_find_latest_with_warnings, WORLD, str(tmp_path))
+    assert [latest for latest, _ in results] == [-1] * WORLD
+    assert any(
+        "iteration 9 was saved with world size 2, this job has 4 ranks" in m for m in results[0][1]
+    )

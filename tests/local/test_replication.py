@@ -6,7 +6,6 @@ copy on the other node.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import threading
@@ -26,23 +25,13 @@ from tierpoint.local.naming import part_name
 from tierpoint.local.retrieval import HolderStatus, plan_retrieval
 from tierpoint.spawn import run_ranks
 
-from .helpers import assert_bitwise_equal, make_state
+from .helpers import WarningRecords, assert_bitwise_equal, make_state
 
 WORLD = 4
 
 
 def _as_node(rank: int, ranks_per_node: int = 2) -> None:
     os.environ["TIERPOINT_NODE_ID"] = f"node{rank // ranks_per_node}"
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-        logging.getLogger("tierpoint").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _manager(root: str, lazy: bool = False, **kwargs) -> LocalCheckpointManager:
@@ -64,7 +53,7 @@ def _strategy_checks(rank: int, world: int) -> dict:
     _as_node(rank)
     default = CliqueReplicationStrategy.from_replication_params(None, 2)
     jump_one = CliqueReplicationStrategy.from_replication_params(1, 2)  # warns: 0, 1 share node0
-    records = _Records()
+    records = WarningRecords()
     CliqueReplicationStrategy.from_replication_params(1, 2)
     with pytest.raises(SameMachineReplicationException, match="same node"):
         CliqueReplicationStrategy.from_replication_params(1, 2, strict=True)
@@ -120,7 +109,7 @@ def _save(rank: int, world: int, root: str, iterations: list[int], lazy: bool) -
 
 def _load(rank: int, world: int, root: str, lazy: bool = False) -> tuple[int, list[str]]:
     _as_node(rank)
-    records = _Records()
+    records = WarningRecords()
     manager = _manager(root, lazy=lazy)
     iteration = manager.find_latest()
     if iteration != -1:
@@ -157,7 +146,7 @@ def _load_then_rank_0_dies(rank: int, world: int, root: str) -> tuple[float, lis
     from tierpoint import transfer
 
     _as_node(rank)
-    records = _Records()
+    records = WarningRecords()
     manager = _manager(root)
     if rank == 0:
         real = transfer.move_files

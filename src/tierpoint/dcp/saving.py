@@ -57,12 +57,15 @@ def save(
     metadata_cache: CheckpointMetadataCache | None = None,
     sync_files: bool = True,
     upload: UploadOptions = DEFAULT_UPLOAD,
+    overwrite: bool = False,
 ) -> Metadata | None:
     """Save ``state_dict`` as a torch DCP checkpoint at ``path_or_url``; returns when it is committed.
 
     Collective: every rank of ``process_group`` (default: all ranks) calls it. Returns the metadata
     written (on the coordinator; ``None`` elsewhere). Raises the same
-    :class:`~tierpoint.errors.CheckpointingError` on every rank if any rank failed.
+    :class:`~tierpoint.errors.CheckpointingError` on every rank if any rank failed. A directory that
+    holds a committed checkpoint is refused unless ``overwrite=True`` (which un-commits it first: a
+    crash during the new save then leaves no checkpoint there).
     """
     writer = Writer(
         path_or_url,
@@ -70,6 +73,7 @@ def save(
         storage_options=storage_options,
         sync_files=sync_files,
         upload=upload,
+        overwrite=overwrite,
     )
     writer, metadata, dist_wrapper = save_state_dict_async_plan(
         state_dict,
@@ -99,6 +103,7 @@ def async_save_request(
     staging_pool: StagingPool | None = None,
     sync_files: bool = True,
     upload: UploadOptions = DEFAULT_UPLOAD,
+    overwrite: bool = False,
 ) -> AsyncRequest:
     """Plan an async save now and return the request to schedule (NVRx style)::
 
@@ -114,6 +119,7 @@ def async_save_request(
         staging_pool=staging_pool,
         sync_files=sync_files,
         upload=upload,
+        overwrite=overwrite,
     )
     planned = save_state_dict_async_plan(
         state_dict,
@@ -225,6 +231,7 @@ def async_save(
     staging_pool: StagingPool | None = None,
     sync_files: bool = True,
     upload: UploadOptions = DEFAULT_UPLOAD,
+    overwrite: bool = False,
 ) -> SaveFuture:
     """Save asynchronously: plan, snapshot into staging memory, hand the writing to ``queue``'s
     worker; returns a :class:`SaveFuture` once the snapshot is taken (unless the queue overlaps
@@ -247,6 +254,7 @@ def async_save(
         staging_pool=staging_pool,
         sync_files=sync_files,
         upload=upload,
+        overwrite=overwrite,
     )
     q = queue if queue is not None else default_queue()
     future = SaveFuture(q, request, os.fspath(path_or_url))

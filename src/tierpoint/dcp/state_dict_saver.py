@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import posixpath
 from collections import OrderedDict
 from dataclasses import fields
 from typing import Any
@@ -357,6 +359,7 @@ def save_state_dict_async_finalize(
         )
     except Exception as e:  # noqa: BLE001 - agreed below
         payload = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    payload["directory"] = posixpath.basename(os.fspath(path).rstrip("/"))
     what = f"writing the checkpoint {path}"
     try:
         gathered = tpdist.all_gather_json(payload, what, group=group) if use_dist else [payload]
@@ -364,6 +367,10 @@ def save_state_dict_async_finalize(
         _fail_everywhere(storage_writer, cache)
         raise
     failures = {r: p["error"] for r, p in enumerate(gathered) if "error" in p}
+    names = [p.get("directory") for p in gathered]
+    if not failures and len(set(names)) > 1:  # node-local paths may differ, the step may not
+        failures = {r: f"saved into {name!r}" for r, name in enumerate(names)}
+        what = "saving a checkpoint (every rank must pass the same step directory)"
     if failures:
         _fail_everywhere(storage_writer, cache)
         detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())

@@ -19,8 +19,9 @@ by the coordinator via tmp + fsync + rename, or one PUT on object stores: the co
 
 Invariants:
 - Every rank creates its unfinished marker (``.unfinished-<rank>``) in ``set_up_storage_writer``,
-  before any data is written, and a re-save of an existing directory removes the old ``.metadata``
-  first; markers are removed only after ``.metadata`` is written.
+  before any data is written; markers are removed only after ``.metadata`` is written.
+- A committed directory is never written into, unless ``overwrite=True``: then the old
+  ``.metadata`` is removed first (the directory is uncommitted while the new save runs).
 - A failed save leaves no ``.metadata``; :meth:`Writer.discard` removes what this rank wrote.
 - Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the file.
 """
@@ -105,6 +106,8 @@ class Writer(StorageWriter):
             process).
         timeout: seconds a synchronous write may take before it fails (default
             ``TIERPOINT_TIMEOUT``).
+        overwrite: allow saving into a directory that holds a committed checkpoint (it is
+            uncommitted first). By default that is refused: the old checkpoint stays intact.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class Writer(StorageWriter):
         upload: storage.UploadOptions = storage.DEFAULT_UPLOAD,
         staging_pool: StagingPool | None = None,
         timeout: float | None = None,
+        overwrite: bool = False,
     ) -> None:
         super().__init__()
         if thread_count < 1:
@@ -126,6 +130,7 @@ class Writer(StorageWriter):
         self.sync_files = sync_files
         self.storage_options = dict(storage_options or {})
         self.upload = upload
+        self.overwrite = overwrite
         self.pool = staging_pool if staging_pool is not None else DEFAULT_POOL
         self.timeout = timeout if timeout is not None else tpdist.default_timeout().total_seconds()
         self.save_id = uuid.uuid4().hex
@@ -154,6 +159,11 @@ class Writer(StorageWriter):
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         self.rank = int(rank) if rank is not None else tpdist.get_rank()
+        if not self.overwrite and storage.exists(self._url(METADATA_NAME), self.storage_options):
+            raise CheckpointingError(
+                f"{self.path} already holds a committed checkpoint: save to a new step directory, "
+                "or pass overwrite=True (a crash during the new save would then leave none there)"
+            )
         storage.makedirs(self.path, self.storage_options)
         storage.touch(self._url(marker_name(self.rank)), storage_options=self.storage_options)
         self._marker_made = True

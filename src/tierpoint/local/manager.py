@@ -101,9 +101,10 @@ class LocalCheckpointManager:
         self.verify = verify
         self.mmap_load = mmap_load
         self._latest: int | None = None
-        self._latest_world_size: int | None = None
         self._newest_seen: tuple[int, int, int] | None = None
         self._pending: int | None = None
+        self._requested: set[int] = set()  # async saves handed out, not yet finalized or aborted
+        self._world: int | None = None  # the world size this manager works with, once known
         self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int]]] = {}
         self._listings: list[list[list[int]]] = []
         self.last_replication: transfer.MoveStats | None = None
@@ -122,6 +123,19 @@ class LocalCheckpointManager:
     @property
     def world_size(self) -> int:
         return tpdist.get_world_size()
+
+    def _check_world(self) -> None:
+        """The job's world size must stay the one this manager started with: after the process group
+        was destroyed, a save as "rank 0 of 1" would retire the parts of the distributed checkpoint."""
+        current = self.world_size
+        if self._world is None:
+            self._world = current
+        elif current != self._world:
+            raise CheckpointingError(
+                f"this LocalCheckpointManager works with world size {self._world}, but the job now "
+                f"has world size {current} (was the process group destroyed or re-created?): make a "
+                "new manager after init_process_group()"
+            )
 
     @property
     def local_ckpt_dir(self) -> Path:
@@ -214,30 +228,45 @@ class LocalCheckpointManager:
         self.wait_for_restore()
         if self._latest is not None:
             return self._latest
+        self._check_world()
         start = time.perf_counter()
         self._setup_replication()
-        listings = tpdist.all_gather_json(
-            self._scan(), "find_latest: gathering local checkpoint listings"
-        )
-        self._listings = listings
+        gathered = self._gather_parts("find_latest: gathering local checkpoint listings", {})
+        listings = self._listings = [g["parts"] for g in gathered]
         complete = self._complete_iterations(listings)
-        self._latest = max(complete, default=_NO_CHECKPOINT)
-        self._latest_world_size = complete.get(self._latest)
+        usable = [i for i, world in complete.items() if world == self.world_size]
+        self._latest = max(usable, default=_NO_CHECKPOINT)
         newest = max((tuple(p) for listing in listings for p in listing), default=None)
         self._newest_seen = newest
         if newest is not None and newest[0] > self._latest:
-            self._log_incomplete(listings, newest[0])
+            self._log_unusable(listings, complete)
         logger.debug("find_latest: %d (%.3f s)", self._latest, time.perf_counter() - start)
         return self._latest
 
-    def _log_incomplete(self, listings: list[list[list[int]]], newest: int) -> None:
-        """Say which ranks' parts are missing from the iterations newer than the latest complete one."""
+    def _log_unusable(self, listings: list[list[list[int]]], complete: dict[int, int]) -> None:
+        """Say why each iteration newer than the latest usable one is not used: saved with another
+        world size (the local tier does not reshard), or parts missing everywhere."""
+        fallback = (
+            f"falling back to iteration {self._latest}"
+            if self._latest != _NO_CHECKPOINT
+            else "no older complete iteration exists"
+        )
         for iteration in sorted({p[0] for listing in listings for p in listing}, reverse=True):
             if iteration <= self._latest:
                 break
             parts = [p for listing in listings for p in listing if p[0] == iteration]
-            world = max(p[2] for p in parts)
-            missing = sorted(set(range(world)) - {p[1] for p in parts})
+            worlds = {p[2] for p in parts}
+            if worlds != {self.world_size}:
+                logger.warning(
+                    "local iteration %d was saved with world size %s, this job has %d ranks: the "
+                    "local tier does not reshard (a persistent DCP checkpoint does); %s",
+                    iteration,
+                    "/".join(map(str, sorted(worlds))),
+                    self.world_size,
+                    fallback,
+                )
+                continue
+            missing = sorted(set(range(self.world_size)) - {p[1] for p in parts})
             logger.warning(
                 "local iteration %d is incomplete: no copy of the part%s of rank%s %s anywhere "
                 "(an interrupted save, or more members of a replication clique lost than replicas "
@@ -245,11 +274,25 @@ class LocalCheckpointManager:
                 iteration,
                 "s" if len(missing) > 1 else "",
                 "s" if len(missing) > 1 else "",
-                ", ".join(map(str, missing)) or "(world sizes disagree)",
-                f"falling back to iteration {self._latest}"
-                if self._latest != _NO_CHECKPOINT
-                else "no older complete iteration exists",
+                ", ".join(map(str, missing)),
+                fallback,
             )
+
+    def _gather_parts(self, what: str, payload: dict[str, Any], create: bool = False) -> list[Any]:
+        """Every rank's ``payload`` with its committed parts (``"parts"``, see :meth:`_scan`); a rank
+        that cannot list (or, with ``create``, create) its directory makes every rank raise."""
+        error = None
+        try:
+            if create:
+                self._ensure_dir()
+            parts = self._scan()
+        except (OSError, CheckpointingError) as e:
+            parts, error = [], e
+        gathered = tpdist.all_gather_json(
+            {**payload, "parts": parts, "error": tpdist.failure_status(error)}, what
+        )
+        tpdist.raise_failures(what, [g["error"] for g in gathered], error)
+        return gathered
 
     def _setup_replication(self) -> None:
         """Collective on first use (lazy strategies create their group here)."""
@@ -303,6 +346,7 @@ class LocalCheckpointManager:
         if type(iteration) is not int or iteration < 0:
             raise CheckpointingError(f"iteration must be a non-negative integer, got {iteration!r}")
         self.wait_for_restore()
+        self._check_world()
         if not isinstance(ta_state_dict, TensorAwareStateDict):
             raise CheckpointingError(
                 f"save expects a TensorAwareStateDict (e.g. BasicTensorAwareStateDict(state)), got {type(ta_state_dict).__name__}"
@@ -334,6 +378,7 @@ class LocalCheckpointManager:
             )
             self._commit(iteration, keep, plan.data_size, start)
             return None
+        self._requested.add(iteration)
         return self._async_request(flat, plan, iteration, keep)
 
     def _extra(self, iteration: int) -> dict[str, Any]:
@@ -347,7 +392,8 @@ class LocalCheckpointManager:
     def _commit(self, iteration: int, keep: set[int], nbytes: int, start: float) -> None:
         """Every rank committed ``iteration``: make it the latest and retire what is not kept."""
         self._pending = None
-        self._latest, self._latest_world_size = iteration, self.world_size
+        self._requested.discard(iteration)
+        self._latest = iteration
         self._retire(keep | {iteration})
         self._remember_own_part(iteration)
         seconds = time.perf_counter() - start
@@ -362,6 +408,7 @@ class LocalCheckpointManager:
 
     def _abort_iteration(self, iteration: int) -> None:
         self._pending = None
+        self._requested.discard(iteration)
         self._remove_iteration(iteration)
         self._latest = None
         if self.repl_strategy is not None:
@@ -443,10 +490,10 @@ class LocalCheckpointManager:
 
     def _agree_on_iteration(self, iteration: int) -> set[int]:
         """Check (on every rank alike) that all ranks save the same, new iteration; return what to keep."""
-        self._ensure_dir()
-        gathered = tpdist.all_gather_json(
-            {"iteration": iteration, "parts": self._scan()},
-            f"save {iteration}: agreeing on the iteration",
+        gathered = self._gather_parts(
+            "save: agreeing on the iteration",
+            {"iteration": iteration, "requested": max(self._requested, default=_NO_CHECKPOINT)},
+            create=True,
         )
         requested = [g["iteration"] for g in gathered]
         if len(set(requested)) != 1:
@@ -458,6 +505,12 @@ class LocalCheckpointManager:
         if iteration <= latest:
             raise CheckpointingError(
                 f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
+            )
+        in_flight = max(g["requested"] for g in gathered)
+        if iteration <= in_flight:
+            raise CheckpointingError(
+                f"cannot save iteration {iteration}: an async save of iteration {in_flight} was "
+                "requested and is not finalized; iterations must increase"
             )
         older = sorted((i for i in complete if i < iteration), reverse=True)
         return set(older[: self.keep_last - 1])
@@ -526,11 +579,12 @@ class LocalCheckpointManager:
 
     # ------------------------------------------------------------------------------ loading
 
-    def load(self) -> tuple[TensorAwareStateDict, CkptID]:
+    def load(self, *, allow_pickle: bool = False) -> tuple[TensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (verified). Collective.
 
         Missing or corrupt own parts are fetched from their holders first; replicas a replaced node
         should hold are restored in the background after this returns (see :meth:`wait_for_restore`).
+        ``allow_pickle``: also load objects saved with ``allow_pickle=True`` (only for trusted files).
         """
         iteration = self.find_latest()
         if iteration == _NO_CHECKPOINT:
@@ -542,11 +596,6 @@ class LocalCheckpointManager:
                     f"parts (iteration {seen[0]}) were saved with world size {seen[2]}"
                 )
             raise CheckpointingError(f"no complete local checkpoint under {where}")
-        if self._latest_world_size != self.world_size:
-            raise CheckpointingError(
-                f"local checkpoint iteration {iteration} was saved with world size {self._latest_world_size}, "
-                f"but this job has world size {self.world_size}"
-            )
         older = self._complete_iterations(self._listings)  # as of the last find_latest
         candidates = sorted(
             {iteration} | {i for i, w in older.items() if w == self.world_size and i < iteration},
@@ -555,7 +604,7 @@ class LocalCheckpointManager:
         failures: dict[int, str] = {}
         kinds: set[str] = set()
         for candidate in candidates:
-            loaded = self._load_iteration(candidate, failures, kinds)
+            loaded = self._load_iteration(candidate, failures, kinds, allow_pickle)
             if loaded is not None:
                 return loaded
         where = self.root_local_ckpt_dir / self.session_id
@@ -566,13 +615,16 @@ class LocalCheckpointManager:
             failures,
         )
 
-    def _read_own(self, iteration: int, verify: bool | None = None) -> tuple[Any, str, str]:
+    def _read_own(
+        self, iteration: int, allow_pickle: bool, verify: bool | None = None
+    ) -> tuple[Any, str, str]:
         """This rank's part of ``iteration`` read and verified: ``(loaded, reason, error kind)``."""
         path = self._part_path(iteration)
         verify = self.verify if verify is None else verify
         try:
             header, tensors = fileformat.read_flat(path, verify=verify, mmap=self.mmap_load)
-            fileformat.unflatten_checked(header, tensors)  # validates the skeleton before use
+            # validates the skeleton before use
+            fileformat.unflatten_checked(header, tensors, allow_pickle=allow_pickle)
             return (header, tensors), "", ""
         except FileNotFoundError:
             return None, f"{path}: missing", "CheckpointingError"
@@ -580,7 +632,7 @@ class LocalCheckpointManager:
             return None, str(e), type(e).__name__
 
     def _load_iteration(
-        self, iteration: int, failures: dict[int, str], kinds: set[str]
+        self, iteration: int, failures: dict[int, str], kinds: set[str], allow_pickle: bool
     ) -> tuple[TensorAwareStateDict, CkptID] | None:
         """Load ``iteration``, fetching missing or corrupt parts from peers. Collective.
 
@@ -588,7 +640,7 @@ class LocalCheckpointManager:
         ``failures`` / ``kinds``).
         """
         start = time.perf_counter()
-        loaded, reason, kind = self._read_own(iteration)
+        loaded, reason, kind = self._read_own(iteration, allow_pickle)
         first_reason = reason
         bad: list[list[int]] = []
         group = self.repl_strategy.group if self.repl_strategy else tpdist.coordination_group()
@@ -597,6 +649,14 @@ class LocalCheckpointManager:
             status = HolderStatus(loaded is not None, self._held_origins(iteration), bad)
             # Own parts only; replicas are restored after the load.
             statuses, plan = self._agree_on_plan(status, None, what, reason=reason, kind=kind)
+            refused = {
+                r: s["reason"]
+                for r, s in enumerate(statuses)
+                if s["kind"] == "UnsupportedStateError"
+            }
+            if refused:  # intact files this call may not load (pickled objects): no fallback
+                detail = "; ".join(f"rank {r}: {m}" for r, m in refused.items())
+                raise agreed_error("UnsupportedStateError", f"{what}: {detail}", refused)
             if plan.lost:
                 for r in plan.lost:
                     failures[r] = statuses[r]["reason"] or "no copy of its part"
@@ -615,7 +675,7 @@ class LocalCheckpointManager:
             bad += self._fetch(iteration, plan, group)  # sources that failed stay excluded
             if loaded is None and any(d == self.rank == o for _, d, o in plan.moves):
                 # Every checksum was verified on receipt: no second pass over the bytes.
-                loaded, reason, kind = self._read_own(iteration, verify=False)
+                loaded, reason, kind = self._read_own(iteration, allow_pickle, verify=False)
                 if loaded is not None:
                     source = next(s for s, d, o in plan.moves if d == self.rank == o)
                     logger.warning(
@@ -631,7 +691,9 @@ class LocalCheckpointManager:
                 raise CheckpointingError(reason)
         header, tensors = loaded
         flat = FlatState(header.skeleton, tensors, [r.name for r in header.records])
-        ta = BasicTensorAwareStateDict.from_flat(flat, [r.device for r in header.records])
+        ta = BasicTensorAwareStateDict.from_flat(
+            flat, [r.device for r in header.records], allow_pickle=allow_pickle
+        )
         ta.restore_tensor_device()
         seconds = time.perf_counter() - start
         logger.info(
@@ -642,7 +704,7 @@ class LocalCheckpointManager:
             seconds,
             header.file_size / seconds / 1e9,
         )
-        self._latest, self._latest_world_size = iteration, self.world_size
+        self._latest = iteration
         self._restore_replicas(iteration)
         return ta, CkptID(iteration, self.rank, self.session_id)
 
@@ -701,7 +763,12 @@ class LocalCheckpointManager:
         try:
             missing = self._fetch(iteration, plan, group)
         except Exception as e:  # noqa: BLE001 - a background thread: logged, the next save repairs
-            logger.warning("restoring replicas of iteration %d failed: %s", iteration, e)
+            logger.warning(
+                "restoring replicas of iteration %d failed (the next save replicates anew; call "
+                "wait_for_restore() before destroying the process group after a load): %s",
+                iteration,
+                e,
+            )
             return
         for _, origin in missing:
             _warn_unrestored(iteration, origin, "the transfer failed")
