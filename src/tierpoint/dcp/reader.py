@@ -23,7 +23,9 @@ Call order (torch's): ``read_metadata`` -> ``set_up_storage_reader`` -> ``prepar
 
 Every problem with the files is a :class:`CorruptDCPError` (a :class:`CorruptCheckpointError`)
 naming the file and the reason: missing file, item beyond the end of its file (truncated), malformed
-archive, dtype or shape that contradicts the metadata, unsupported stream transforms.
+archive, dtype or shape that contradicts the metadata, unsupported stream transforms. The
+``torch.load`` fallback runs only on archives whose entries unpack to about the size the metadata
+gives the chunk, and must produce a dense CPU tensor of that shape.
 
 Peer retrieval (checkpoints on node-local disks) happens before a load, outside this class: whoever
 makes the files local can ask :meth:`Reader.files_needed` which data files a rank's plan reads.
@@ -32,6 +34,7 @@ makes the files local can ask :meth:`Reader.files_needed` which data files a ran
 from __future__ import annotations
 
 import io
+import math
 import os
 import stat
 import threading
@@ -63,6 +66,8 @@ DEFAULT_THREAD_COUNT = 4
 PIECE_BYTES = 16 << 20
 """Reads larger than this are cut into pieces of this size so that threads can share them."""
 MAX_METADATA_BYTES = 1 << 30
+UNPACK_SLACK = 1 << 20
+"""What the ``torch.load`` fallback may unpack beyond the chunk's tensor bytes (its small entries)."""
 
 
 def read_metadata(
@@ -92,6 +97,7 @@ class Reader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._dtypes: dict[str, torch.dtype] = {}
+        self._chunk_sizes: dict[MetadataIndex, torch.Size] = {}
         self._metadata: Metadata | None = None
 
     # ------------------------------------------------------------------ torch's StorageReader API
@@ -102,6 +108,7 @@ class Reader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self.storage_data = {}
         self._dtypes = {}
+        self._chunk_sizes = {}
         self._metadata = None
 
     @property
@@ -128,7 +135,7 @@ class Reader(StorageReader):
             data = _read_exact(file, 0, file.size)
         finally:
             file.close()
-        metadata = safe_loads(data, file.path)
+        metadata = safe_loads(data, file.path, rank_local=rank is not None)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -149,6 +156,12 @@ class Reader(StorageReader):
             fqn: md.properties.dtype
             for fqn, md in metadata.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata)
+        }
+        self._chunk_sizes = {
+            MetadataIndex(fqn, chunk.offsets): chunk.sizes
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+            for chunk in md.chunks
         }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -173,9 +186,9 @@ class Reader(StorageReader):
 
     def files_needed(self, plan: LoadPlan) -> set[str]:
         """Names of the data files ``plan`` reads (after ``set_up_storage_reader``)."""
-        return {self.storage_data[req.storage_index].relative_path for req in plan.items}
+        return {self._storage_info(req).relative_path for req in plan.items}
 
-    def _checked(self, req: ReadItem, files: _DataFiles) -> _Item:
+    def _storage_info(self, req: ReadItem) -> _StorageInfo:
         info = self.storage_data.get(req.storage_index)
         if info is None:
             raise CorruptDCPError(
@@ -183,6 +196,10 @@ class Reader(StorageReader):
                 f"the load plan reads {req.storage_index.fqn!r} at {list(req.storage_index.offset or [])}"
                 ", which the metadata does not store",
             )
+        return info
+
+    def _checked(self, req: ReadItem, files: _DataFiles) -> _Item:
+        info = self._storage_info(req)
         file = files.open(info.relative_path)
         what = f"item {req.storage_index.fqn!r}"
         if info.transform_descriptors:
@@ -457,6 +474,7 @@ class _ReadRun:
         try:
             record = locate(read_at, item.info.length)
         except NeedsTorchLoad as e:
+            self._check_unpacked(item, e.unpacked)
             return e
         except BadRecord as e:
             raise CorruptDCPError(item.file.path, f"{item.what}: {e}") from None
@@ -465,8 +483,32 @@ class _ReadRun:
             raise CorruptDCPError(
                 item.file.path, f"{item.what} holds {record.dtype}, the metadata says {expected}"
             )
+        self._check_stored_size(item, record.size)
         self._check_region(item, record.size)
         return record
+
+    def _check_stored_size(self, item: _Item, size: Sequence[int]) -> None:
+        sizes = self.reader._chunk_sizes.get(item.req.storage_index)
+        if sizes is not None and tuple(size) != tuple(sizes):
+            raise CorruptDCPError(
+                item.file.path,
+                f"{item.what} holds a tensor of size {list(size)}, the metadata's chunk is"
+                f" {list(sizes)}",
+            )
+
+    def _check_unpacked(self, item: _Item, unpacked: int) -> None:
+        """The fallback's ``torch.load`` allocates what the archive's entries declare: that must be
+        about the chunk's size (a few KiB of deflated zeros can claim gigabytes)."""
+        sizes = self.reader._chunk_sizes.get(item.req.storage_index)
+        dtype = self.reader._dtypes.get(item.req.storage_index.fqn)
+        nbytes = 0 if sizes is None or dtype is None else math.prod(sizes) * dtype.itemsize
+        limit = max(nbytes, item.info.length) + UNPACK_SLACK
+        if unpacked > limit:
+            raise CorruptDCPError(
+                item.file.path,
+                f"{item.what}: archive entries unpack to {unpacked} bytes, over the {limit} its"
+                " chunk can need",
+            )
 
     def _check_region(self, item: _Item, size: Sequence[int]) -> None:
         req = item.req
@@ -524,6 +566,12 @@ class _ReadRun:
                 expected = self.reader._dtypes.get(req.storage_index.fqn)
                 if not isinstance(full, torch.Tensor) or full.dtype != expected:
                     raise CorruptDCPError(item.file.path, f"{item.what} is not a {expected} tensor")
+                if full.layout != torch.strided or full.device.type != "cpu":
+                    raise CorruptDCPError(
+                        item.file.path,
+                        f"{item.what} is a {full.layout} tensor on {full.device}, not a dense one",
+                    )
+                self._check_stored_size(item, full.shape)
                 self._check_region(item, full.shape)
                 target.copy_(_narrow(full, req.storage_offsets, req.lengths))
 

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import pickle
 from collections.abc import Callable
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -51,6 +53,10 @@ from ..errors import CorruptCheckpointError
 MAX_DEPTH = 64
 """Deepest nesting of plain containers accepted in ``planner_data``."""
 MAX_DIMS = 64
+MAX_INT = (1 << 63) - 1
+"""Largest offset, length or index accepted (a file offset must fit an ``off_t``)."""
+MAX_TILING_CELLS = 1 << 22
+"""Most cells the chunk-tiling check may draw beyond one per chunk (see ``_chunks_tile``)."""
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -105,7 +111,7 @@ def _size(dims: Any = ()) -> torch.Size:
         raise _Refused(f"torch.Size of {type(dims).__name__} (want a short tuple of ints)")
     for d in dims:
         if type(d) is not int or d < 0:
-            raise _Refused(f"torch.Size with a negative or non-int entry: {dims!r:.80}")
+            raise _Refused(f"torch.Size with a negative or non-int entry: {brief(dims)}")
     return torch.Size(dims)
 
 
@@ -122,7 +128,7 @@ _MEMORY_FORMATS = {
 
 def _mem_format(value: Any) -> _MemFormatCode:
     if type(value) is not int or value not in _MEMORY_FORMATS:
-        raise _Refused(f"unknown memory format code {value!r:.40}")
+        raise _Refused(f"unknown memory format code {brief(value, 40)}")
     return _MemFormatCode(value)
 
 
@@ -133,7 +139,7 @@ _LAYOUTS = {
 
 def _layout(name: Any) -> torch.layout:
     if not isinstance(name, str) or name not in _LAYOUTS:
-        raise _Refused(f"unknown layout {name!r:.40}")
+        raise _Refused(f"unknown layout {brief(name, 40)}")
     return _LAYOUTS[name]
 
 
@@ -180,12 +186,13 @@ class _Unpickler(pickle.Unpickler):
         raise _Refused("forbidden persistent id (a .metadata file has none)")
 
 
-def safe_loads(data: bytes, what: str) -> Metadata:
+def safe_loads(data: bytes, what: str, *, rank_local: bool = False) -> Metadata:
     """The ``Metadata`` pickled in ``data`` (the bytes of a DCP ``.metadata`` file named ``what``).
 
     Raises :class:`CorruptCheckpointError` (naming ``what`` and the reason) for anything that is not a
     well-formed DCP metadata pickle built only from allowed globals; nothing named by the file is
-    ever called.
+    ever called. The chunks of each tensor must cover it exactly once, except in a rank-local
+    ``__<rank>.metadata`` (``rank_local=True``), which lists only that rank's chunks.
     """
     if not data:
         raise CorruptDCPError(what, "empty file (no DCP metadata)")
@@ -203,7 +210,7 @@ def safe_loads(data: bytes, what: str) -> Metadata:
             what, f"{len(data) - stream.tell()} stray bytes after the end of the pickle"
         )
     try:
-        return _Converter().metadata(root)
+        return _Converter(whole_tensors=not rank_local).metadata(root)
     except _Bad as e:
         raise CorruptDCPError(what, str(e)) from None
 
@@ -218,15 +225,19 @@ class _Bad(Exception):
 def file_name_problem(name: Any) -> str | None:
     """Why ``name`` is not a plain file name inside the checkpoint directory (None if it is)."""
     if not isinstance(name, str) or not name:
-        return f"storage file name {name!r:.80} is not a non-empty string"
+        return f"storage file name {brief(name)} is not a non-empty string"
     if name in (".", "..") or any(c in name for c in "/\\\0:"):
-        return f"storage file name {name!r:.80} is not a plain name in the checkpoint directory"
+        return f"storage file name {brief(name)} is not a plain name in the checkpoint directory"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"storage file name {brief(name)} is not valid UTF-8"
     return None
 
 
 def _int(value: Any, field: str) -> int:
-    if type(value) is not int or value < 0:
-        raise _Bad(f"{field} is {value!r:.40}, want a non-negative int")
+    if type(value) is not int or not 0 <= value <= MAX_INT:
+        raise _Bad(f"{field} is {brief(value, 40)}, want an int in [0, 2**63)")
     return value
 
 
@@ -241,7 +252,11 @@ _FIELDS = {real: frozenset(f.name for f in dataclasses.fields(real)) for real in
 
 class _Converter:
     """Checks the records and builds torch objects. ``where`` arguments name the field in errors;
-    callers pass cheap pieces (the fqn) and messages are only formatted on failure."""
+    callers pass cheap pieces (the fqn) and messages are only formatted on failure.
+    ``whole_tensors``: each tensor's chunks must tile it."""
+
+    def __init__(self, *, whole_tensors: bool = True) -> None:
+        self.whole_tensors = whole_tensors
 
     def _state(self, obj: Any, real: type, where: str) -> dict[str, Any]:
         if type(obj) is not _RECORDS[real]:
@@ -254,7 +269,7 @@ class _Converter:
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise _Bad(f"{where}: state of {real.__name__} is {type(state).__name__}")
         unknown = sorted(set(state) - _FIELDS[real])
-        raise _Bad(f"{where}: unknown {real.__name__} fields {unknown}")
+        raise _Bad(f"{where}: unknown {real.__name__} fields {brief(unknown)}")
 
     def metadata(self, obj: Any) -> Metadata:
         state = self._state(obj, Metadata, "the pickled object")
@@ -264,7 +279,7 @@ class _Converter:
         sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         for fqn, md in sdm_in.items():
             if type(fqn) is not str:
-                raise _Bad(f"state_dict_metadata key {fqn!r:.80} is not a string")
+                raise _Bad(f"state_dict_metadata key {brief(fqn)} is not a string")
             sdm[fqn] = self.storage_md(md, fqn)
         storage_data = state.get("storage_data")
         if storage_data is not None:
@@ -274,7 +289,7 @@ class _Converter:
             storage_meta = self.storage_meta(storage_meta)
         return Metadata(
             state_dict_metadata=sdm,
-            planner_data=self.plain(state.get("planner_data"), "planner_data", 0, set()),
+            planner_data=self.plain(state.get("planner_data"), "planner_data"),
             storage_data=storage_data,
             storage_meta=storage_meta,
             version=_opt_str(state.get("version"), "version"),
@@ -293,10 +308,14 @@ class _Converter:
             raise _Bad(
                 f"state_dict_metadata[{fqn!r}].chunks is {_describe(chunks_in)}, want a list"
             )
+        chunks = [self.chunk(c, size, fqn, i) for i, c in enumerate(chunks_in)]
+        if self.whole_tensors and not _chunks_tile(size, chunks):
+            raise _Bad(
+                f"state_dict_metadata[{brief(fqn)}]: its {len(chunks)} chunks do not cover the"
+                f" {list(size)} tensor exactly once (missing or overlapping chunks)"
+            )
         return TensorStorageMetadata(
-            properties=self.properties(state.get("properties"), fqn),
-            size=size,
-            chunks=[self.chunk(c, size, fqn, i) for i, c in enumerate(chunks_in)],
+            properties=self.properties(state.get("properties"), fqn), size=size, chunks=chunks
         )
 
     def chunk(self, obj: Any, size: torch.Size, fqn: str, i: int) -> ChunkStorageMetadata:
@@ -323,9 +342,11 @@ class _Converter:
             raise _Bad(f"{where}: state is {_describe(state)}, want a 5-tuple")
         dtype, layout, requires_grad, mem_code, pin_memory = state
         if type(dtype) is not torch.dtype or type(layout) is not torch.layout:
-            raise _Bad(f"{where}: dtype {dtype!r:.40} / layout {layout!r:.40} of the wrong type")
+            raise _Bad(
+                f"{where}: dtype {brief(dtype, 40)} / layout {brief(layout, 40)} of the wrong type"
+            )
         if type(mem_code) is not _MemFormatCode:
-            raise _Bad(f"{where}: memory format {mem_code!r:.40} is not a memory format code")
+            raise _Bad(f"{where}: memory format {brief(mem_code, 40)} is not a memory format code")
         if type(requires_grad) is not bool or type(pin_memory) is not bool:
             raise _Bad(f"{where}: requires_grad / pin_memory must be bools")
         return TensorProperties(
@@ -347,6 +368,7 @@ class _Converter:
             if index in out:
                 raise _Bad(f"storage_data holds {index.fqn!r} at {index.offset} twice")
             out[index] = self.storage_info(value, index.fqn)
+        _check_disjoint(out)
         return out
 
     def index(
@@ -356,11 +378,11 @@ class _Converter:
         fqn, offset, index = state.get("fqn"), state.get("offset"), state.get("index")
         md = sdm.get(fqn) if type(fqn) is str else None
         if md is None:
-            raise _Bad(f"storage_data names {fqn!r:.80}, which state_dict_metadata lacks")
+            raise _Bad(f"storage_data names {brief(fqn)}, which state_dict_metadata lacks")
         if type(md) is TensorStorageMetadata:
             if type(offset) is not torch.Size or len(offset) != len(md.size):
                 raise _Bad(
-                    f"storage_data key {fqn!r}: offset {offset!r:.80} does not fit"
+                    f"storage_data key {fqn!r}: offset {brief(offset)} does not fit"
                     f" a {len(md.size)}-dim tensor"
                 )
         elif offset is not None:
@@ -381,9 +403,12 @@ class _Converter:
         if problem:
             raise _Bad(f"storage_data[{fqn!r}]: {problem}")
         offset, length = state.get("offset"), state.get("length")
-        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        if not (
+            type(offset) is type(length) is int and 0 <= length and 0 <= offset <= MAX_INT - length
+        ):
             _int(offset, f"storage_data[{fqn!r}].offset")
             _int(length, f"storage_data[{fqn!r}].length")
+            raise _Bad(f"storage_data[{fqn!r}]: offset + length is past 2**63")
         return _StorageInfo(
             relative_path=name, offset=offset, length=length, transform_descriptors=transforms
         )
@@ -400,32 +425,109 @@ class _Converter:
             modules=modules,
         )
 
-    def plain(self, obj: Any, where: str, depth: int, active: set[int]) -> Any:
+    def plain(self, obj: Any, where: str) -> Any:
         """``obj`` if it is plain data (None, bool, int, float, str, bytes, and lists, tuples and
-        dicts of those, acyclic, at most MAX_DEPTH deep), else raise ``_Bad``."""
-        kind = type(obj)
-        if obj is None or kind in _SCALARS:
-            return obj
-        if kind not in (list, tuple, dict):
-            raise _Bad(f"{where} holds {_describe(obj)}, want plain data")
-        if depth >= MAX_DEPTH or id(obj) in active:
-            raise _Bad(f"{where} nests too deep or refers to itself")
-        active.add(id(obj))
-        if kind is dict:
-            for key, value in obj.items():
-                if type(key) not in _SCALARS:
-                    self.plain(key, where, depth + 1, active)
-                if value is not None and type(value) not in _SCALARS:
-                    self.plain(value, where, depth + 1, active)
-        else:
-            for value in obj:
-                if value is not None and type(value) not in _SCALARS:
-                    self.plain(value, where, depth + 1, active)
-        active.discard(id(obj))
+        dicts of those, acyclic, at most MAX_DEPTH deep), else raise ``_Bad``. A container shared
+        by several parents is checked once."""
+        _height(obj, where, 0, set(), {})
         return obj
 
 
+def _height(obj: Any, where: str, depth: int, active: set[int], heights: dict[int, int]) -> int:
+    """How deep the plain containers in ``obj`` nest (0 for a scalar); ``heights`` remembers the
+    containers already measured, so memo-shared containers cost once, not once per path."""
+    kind = type(obj)
+    if obj is None or kind in _SCALARS:
+        return 0
+    if kind not in (list, tuple, dict):
+        raise _Bad(f"{where} holds {_describe(obj)}, want plain data")
+    known = heights.get(id(obj))
+    if known is None:
+        if depth >= MAX_DEPTH or id(obj) in active:
+            raise _Bad(f"{where} nests too deep or refers to itself")
+        active.add(id(obj))
+        children = [v for kv in obj.items() for v in kv] if kind is dict else obj
+        known = 1 + max(
+            (_height(v, where, depth + 1, active, heights) for v in children), default=0
+        )
+        active.discard(id(obj))
+        heights[id(obj)] = known
+    if depth + known > MAX_DEPTH:
+        raise _Bad(f"{where} nests too deep or refers to itself")
+    return known
+
+
 _SCALARS = frozenset((bool, int, float, str, bytes))
+
+
+def _check_disjoint(storage: dict[MetadataIndex, _StorageInfo]) -> None:
+    """No two items may share bytes of a file (a writer never stores anything twice)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for info in storage.values():
+        if info.length:
+            spans.setdefault(info.relative_path, []).append(
+                (info.offset, info.offset + info.length)
+            )
+    for name, pairs in spans.items():
+        pairs.sort()
+        for (a, end), (b, _) in zip(pairs, pairs[1:]):
+            if b < end:
+                fqns = sorted(
+                    {i.fqn for i, info in storage.items() if info.relative_path == name}
+                    & {i.fqn for i, info in storage.items() if info.offset in (a, b)}
+                )
+                raise _Bad(
+                    f"storage_data: items of {brief(fqns)} overlap in {brief(name)}"
+                    f" (bytes [{a}, {end}) and from {b})"
+                )
+
+
+def _chunks_tile(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> bool:
+    """Whether ``chunks`` (each inside the tensor) cover a tensor of ``size`` exactly once."""
+    boxes = [c for c in chunks if all(c.sizes)]
+    if sum(math.prod(c.sizes) for c in boxes) != math.prod(size):
+        return False
+    if len(boxes) < 2:
+        return True
+    # The volumes add up, so the chunks tile the tensor iff no two overlap. Cutting every dim at
+    # every chunk boundary makes each chunk a block of whole cells; no cell may be drawn twice.
+    starts = np.array([c.offsets for c in boxes], dtype=np.int64)
+    ends = starts + np.array([c.sizes for c in boxes], dtype=np.int64)
+    cuts = [np.unique(np.concatenate((starts[:, d], ends[:, d]))) for d in range(len(size))]
+    first = np.stack([np.searchsorted(c, starts[:, d]) for d, c in enumerate(cuts)], axis=1)
+    last = np.stack([np.searchsorted(c, ends[:, d]) for d, c in enumerate(cuts)], axis=1)
+    if (last - first == 1).all():  # the usual grid: one cell per chunk, so no cell may repeat
+        return len(np.unique(first, axis=0)) == len(boxes)
+    shape = [len(c) - 1 for c in cuts]
+    if math.prod(shape) > len(boxes) + MAX_TILING_CELLS:
+        return False
+    drawn = np.zeros(shape, dtype=np.int32)
+    for lo, hi in zip(first.tolist(), last.tolist()):
+        drawn[tuple(map(slice, lo, hi))] += 1
+    return int(drawn.max()) == 1
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters, computed without walking
+    into nested containers or printing huge ints (a full repr of hostile data can hang, recurse too
+    deep or raise)."""
+    if type(value) in (list, tuple, torch.Size):
+        inner = ", ".join(_brief_scalar(v, limit) for v in value[:16])
+        inner += ", ..." if len(value) > 16 else ""
+        text = {list: "[{}]", tuple: "({})", torch.Size: "torch.Size([{}])"}[type(value)]
+        return text.format(inner)[:limit]
+    return _brief_scalar(value, limit)[:limit]
+
+
+def _brief_scalar(value: Any, limit: int) -> str:
+    kind = type(value)
+    if kind is int and value.bit_length() > 64:
+        return f"<int of {value.bit_length()} bits>"
+    if kind in (str, bytes):
+        return repr(value[:limit])
+    if value is None or kind in (bool, int, float, torch.dtype, torch.layout):
+        return repr(value)
+    return f"<{kind.__name__}>"
 
 
 def _describe(obj: Any) -> str:

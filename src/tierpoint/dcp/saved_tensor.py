@@ -15,7 +15,8 @@ the storage bytes are and how the tensor views them. The caller then reads those
 its destination.
 
 Archives that are valid but unusual (big-endian bytes, conj/neg view bits, compressed entries) raise
-:class:`NeedsTorchLoad`; the caller falls back to ``torch.load(weights_only=True)`` on the item.
+:class:`NeedsTorchLoad`, which says how many bytes the entries unpack to (what ``torch.load`` would
+allocate); the caller checks that, then falls back to ``torch.load(weights_only=True)`` on the item.
 Anything malformed raises :class:`BadRecord` with the reason.
 """
 
@@ -26,9 +27,11 @@ import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from .safe_pickle import MAX_INT, brief
 
 MAX_ENTRIES = 64
 MAX_PICKLE_BYTES = 1 << 20
@@ -37,6 +40,8 @@ HEAD_WINDOW = 4096
 WHOLE_ITEM = 64 * 1024
 """Items up to this size are read in one go and parsed from memory."""
 MAX_DIMS = 64
+MAX_DIRECTORY_BYTES = 1 << 20
+"""Largest central directory accepted (a saved tensor's has a few short entries)."""
 
 _EOCD = struct.Struct("<4s4H2LH")
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")
@@ -50,7 +55,12 @@ class BadRecord(Exception):
 
 
 class NeedsTorchLoad(Exception):
-    """A valid archive this fast path does not decode; ``torch.load(weights_only=True)`` can."""
+    """A valid archive this fast path does not decode; ``torch.load(weights_only=True)`` can.
+    ``unpacked``: the bytes its entries declare once unpacked (``torch.load`` allocates them)."""
+
+    def __init__(self, reason: str, unpacked: int = 0) -> None:
+        super().__init__(reason)
+        self.unpacked = unpacked
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,7 @@ class _Entry:
     header: int
     size: int
     method: int
+    unpacked: int
 
 
 def _central_directory(win: _Window) -> dict[str, _Entry]:
@@ -120,6 +131,8 @@ def _central_directory(win: _Window) -> dict[str, _Entry]:
             raise BadRecord("zip64 locator points at no zip64 record")
     if count > MAX_ENTRIES:
         raise BadRecord(f"{count} archive entries (a saved tensor has under {MAX_ENTRIES})")
+    if cd_size > MAX_DIRECTORY_BYTES:
+        raise BadRecord(f"a central directory of {cd_size} bytes (a saved tensor's is tiny)")
     data = win.get(cd_offset, cd_size, "central directory")
     entries: dict[str, _Entry] = {}
     pos = 0
@@ -141,7 +154,9 @@ def _central_directory(win: _Window) -> dict[str, _Entry]:
         usize, csize, header = _zip64_sizes(extra, usize, csize, header)
         if method == 0 and csize != usize:
             raise BadRecord(f"entry {name!r}: stored entry with differing sizes")
-        entries[name] = _Entry(name, header, csize, method)
+        if name in entries:
+            raise BadRecord(f"entry {name!r} appears twice")
+        entries[name] = _Entry(name, header, csize, method, usize)
         pos = end
     return entries
 
@@ -150,6 +165,8 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, header: int) -> tuple[int
     pos = 0
     while pos + 4 <= len(extra):
         tag, size = struct.unpack_from("<2H", extra, pos)
+        if pos + 4 + size > len(extra):
+            raise BadRecord("malformed extra field in the central directory")
         if tag == 1:
             values = list(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
             if usize == 0xFFFFFFFF and values:
@@ -193,8 +210,9 @@ _TYPED_STORAGES = {
 }
 
 
-@dataclass(frozen=True)
-class _StorageType:
+class _StorageType(NamedTuple):
+    """Shared by every load: a tuple, so that no pickle opcode (``BUILD``) can change it."""
+
     dtype: torch.dtype | None
     """None for an untyped storage (numel counts bytes; the dtype comes with the rebuild call)."""
 
@@ -247,20 +265,20 @@ class _DataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise BadRecord(f"unexpected persistent id {pid!r:.80}")
+            raise BadRecord(f"unexpected persistent id {brief(pid)}")
         _, stype, key, _location, numel = pid
         if type(stype) is not _StorageType or not isinstance(key, str):
-            raise BadRecord(f"unexpected storage reference {pid!r:.80}")
-        if type(numel) is not int or numel < 0:
-            raise BadRecord(f"storage size {numel!r:.40} is not a non-negative int")
+            raise BadRecord(f"unexpected storage reference {brief(pid)}")
+        if type(numel) is not int or not 0 <= numel <= MAX_INT:
+            raise BadRecord(f"storage size {brief(numel, 40)} is not an int in [0, 2**63)")
         return _StorageRef(stype, key, numel)
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or len(value) > MAX_DIMS:
         raise BadRecord(f"{what} is {type(value).__name__}, want a tuple of ints")
-    if not all(type(v) is int and v >= 0 for v in value):
-        raise BadRecord(f"{what} {value!r:.80} holds a negative or non-int entry")
+    if not all(type(v) is int and 0 <= v <= MAX_INT for v in value):
+        raise BadRecord(f"{what} {brief(value)} holds a negative, huge or non-int entry")
     return value
 
 
@@ -281,12 +299,12 @@ def _parse_data_pickle(data: bytes) -> tuple[_StorageRef, int, tuple, tuple, tor
     storage, offset, size, stride, _requires_grad, hooks = args[:6]
     if type(storage) is not _StorageRef:
         raise BadRecord("the tensor's storage is not a storage reference")
-    if type(offset) is not int or offset < 0:
-        raise BadRecord(f"storage offset {offset!r:.40} is not a non-negative int")
+    if type(offset) is not int or not 0 <= offset <= MAX_INT:
+        raise BadRecord(f"storage offset {brief(offset, 40)} is not an int in [0, 2**63)")
     if hooks != {}:
         raise BadRecord("backward hooks in a saved tensor")
     if len(args) == nfixed + 1 and args[-1]:
-        raise NeedsTorchLoad(f"tensor metadata {args[-1]!r:.60} (conj/neg bits)")
+        raise NeedsTorchLoad(f"tensor metadata {brief(args[-1], 60)} (conj/neg bits)")
     if root.version == 3:
         dtype = args[6]
         if not isinstance(dtype, torch.dtype) or storage.stype.dtype is not None:
@@ -314,6 +332,14 @@ def locate(read_at: Callable[[int, int], bytes], length: int) -> SavedTensor:
         win.cache(0, HEAD_WINDOW)
         win.cache(length - TAIL_WINDOW, TAIL_WINDOW)
     entries = _central_directory(win)
+    try:
+        return _find(win, entries)
+    except NeedsTorchLoad as e:
+        e.unpacked = sum(entry.unpacked for entry in entries.values())
+        raise
+
+
+def _find(win: _Window, entries: dict[str, _Entry]) -> SavedTensor:
     pickles = [n for n in entries if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
         raise BadRecord("no single <prefix>/data.pkl entry in the archive")
