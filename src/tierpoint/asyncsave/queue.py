@@ -20,15 +20,24 @@ Invariants:
   :class:`CheckpointingError`; finalize functions run only when every rank succeeded.
 - Every blocking wait has a deadline (``timeout``, default ``TIERPOINT_TIMEOUT``).
 - A dead worker is detected by its exit status and replaced at the next schedule.
+- Misuse is refused before anything changes: a wrong argument raises ``TypeError`` or
+  ``ValueError`` naming it, and a request already scheduled raises :class:`CheckpointingError`.
+- A call dropped before it was finalized (``close(abort=True)``, a failing ``close()``, the queue
+  garbage-collected, or the process exiting) is named in a WARNING on the ``tierpoint`` logger; the
+  warning changes nothing on disk (an aborted save leaves the previous checkpoint intact).
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import logging
+import math
+import numbers
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +54,9 @@ from .worker import Worker
 logger = logging.getLogger("tierpoint")
 
 _STATUS_BYTES = 2048
+
+_live_queues: weakref.WeakSet[AsyncCallsQueue] = weakref.WeakSet()
+"""Every queue not yet garbage-collected, to name the calls still pending at exit."""
 
 
 @dataclass
@@ -67,11 +79,16 @@ class AsyncCallsQueue:
 
     Args:
         persistent: accepted for NVRx compatibility; the worker is always a persistent process.
-        max_in_flight: unfinalized calls allowed before scheduling waits.
-        timeout: seconds any blocking wait may take (default: ``TIERPOINT_TIMEOUT`` or 300).
+        max_in_flight: unfinalized calls allowed before scheduling waits (an int >= 1).
+        timeout: seconds any blocking wait may take, finite and > 0 (default: ``TIERPOINT_TIMEOUT``
+            or 300).
         overlap_snapshot: copy into staging memory on a background thread, so that
             ``schedule_async_request`` returns at once; call :meth:`wait_for_snapshot` (or install
             :meth:`install_optimizer_hook`) before the state is modified.
+
+    Raises ``TypeError`` or ``ValueError``, naming the argument, before any worker is started.
+    Finalize (``maybe_finalize_async_calls(blocking=True)``) or :meth:`close` the queue before the
+    process exits: a call still pending then is dropped, with a WARNING.
     """
 
     def __init__(
@@ -82,10 +99,14 @@ class AsyncCallsQueue:
         timeout: float | None = None,
         overlap_snapshot: bool = False,
     ) -> None:
-        if max_in_flight < 1:
-            raise CheckpointingError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        self.max_in_flight = max_in_flight
-        self.timeout = timeout if timeout is not None else tpdist.default_timeout().total_seconds()
+        _check_bool("persistent", persistent)
+        _check_bool("overlap_snapshot", overlap_snapshot)
+        self.max_in_flight = _check_max_in_flight(max_in_flight)
+        self.timeout = (
+            _check_timeout("timeout", timeout)
+            if timeout is not None
+            else tpdist.default_timeout().total_seconds()  # checks TIERPOINT_TIMEOUT
+        )
         self.overlap_snapshot = overlap_snapshot
         self._worker: Worker | None = Worker()
         self._calls: deque[_Call] = deque()
@@ -94,6 +115,7 @@ class AsyncCallsQueue:
         self._closed = False
         self._pump_lock = threading.Lock()
         self._results: dict[int, tuple[bool, Any, str | None]] = {}  # by call id, not yet claimed
+        _live_queues.add(self)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the worker process has started (it imports torch, which takes a few seconds)."""
@@ -104,7 +126,20 @@ class AsyncCallsQueue:
     # ------------------------------------------------------------------------------ scheduling
 
     def schedule_async_request(self, request: AsyncRequest) -> int:
-        """Snapshot (``preload_fn``) and dispatch ``request``; returns its call id."""
+        """Snapshot (``preload_fn``) and dispatch ``request``; returns its call id.
+
+        Raises ``TypeError`` for anything but a valid :class:`AsyncRequest`, and
+        :class:`CheckpointingError` for a request scheduled before (on any queue) or a closed queue,
+        all before the queue changes.
+        """
+        if not isinstance(request, AsyncRequest):
+            raise TypeError(f"request must be an AsyncRequest, got {type(request).__name__}")
+        request.validate()
+        if request.scheduled:
+            raise CheckpointingError(
+                f"{request.description}: this AsyncRequest was scheduled already; a request is "
+                "scheduled once (create a new one for another save)"
+            )
         if self._closed:
             raise CheckpointingError("the AsyncCallsQueue is closed")
         if len(self._calls) >= self.max_in_flight:
@@ -116,6 +151,7 @@ class AsyncCallsQueue:
         if self._worker is None or self._worker.exitcode is not None:
             logger.warning("starting a new background worker (the previous one exited)")
             self._worker = Worker()
+        request.scheduled = True
         call = _Call(next(self._ids), request, time.monotonic())
         self._calls.append(call)
         if self.overlap_snapshot and request.preload_fn is not None:
@@ -301,7 +337,11 @@ class AsyncCallsQueue:
     # ------------------------------------------------------------------------------ shutdown
 
     def close(self, abort: bool = False) -> None:
-        """Finalize everything (or, with ``abort=True``, kill the worker and undo pending calls)."""
+        """Finalize everything (or, with ``abort=True``, kill the worker and undo pending calls).
+
+        Calls dropped unfinalized (all pending ones with ``abort=True``; those still pending
+        when finalizing raises) are named in a WARNING.
+        """
         if self._closed:
             return
         try:
@@ -313,14 +353,28 @@ class AsyncCallsQueue:
                         if thread is not None:
                             thread.join(self.timeout)
                     _run_all(call.request.abort_fns)
-                self._calls.clear()
+                self._drop_pending("the queue was closed with abort=True")
             else:
                 self.maybe_finalize_async_calls(blocking=True)
         finally:
             self._closed = True
+            self._drop_pending("close() raised before finalizing it")
             if self._worker is not None:
                 self._worker.stop()
                 self._worker = None
+
+    def _drop_pending(self, why: str) -> None:
+        """Forget the unfinalized calls, naming each in a WARNING: they are lost silently otherwise."""
+        while self._calls:
+            call = self._calls.popleft()
+            logger.warning(
+                "%s (call %d) was dropped before it was finalized: %s. To keep an async save, call "
+                "maybe_finalize_async_calls(blocking=True) or close() on its AsyncCallsQueue "
+                "before exiting.",
+                call.request.description,
+                call.id,
+                why,
+            )
 
     def __enter__(self) -> AsyncCallsQueue:
         return self
@@ -329,9 +383,43 @@ class AsyncCallsQueue:
         self.close(abort=exc[0] is not None)
 
     def __del__(self) -> None:
+        if getattr(self, "_calls", None):
+            self._drop_pending("its AsyncCallsQueue was garbage-collected without close()")
         worker = getattr(self, "_worker", None)
         if worker is not None and worker.exitcode is None:
             worker.kill()
+
+
+@atexit.register
+def _drop_pending_at_exit() -> None:
+    # The worker dies with this process, so whatever is pending now is lost: say so while logging
+    # still works (a queue's __del__ may run too late at shutdown, or never).
+    for queue in list(_live_queues):
+        queue._drop_pending("the process exited")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_max_in_flight(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"max_in_flight must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {value}")
+    return int(value)
+
+
+def _check_timeout(name: str, value: object) -> float:
+    """``value`` as seconds; ``name`` is where it came from (an argument or the environment)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a number of seconds (or None), got {type(value).__name__} {value!r}"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
+    return float(value)
 
 
 def _encode(status: tuple[bool, str, str | None]) -> torch.Tensor:

@@ -10,6 +10,9 @@ of the training process as soon as ``async_fn`` finished in the worker (whether 
 before the outcome is agreed, for work that needs ``torch.distributed`` (peer replication); raising
 there fails the call like a failed ``async_fn``.
 
+A request is scheduled once: :meth:`~tierpoint.asyncsave.AsyncCallsQueue.schedule_async_request`
+checks its fields (:meth:`AsyncRequest.validate`) and refuses a request that was scheduled before.
+
 Arguments travel to the worker by pickle over a private pipe between the two processes (never from
 a file). :class:`~tierpoint.staging.StagingBuffer` arguments travel as shared memory, not as bytes.
 """
@@ -31,6 +34,33 @@ class AsyncRequest:
     abort_fns: Sequence[Callable[[], Any]] = field(default_factory=list)
     description: str = "async checkpoint call"
     background_fn: Callable[[bool], Any] | None = None
+    scheduled: bool = field(default=False, init=False, repr=False, compare=False)
+    """Set when a queue accepted the request."""
+
+    def validate(self) -> None:
+        """Raise ``TypeError`` naming the first field that does not hold what it should."""
+        for name in ("async_fn", "preload_fn", "background_fn"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"AsyncRequest.{name} must be callable or None, got {fn!r}")
+        if not isinstance(self.async_fn_args, (tuple, list)):
+            raise TypeError(
+                "AsyncRequest.async_fn_args must be a tuple or list, "
+                f"got {type(self.async_fn_args).__name__}"
+            )
+        if self.async_fn_kwargs is not None and not isinstance(self.async_fn_kwargs, dict):
+            raise TypeError(
+                "AsyncRequest.async_fn_kwargs must be a dict or None, "
+                f"got {type(self.async_fn_kwargs).__name__}"
+            )
+        for name in ("finalize_fns", "abort_fns"):
+            fns = getattr(self, name)
+            if not isinstance(fns, (tuple, list)) or not all(callable(fn) for fn in fns):
+                raise TypeError(f"AsyncRequest.{name} must be a list of callables, got {fns!r}")
+        if not isinstance(self.description, str):
+            raise TypeError(
+                f"AsyncRequest.description must be a str, got {type(self.description).__name__}"
+            )
 
     def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
         self.finalize_fns = [*self.finalize_fns, fn]

@@ -1,0 +1,171 @@
+"""Misuse of AsyncCallsQueue: wrong arguments are refused before anything changes, a request is
+scheduled once, and a call dropped before it was finalized is named in a WARNING."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
+from tierpoint.asyncsave import queue as queue_module
+from tierpoint.errors import CheckpointingError
+
+HINT = "maybe_finalize_async_calls(blocking=True) or close()"
+
+
+@pytest.fixture(scope="module")
+def queue() -> Iterator[AsyncCallsQueue]:
+    """One queue (one worker process) for the tests that leave nothing pending; a queue a test
+    breaks then fails the next ones within ``timeout`` rather than hanging."""
+    q = AsyncCallsQueue(timeout=30)
+    yield q
+    q.close()
+
+
+def _no_worker() -> None:
+    pytest.fail("a worker was started before the arguments were checked")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_in_flight": "2"}, TypeError, "max_in_flight must be an int, got str"),
+        ({"max_in_flight": True}, TypeError, "max_in_flight must be an int"),
+        ({"max_in_flight": 0}, ValueError, "max_in_flight must be >= 1, got 0"),
+        ({"timeout": -1}, ValueError, "timeout must be a finite number of seconds > 0, got -1"),
+        ({"timeout": 0}, ValueError, "timeout must be a finite number"),
+        ({"timeout": float("nan")}, ValueError, "timeout must be a finite number"),
+        ({"timeout": float("inf")}, ValueError, "timeout must be a finite number"),
+        ({"timeout": "60"}, TypeError, "timeout must be a number of seconds"),
+        ({"overlap_snapshot": "yes"}, TypeError, "overlap_snapshot must be a bool"),
+        ({"persistent": None}, TypeError, "persistent must be a bool"),
+    ],
+)
+def test_constructor_arguments_are_checked_before_a_worker_starts(
+    monkeypatch, kwargs: dict, error: type[Exception], match: str
+):
+    monkeypatch.setattr(queue_module, "Worker", _no_worker)
+    with pytest.raises(error, match=match):
+        AsyncCallsQueue(**kwargs)
+
+
+def test_a_bad_timeout_from_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setattr(queue_module, "Worker", _no_worker)
+    monkeypatch.setenv("TIERPOINT_TIMEOUT", "-5")
+    with pytest.raises(CheckpointingError, match="TIERPOINT_TIMEOUT must be a positive number"):
+        AsyncCallsQueue()
+
+
+def _schedule_and_finalize(queue: AsyncCallsQueue) -> None:
+    """A valid request still goes through: the queue was left intact."""
+    done: list[bool] = []
+    call_id = queue.schedule_async_request(
+        AsyncRequest(time.sleep, (0.0,), [lambda: done.append(True)])
+    )
+    assert queue.maybe_finalize_async_calls(blocking=True) == [call_id]
+    assert done == [True]
+
+
+@pytest.mark.parametrize(
+    ("request_", "match"),
+    [
+        (None, "request must be an AsyncRequest, got NoneType"),
+        (time.sleep, "request must be an AsyncRequest, got builtin_function_or_method"),
+        (AsyncRequest("not a function"), "AsyncRequest.async_fn must be callable"),
+        (AsyncRequest(time.sleep, (0.0,), None), "AsyncRequest.finalize_fns must be a list"),
+        (AsyncRequest(time.sleep, 0.0), "AsyncRequest.async_fn_args must be a tuple"),
+    ],
+)
+def test_a_wrong_request_is_refused_and_leaves_the_queue_intact(
+    queue: AsyncCallsQueue, request_: object, match: str
+):
+    with pytest.raises(TypeError, match=match):
+        queue.schedule_async_request(request_)
+    assert queue.get_num_unfinalized_calls() == 0
+    _schedule_and_finalize(queue)
+
+
+def test_a_request_is_scheduled_once(queue: AsyncCallsQueue):
+    request = AsyncRequest(time.sleep, (0.5,), description="save 7")
+    queue.schedule_async_request(request)
+    with pytest.raises(CheckpointingError, match="save 7: this AsyncRequest was scheduled already"):
+        queue.schedule_async_request(request)  # while pending
+    queue.maybe_finalize_async_calls(blocking=True)
+    with pytest.raises(CheckpointingError, match="scheduled already"):
+        queue.schedule_async_request(request)  # and after it was finalized
+    assert queue.get_num_unfinalized_calls() == 0
+    _schedule_and_finalize(queue)
+
+
+def _dropped(caplog: pytest.LogCaptureFixture, description: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and description in r.getMessage()
+    ]
+
+
+def test_closing_with_abort_names_the_dropped_call(caplog):
+    queue = AsyncCallsQueue()
+    aborted: list[bool] = []
+    queue.schedule_async_request(
+        AsyncRequest(
+            time.sleep, (30.0,), abort_fns=[lambda: aborted.append(True)], description="save A"
+        )
+    )
+    with caplog.at_level(logging.WARNING, logger="tierpoint"):
+        queue.close(abort=True)
+    assert aborted == [True]
+    (message,) = _dropped(caplog, "save A")
+    assert "closed with abort=True" in message and HINT in message
+
+
+def test_a_garbage_collected_queue_names_its_pending_call(caplog):
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(AsyncRequest(time.sleep, (30.0,), description="save B"))
+    with caplog.at_level(logging.WARNING, logger="tierpoint"):
+        del queue
+        gc.collect()
+    (message,) = _dropped(caplog, "save B")
+    assert "garbage-collected" in message and HINT in message
+
+
+def _raise_in_worker() -> None:
+    raise OSError("disk full")
+
+
+def test_a_failing_close_names_the_calls_it_leaves(caplog):
+    queue = AsyncCallsQueue(max_in_flight=2)
+    queue.schedule_async_request(AsyncRequest(_raise_in_worker, description="save C"))
+    queue.schedule_async_request(AsyncRequest(time.sleep, (0.0,), description="save D"))
+    with caplog.at_level(logging.WARNING, logger="tierpoint"):
+        with pytest.raises(CheckpointingError, match="save C failed"):
+            queue.close()
+    (message,) = _dropped(caplog, "save D")
+    assert "close() raised" in message and HINT in message
+
+
+_EXIT_SCRIPT = """
+import logging, time
+from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
+logging.basicConfig(format="%(levelname)s %(message)s")
+queue = AsyncCallsQueue()
+queue.schedule_async_request(AsyncRequest(time.sleep, (60.0,), description="save at exit"))
+"""
+
+
+def test_exiting_with_a_pending_save_names_it_once():
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=50
+    )
+    assert out.returncode == 0, out.stderr
+    dropped = [line for line in out.stderr.splitlines() if "save at exit" in line]
+    assert len(dropped) == 1, out.stderr
+    assert dropped[0].startswith("WARNING") and "the process exited" in dropped[0], dropped
+    assert HINT in dropped[0]
