@@ -79,14 +79,24 @@ def _late_rank(rank: int, world: int) -> str:
     try:
         tpdist.barrier("waiting for a late rank")
     except CoordinationTimeoutError as e:
-        return str(e)
-    return "no timeout"
+        first = str(e)
+    else:
+        return "no timeout"
+    start = time.monotonic()
+    try:
+        tpdist.barrier("the next step")
+    except CheckpointingError as e:
+        return f"{first} | {e} | {time.monotonic() - start:.1f}"
+    return f"{first} | no error"
 
 
-def test_wait_for_absent_rank_times_out():
+def test_wait_for_absent_rank_times_out_and_later_steps_say_why_they_cannot_run():
     results = run_ranks(_late_rank, 2, env={"TIERPOINT_TIMEOUT": "3"}, timeout=90)
-    assert "waiting for a late rank" in results[1]
-    assert "timeout" in results[1]
+    first, later, seconds = results[1].split(" | ")
+    assert "waiting for a late rank" in first and "timeout" in first
+    assert "the next step: tierpoint's coordination group failed earlier" in later
+    assert "waiting for a late rank" in later and "restart the job" in later
+    assert float(seconds) < 1.0  # at once, not after another timeout
 
 
 def _layout(rank: int, world: int) -> dict:
@@ -141,3 +151,10 @@ def _raise(rank: int, world: int) -> None:
 def test_helper_reports_rank_failures():
     with pytest.raises(RankFailure, match="rank 1 failed"):
         run_ranks(_raise, 2)
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "inf", "nan"])
+def test_a_bad_timeout_variable_is_named(monkeypatch, value):
+    monkeypatch.setenv("TIERPOINT_TIMEOUT", value)
+    with pytest.raises(CheckpointingError, match="TIERPOINT_TIMEOUT must be a positive number"):
+        tpdist.default_timeout()

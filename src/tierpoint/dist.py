@@ -40,10 +40,22 @@ _MAX_MESSAGE = 2000
 
 _groups: dict[int, Any] = {}
 _layouts: dict[int, NodeLayout] = {}
+_broken: dict[int, tuple[Any, str]] = {}  # id(group) -> (the group, kept alive; what failed)
 
 
 def default_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("TIERPOINT_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    text = os.environ.get("TIERPOINT_TIMEOUT")
+    if text is None:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise CheckpointingError(
+            f"TIERPOINT_TIMEOUT must be a positive number of seconds, got {text!r}"
+        )
+    return timedelta(seconds=seconds)
 
 
 def is_distributed() -> bool:
@@ -108,10 +120,19 @@ def coordination_group(timeout: timedelta | None = None) -> Any:
 
 
 def _run_collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    group = kwargs.get("group")
+    broken = _broken.get(id(group)) if group is not None else None
+    if broken is not None:
+        raise CheckpointingError(
+            f"{what}: tierpoint's coordination group failed earlier ({broken[1]}) and a gloo group "
+            "does not recover: restart the job (it resumes from the latest complete checkpoint)"
+        )
     try:
         return fn(*args, **kwargs)
     except (RuntimeError, dist.DistError) as e:  # gloo reports timeouts and dead peers as these
         text = str(e)
+        if group is not None:
+            _broken[id(group)] = (group, f"{what}: {_first_line(text)}"[:300])
         if "timed out" in text.lower() or "timeout" in text.lower():
             raise CoordinationTimeoutError(
                 f"{what}: ranks did not all arrive within the timeout ({_first_line(text)})"

@@ -68,6 +68,22 @@ _S3_MAX_PARTS = 10_000
 # ---------------------------------------------------------------------------------------- naming
 
 
+def checkpoint_path(value: Any, argument: str = "path") -> str:
+    """``value`` as a path or URL string; anything else is a clear error naming ``argument``."""
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if isinstance(path, str) and path:
+            return path
+    hint = (
+        " (get_latest_complete_checkpoint returns None when no checkpoint exists)"
+        if value is None
+        else ""
+    )
+    raise CheckpointingError(
+        f"{argument} must be a non-empty path or URL string, got {type(value).__name__}{hint}"
+    )
+
+
 def is_local(url: str | os.PathLike) -> bool:
     """Whether ``url`` names a local path (plain path or ``file://``)."""
     text = os.fspath(url)

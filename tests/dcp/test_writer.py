@@ -267,3 +267,15 @@ def test_two_ranks_round_trip_and_a_failing_rank_fails_the_save_everywhere(tmp_p
     assert {r.split("|")[1] for r in results} == {step_path(root, 1)}
     assert not os.path.exists(os.path.join(step_path(root, 2), ".metadata"))
     assert not os.path.exists(os.path.join(step_path(root, 2), "__0_0.distcp"))  # cleaned up
+
+
+def test_wrong_arguments_are_named(tmp_path):
+    with pytest.raises(CheckpointingError, match="get_latest_complete_checkpoint returns None"):
+        load({"a": torch.zeros(1)}, None)
+    with pytest.raises(CheckpointingError, match="step must be a non-negative int"):
+        step_path(tmp_path, "5")
+    with pytest.raises(CheckpointingError, match="state_dict must be a dict"):
+        save(torch.ones(2), step_path(tmp_path, 1))
+    with pytest.raises(CheckpointingError, match="state_dict must be a dict"):
+        load([torch.ones(2)], step_path(tmp_path, 1))
+    assert not os.path.exists(step_path(tmp_path, 1))

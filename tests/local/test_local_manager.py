@@ -324,6 +324,8 @@ def test_bad_arguments(tmp_path):
         LocalCheckpointManager(tmp_path, session_id="../escape")
     with pytest.raises(CheckpointingError, match="keep_last"):
         LocalCheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(CheckpointingError, match="root_local_ckpt_dir must be a path"):
+        LocalCheckpointManager(123)  # type: ignore[arg-type]
     manager = LocalCheckpointManager(tmp_path)
     with pytest.raises(CheckpointingError, match="TensorAwareStateDict"):
         manager.save({"x": torch.ones(1)}, 1)  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from typing import Any
 
 from .. import dist as tpdist
 from .. import storage
+from ..errors import CheckpointingError
 
 STEP_PREFIX = "step-"
 METADATA_NAME = ".metadata"
@@ -39,8 +40,8 @@ _MARKER = re.compile(r"^\.unfinished-(\d+)$")
 
 def step_path(base: str | os.PathLike, step: int) -> str:
     """The directory (or URL prefix) of step ``step`` under ``base``."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    if type(step) is not int or step < 0:
+        raise CheckpointingError(f"step must be a non-negative int, got {step!r:.40}")
     return storage.join(base, f"{STEP_PREFIX}{int(step)}")
 
 
@@ -138,8 +139,6 @@ def _gather_views(
     )
     failures = {r: v["error"] for r, v in enumerate(views) if v["error"]}
     if failures:
-        from ..errors import CheckpointingError
-
         detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
         raise CheckpointingError(f"listing checkpoints under {base} failed: {detail}", failures)
     return views

@@ -44,6 +44,7 @@ from ..dist import agree, get_rank
 from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
 from .reader import DEFAULT_THREAD_COUNT, Reader
 from .safe_pickle import CorruptDCPError
+from .state_dict_saver import require_state_dict
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -82,6 +83,7 @@ def load(
     it with the same keys); see the module docstring for what differs. Raises
     :class:`CheckpointingError` (:class:`CorruptCheckpointError` for damaged files) on every rank.
     """
+    require_state_dict(state_dict)
     reader = Reader(path, thread_count=thread_count, storage_options=storage_options)
     if planner is None:
         planner = SafeLoadPlanner()

@@ -91,7 +91,7 @@ class Reader(StorageReader):
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be at least 1, not {thread_count}")
-        self.path = os.fspath(path)
+        self.path = storage.checkpoint_path(path)
         self.thread_count = thread_count
         self.storage_options = dict(storage_options or {})
         self.load_id = str(uuid.uuid4())

@@ -153,6 +153,15 @@ def default_metadata_cache() -> CheckpointMetadataCache:
     return _checkpoint_metadata_cache
 
 
+def require_state_dict(state_dict: Any) -> None:
+    """A DCP state dict is a dict of tensors and values; anything else is a clear error."""
+    if not isinstance(state_dict, dict):
+        raise CheckpointingError(
+            f"state_dict must be a dict (e.g. {{'model': model.state_dict()}}), got "
+            f"{type(state_dict).__name__}"
+        )
+
+
 def get_metadata_caching_status() -> tuple[bool, bool] | None:
     if _checkpoint_metadata_cache is None:
         return None
@@ -184,6 +193,7 @@ def save_state_dict_async_plan(
     local_plan: SavePlan | None = None
     error: BaseException | None = None
     try:
+        require_state_dict(state_dict)
         planner.set_up_planner(
             state_dict=state_dict,
             storage_meta=storage_writer.storage_meta(),

@@ -125,7 +125,7 @@ class Writer(StorageWriter):
         super().__init__()
         if thread_count < 1:
             raise CheckpointingError(f"thread_count must be >= 1, got {thread_count}")
-        self.path = os.fspath(path_or_url)
+        self.path = storage.checkpoint_path(path_or_url, "path_or_url")
         self.thread_count = int(thread_count)
         self.sync_files = sync_files
         self.storage_options = dict(storage_options or {})

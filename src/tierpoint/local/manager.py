@@ -83,6 +83,12 @@ class LocalCheckpointManager:
     ) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointingError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+        if root_local_ckpt_dir is not None and not isinstance(
+            root_local_ckpt_dir, (str, os.PathLike)
+        ):
+            raise CheckpointingError(
+                f"root_local_ckpt_dir must be a path (or None), got {type(root_local_ckpt_dir).__name__}"
+            )
         self.root_local_ckpt_dir = (
             Path(root_local_ckpt_dir) if root_local_ckpt_dir else naming.default_root()
         )
