@@ -47,3 +47,34 @@ def test_verify_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture) -> No
     assert '"iteration": 1' in out and "w  torch.float32  [2, 3]" in out
     with pytest.raises(SystemExit):
         main(["verify"])
+
+
+def test_ls_and_verify_a_dcp_base(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from tierpoint.dcp import save, step_path
+
+    save({"w": torch.arange(8.0), "step": 3}, step_path(tmp_path, 3))
+    save({"w": torch.arange(8.0), "step": 5}, step_path(tmp_path, 5))
+    (Path(step_path(tmp_path, 5)) / ".unfinished-1").touch()  # rank 1 never finished step 5
+    Path(step_path(tmp_path, 7)).mkdir()
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "step 7: INCOMPLETE (no .metadata" in out
+    assert "step 5: INCOMPLETE (unfinished on ranks [1])" in out
+    assert "step 3: complete" in out and f"latest complete: {step_path(tmp_path, 3)}" in out
+    assert main(["verify", step_path(tmp_path, 3)]) == 0
+    assert "1 tensors (32 bytes) and 1 other values" in capsys.readouterr().out
+    data = next(Path(step_path(tmp_path, 3)).glob("*.distcp"))
+    assert main(["verify", str(data)]) == 1
+    assert "a DCP data file: verify its checkpoint directory" in capsys.readouterr().out
+    data.write_bytes(data.read_bytes()[:40])
+    assert main(["verify", step_path(tmp_path, 3)]) == 1
+    assert "truncated" in capsys.readouterr().out
+
+
+def test_verify_a_directory_of_parts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    for rank in (0, 1):
+        _part(tmp_path / "0" / part_name(4, rank), 4, rank, 2)
+    assert main(["verify", str(tmp_path / "0")]) == 0
+    assert capsys.readouterr().out.count("ok   ") == 2
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "neither a DCP checkpoint" in capsys.readouterr().out

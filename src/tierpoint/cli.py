@@ -4,9 +4,12 @@ Subcommands (each reads only; none runs code from a file):
 
 - ``tierpoint ls [ROOT]``: the local tier under ROOT (default ``/dev/shm/tierpoint-<uid>``): per
   session, every iteration with the ranks whose parts exist somewhere (own or replica) and whether it
-  is complete;
-- ``tierpoint verify FILE...``: check part files completely (header and every tensor checksum);
-  exit status 1 if any fails;
+  is complete; for a DCP base directory (holding ``step-<N>`` directories), every step, committed or
+  which ranks never finished it, and the latest complete one;
+- ``tierpoint verify PATH...``: check part files completely (header and every tensor checksum), every
+  part file in a directory, or a DCP checkpoint directory (metadata and every item read and decoded;
+  DCP files carry no checksums, so damage inside tensor bytes cannot be seen); exit status 1 if any
+  fails;
 - ``tierpoint inspect FILE``: a part file's metadata and tensors (name, dtype, shape, checksum);
 - ``tierpoint demo``: the fault-tolerant training demo (``python -m tierpoint.demo``).
 """
@@ -19,8 +22,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from . import fileformat
+from .dcp import layout
 from .errors import CheckpointingError
 from .local.naming import default_root, parse_part_name
 
@@ -29,6 +34,8 @@ def _ls(root: Path) -> int:
     if not root.is_dir():
         print(f"{root}: no such directory", file=sys.stderr)
         return 1
+    if any(layout.step_of(p.name) is not None for p in root.iterdir() if p.is_dir()):
+        return _ls_dcp(root)
     for session in sorted(p for p in root.iterdir() if p.is_dir()):
         origins: dict[int, set[int]] = {}
         worlds: dict[int, set[int]] = {}
@@ -59,17 +66,69 @@ def _ls(root: Path) -> int:
     return 0
 
 
+def _ls_dcp(base: Path) -> int:
+    view = layout.local_view(base)
+    print(f"DCP checkpoints under {base}")
+    for step, committed, markers in reversed(view):
+        if committed and not markers:
+            state = "complete"
+        elif markers:
+            state = f"INCOMPLETE (unfinished on ranks {markers})"
+        else:
+            state = "INCOMPLETE (no .metadata: the save never committed)"
+        print(f"  step {step}: {state}")
+    latest = layout.choose_latest([view])
+    print(f"latest complete: {'none' if latest is None else layout.step_path(base, latest)}")
+    return 0
+
+
 def _verify(paths: Sequence[str]) -> int:
     failed = 0
     for path in paths:
-        try:
-            header = fileformat.verify(path)
-        except (OSError, CheckpointingError) as e:
-            print(f"FAIL {path}: {e}")
-            failed += 1
-            continue
-        print(f"ok   {path}: {len(header.records)} tensors, {header.file_size} bytes")
+        for target, check in _verifications(Path(path)):
+            try:
+                print(f"ok   {target}: {check()}")
+            except (OSError, CheckpointingError) as e:
+                print(f"FAIL {target}: {e}")
+                failed += 1
     return 1 if failed else 0
+
+
+def _verifications(path: Path) -> list[tuple[Path, Any]]:
+    """``(what, check)`` pairs for a path: a part file, a DCP checkpoint, or a directory of parts."""
+    if path.is_dir() and (path / layout.METADATA_NAME).exists():
+        return [(path, lambda: _verify_dcp(path))]
+    if path.is_dir():
+        parts = sorted(p for p in path.iterdir() if parse_part_name(p.name) is not None)
+        return [(p, lambda p=p: _verify_part(p)) for p in parts] or [(path, _no_checkpoint)]
+    if path.suffix == ".distcp":
+        return [(path, lambda: _not_a_part(path))]
+    return [(path, lambda: _verify_part(path))]
+
+
+def _verify_part(path: Path) -> str:
+    header = fileformat.verify(path)
+    return f"{len(header.records)} tensors, {header.file_size} bytes"
+
+
+def _verify_dcp(path: Path) -> str:
+    from .dcp.verify import verify_checkpoint
+
+    summary = verify_checkpoint(path)
+    return (
+        f"DCP checkpoint: {summary.tensors} tensors ({summary.tensor_bytes} bytes) and "
+        f"{summary.values} other values read and decoded"
+    )
+
+
+def _no_checkpoint() -> str:
+    raise CheckpointingError(
+        "neither a DCP checkpoint (no .metadata) nor a directory of part files"
+    )
+
+
+def _not_a_part(path: Path) -> str:
+    raise CheckpointingError(f"a DCP data file: verify its checkpoint directory ({path.parent})")
 
 
 def _inspect(path: str) -> int:
@@ -88,11 +147,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tierpoint", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", help="list local-tier checkpoints and their completeness")
-    ls.add_argument("root", nargs="?", default=str(default_root()))
-    verify = sub.add_parser("verify", help="check part files completely")
-    verify.add_argument("files", nargs="+")
+    ls.add_argument(
+        "root", nargs="?", default=str(default_root()), help="local-tier root or DCP base directory"
+    )
+    verify = sub.add_parser("verify", help="check part files or DCP checkpoints completely")
+    verify.add_argument(
+        "files", nargs="+", metavar="PATH", help="part file, directory of part files, DCP directory"
+    )
     inspect = sub.add_parser("inspect", help="show a part file's metadata and tensors")
-    inspect.add_argument("file")
+    inspect.add_argument("file", metavar="FILE", help="a local-tier part file")
     sub.add_parser("demo", help="run the fault-tolerant training demo", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":

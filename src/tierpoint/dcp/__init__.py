@@ -13,10 +13,12 @@ from .state_dict_saver import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
+from .verify import CheckpointSummary, verify_checkpoint
 from .writer import Writer
 
 __all__ = [
     "CheckpointMetadataCache",
+    "CheckpointSummary",
     "CorruptDCPError",
     "Reader",
     "SafeLoadPlanner",
@@ -37,4 +39,5 @@ __all__ = [
     "save_state_dict_async_finalize",
     "save_state_dict_async_plan",
     "step_path",
+    "verify_checkpoint",
 ]

@@ -1,0 +1,39 @@
+"""verify_checkpoint: every item of a DCP checkpoint read and decoded, in bounded batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tierpoint.dcp import step_path
+from tierpoint.dcp import verify as verify_module
+from tierpoint.dcp.verify import verify_checkpoint
+from tierpoint.errors import CorruptCheckpointError
+
+
+def test_every_item_is_read_in_batches(tmp_path: Path, monkeypatch) -> None:
+    path = step_path(tmp_path, 1)
+    state = {"a": torch.ones(100), "b": torch.zeros(50, dtype=torch.int64), "meta": {"lr": 0.1}}
+    dcp.save(state, checkpoint_id=path)  # torch's own writer
+    loads: list[list[str]] = []
+    real_load = verify_module.load
+    monkeypatch.setattr(
+        verify_module,
+        "load",
+        lambda batch, *a, **k: (loads.append(sorted(batch)), real_load(batch, *a, **k)),
+    )
+    summary = verify_checkpoint(path, batch_bytes=450)
+    assert (summary.tensors, summary.values, summary.tensor_bytes) == (2, 1, 800)
+    assert loads == [["a"], ["b", "meta.lr"]]  # 400 + 400 bytes do not fit one batch of 450
+
+
+def test_a_truncated_item_is_named(tmp_path: Path) -> None:
+    path = step_path(tmp_path, 1)
+    dcp.save({"a": torch.ones(1000)}, checkpoint_id=path)
+    data = next(Path(path).glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:-100])
+    with pytest.raises(CorruptCheckpointError, match="'a'"):
+        verify_checkpoint(path)
