@@ -1,11 +1,16 @@
 """Shared test set-up. Multi-rank tests use :func:`tierpoint.spawn.run_ranks`."""
 
+from __future__ import annotations
+
 import logging
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
+
+from tierpoint import fileformat
 
 logging.getLogger("tierpoint").setLevel(logging.DEBUG)
 
@@ -22,3 +27,21 @@ def tier_root(request, tmp_path):
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def good_state() -> dict:
+    """A small state whose part file the file-format tests know byte for byte."""
+    return {
+        "w": torch.arange(16, dtype=torch.float32).reshape(4, 4),  # data bytes 64..128
+        "b": torch.arange(8, dtype=torch.int64),  # 0..64
+        "z": torch.tensor([1 + 2j, -0.5j, 3.0], dtype=torch.complex64),  # 128..152, stored as U8
+        "e": torch.empty(0),  # 128..128
+        "step": 7,
+    }
+
+
+@pytest.fixture
+def good_part(tmp_path: Path) -> Path:
+    path = tmp_path / "rank0.part"
+    fileformat.write(path, good_state())
+    return path

@@ -30,6 +30,8 @@ from safetensors.torch import save_file
 from tierpoint import fileformat, tree
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError, UnsupportedStateError
 
+from .conftest import good_state
+
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
 DTYPES = fileformat.DTYPES
@@ -553,23 +555,6 @@ CORPUS: dict[str, Damage] = {
     "skeleton_unknown_tag": Damage(set_doc("skeleton", [{"~": "evil"}]), "bad state skeleton", ("read", "read_noverify")),
     "flipped_data_bit": Damage(flip_bit_in("w"), "checksum mismatch in tensor 'w'", ("read", "read_mmap", "verify", "stream")),
 }  # fmt: skip
-
-
-def good_state() -> dict[str, Any]:
-    return {
-        "w": torch.arange(16, dtype=torch.float32).reshape(4, 4),  # data bytes 64..128
-        "b": torch.arange(8, dtype=torch.int64),  # 0..64
-        "z": torch.tensor([1 + 2j, -0.5j, 3.0], dtype=torch.complex64),  # 128..152, stored as U8
-        "e": torch.empty(0),  # 128..128
-        "step": 7,
-    }
-
-
-@pytest.fixture
-def good_part(tmp_path: Path) -> Path:
-    path = tmp_path / "rank0.part"
-    fileformat.write(path, good_state())
-    return path
 
 
 def test_good_file_has_the_layout_the_corpus_assumes(good_part: Path) -> None:

@@ -249,23 +249,6 @@ def test_pickle_payload_in_a_file_never_runs_by_default(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------ truncation, file kinds
 
 
-def good_state() -> dict[str, Any]:
-    return {
-        "w": torch.arange(16, dtype=torch.float32).reshape(4, 4),
-        "b": torch.arange(8, dtype=torch.int64),
-        "z": torch.tensor([1 + 2j, -0.5j, 3.0], dtype=torch.complex64),
-        "e": torch.empty(0),
-        "step": 7,
-    }
-
-
-@pytest.fixture
-def good_part(tmp_path: Path) -> Path:
-    path = tmp_path / "rank0.part"
-    fileformat.write(path, good_state())
-    return path
-
-
 @pytest.mark.parametrize("reader", ALL_READERS)
 def test_truncation_at_every_region_boundary_is_refused(good_part: Path, reader: str) -> None:
     """Cut inside the length prefix, the header, at the data start and at and around every tensor's
