@@ -403,7 +403,8 @@ class LocalCheckpointManager:
         self._retire(keep | {iteration})
         self._remember_own_part(iteration)
         seconds = time.perf_counter() - start
-        logger.info(
+        logger.log(
+            _per_rank_level(self.rank),
             "saved local checkpoint iteration %d (rank %d): %.1f MiB in %.3f s, %.2f GB/s",
             iteration,
             self.rank,
@@ -684,10 +685,12 @@ class LocalCheckpointManager:
                 loaded, reason, kind = self._read_own(iteration, allow_pickle, verify=False)
                 if loaded is not None:
                     source = next(s for s, d, o in plan.moves if d == self.rank == o)
+                    path = str(self._part_path(iteration))
+                    why = first_reason.replace(f"corrupt checkpoint file {path}: ", "")
                     logger.warning(
                         "local part %s (%s) was replaced by the copy held by rank %d",
-                        self._part_path(iteration),
-                        first_reason,
+                        path,
+                        why.removeprefix(f"{path}: "),
                         source,
                     )
                 else:
@@ -702,7 +705,8 @@ class LocalCheckpointManager:
         )
         ta.restore_tensor_device()
         seconds = time.perf_counter() - start
-        logger.info(
+        logger.log(
+            _per_rank_level(self.rank),
             "loaded local checkpoint iteration %d (rank %d): %.1f MiB in %.3f s, %.2f GB/s",
             iteration,
             self.rank,
@@ -855,6 +859,11 @@ class _ReceivedPart(fileformat.PartVerifier):
                 f"rank {self.move.src} sent a part whose metadata does not match its name",
             )
         return header
+
+
+def _per_rank_level(rank: int) -> int:
+    """Per-rank progress lines: INFO on rank 0 (one line per save or load), DEBUG on the others."""
+    return logging.INFO if rank == 0 else logging.DEBUG
 
 
 def _warn_unrestored(iteration: int, origin: int, why: str) -> None:
