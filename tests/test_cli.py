@@ -9,6 +9,7 @@ import torch
 
 from tierpoint import fileformat
 from tierpoint.cli import main
+from tierpoint.dcp import save, step_path
 from tierpoint.local.naming import part_name
 
 
@@ -50,8 +51,6 @@ def test_verify_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture) -> No
 
 
 def test_ls_and_verify_a_dcp_base(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from tierpoint.dcp import save, step_path
-
     save({"w": torch.arange(8.0), "step": 3}, step_path(tmp_path, 3))
     save({"w": torch.arange(8.0), "step": 5}, step_path(tmp_path, 5))
     (Path(step_path(tmp_path, 5)) / ".unfinished-1").touch()  # rank 1 never finished step 5

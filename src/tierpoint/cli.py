@@ -26,6 +26,7 @@ from typing import Any
 
 from . import fileformat
 from .dcp import layout
+from .dcp.verify import verify_checkpoint
 from .errors import CheckpointingError
 from .local.naming import default_root, parse_part_name
 
@@ -68,17 +69,18 @@ def _ls(root: Path) -> int:
 
 def _ls_dcp(base: Path) -> int:
     view = layout.local_view(base)
+    complete = layout.complete_steps([view])
     print(f"DCP checkpoints under {base}")
-    for step, committed, markers in reversed(view):
-        if committed and not markers:
+    for step, _, markers in reversed(view):
+        if step in complete:
             state = "complete"
         elif markers:
             state = f"INCOMPLETE (unfinished on ranks {markers})"
         else:
             state = "INCOMPLETE (no .metadata: the save never committed)"
         print(f"  step {step}: {state}")
-    latest = layout.choose_latest([view])
-    print(f"latest complete: {'none' if latest is None else layout.step_path(base, latest)}")
+    latest = layout.step_path(base, complete[0]) if complete else "none"
+    print(f"latest complete: {latest}")
     return 0
 
 
@@ -100,9 +102,16 @@ def _verifications(path: Path) -> list[tuple[Path, Any]]:
         return [(path, lambda: _verify_dcp(path))]
     if path.is_dir():
         parts = sorted(p for p in path.iterdir() if parse_part_name(p.name) is not None)
-        return [(p, lambda p=p: _verify_part(p)) for p in parts] or [(path, _no_checkpoint)]
+        return [(p, lambda p=p: _verify_part(p)) for p in parts] or [
+            (
+                path,
+                _refused("neither a DCP checkpoint (no .metadata) nor a directory of part files"),
+            )
+        ]
     if path.suffix == ".distcp":
-        return [(path, lambda: _not_a_part(path))]
+        return [
+            (path, _refused(f"a DCP data file: verify its checkpoint directory ({path.parent})"))
+        ]
     return [(path, lambda: _verify_part(path))]
 
 
@@ -112,8 +121,6 @@ def _verify_part(path: Path) -> str:
 
 
 def _verify_dcp(path: Path) -> str:
-    from .dcp.verify import verify_checkpoint
-
     summary = verify_checkpoint(path)
     return (
         f"DCP checkpoint: {summary.tensors} tensors ({summary.tensor_bytes} bytes) and "
@@ -121,14 +128,13 @@ def _verify_dcp(path: Path) -> str:
     )
 
 
-def _no_checkpoint() -> str:
-    raise CheckpointingError(
-        "neither a DCP checkpoint (no .metadata) nor a directory of part files"
-    )
+def _refused(message: str) -> Any:
+    """A check that fails with ``message``: the path is not something ``verify`` can check."""
 
+    def check() -> str:
+        raise CheckpointingError(message)
 
-def _not_a_part(path: Path) -> str:
-    raise CheckpointingError(f"a DCP data file: verify its checkpoint directory ({path.parent})")
+    return check
 
 
 def _inspect(path: str) -> int:

@@ -80,7 +80,7 @@ def checkpoint_path(value: Any, argument: str = "path") -> str:
         else ""
     )
     raise CheckpointingError(
-        f"{argument} must be a non-empty path or URL string, got {type(value).__name__}{hint}"
+        f"{argument} must be a path or URL string (not empty), got {type(value).__name__}{hint}"
     )
 
 

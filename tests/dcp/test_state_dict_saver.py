@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from tierpoint.dcp import (
     CheckpointMetadataCache,
     Writer,
+    get_latest_complete_checkpoint,
     save,
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
@@ -210,8 +211,6 @@ def test_plans_loaded_with_the_metadata_skip_planning(tmp_path):
 
 
 def _save_into_step_of_rank(rank: int, world: int, base: str) -> str:
-    from tierpoint.dcp import save, step_path
-
     try:
         save({"w": torch.full((4,), float(rank))}, step_path(base, 10 + rank))
     except CheckpointingError as e:
@@ -220,8 +219,6 @@ def _save_into_step_of_rank(rank: int, world: int, base: str) -> str:
 
 
 def test_ranks_saving_into_different_steps_commit_nothing(tmp_path):
-    from tierpoint.dcp import get_latest_complete_checkpoint
-
     results = run_ranks(_save_into_step_of_rank, 2, str(tmp_path))
     assert len(set(results)) == 1 and "every rank must pass the same step directory" in results[0]
     assert "'step-10'" in results[0] and "'step-11'" in results[0]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tierpoint import fileformat
+from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import (
     BasicTensorAwareStateDict,
@@ -20,7 +23,7 @@ from tierpoint.local import (
 from tierpoint.spawn import run_ranks
 
 from ..mounts import small_tmpfs
-from .helpers import assert_bitwise_equal, make_state
+from .helpers import WarningRecords, assert_bitwise_equal, make_state
 
 WORLD = 4
 
@@ -350,8 +353,6 @@ def test_stale_dirty_file_never_blocks_a_save(tmp_path):
 
 
 def _save_after_destroying_the_group(rank: int, world: int, root: str) -> str:
-    import torch.distributed as dist
-
     manager = save_iterations(root, rank, [1])
     dist.destroy_process_group()  # e.g. a final save in a shutdown hook after teardown
     os.environ.pop("WORLD_SIZE")  # not launched by torchrun: only the manager can tell
@@ -377,8 +378,6 @@ def test_several_launched_processes_without_a_process_group_refuse(tmp_path, mon
 
 
 def _async_twice(rank: int, world: int, root: str) -> str:
-    from tierpoint.asyncsave import AsyncCallsQueue
-
     manager = LocalCheckpointManager(root, session_id="job")
     queue = AsyncCallsQueue()
     try:
@@ -441,8 +440,6 @@ def test_ranks_in_different_calls_get_one_clear_error(tmp_path):
 
 
 def test_pickled_state_loads_only_when_allowed(tmp_path):
-    from fractions import Fraction
-
     manager = LocalCheckpointManager(tmp_path, session_id="job")
     manager.save(BasicTensorAwareStateDict(make_state(0, 1)), 1)
     state = {"w": torch.ones(3), "ratio": Fraction(1, 3)}
@@ -455,8 +452,6 @@ def test_pickled_state_loads_only_when_allowed(tmp_path):
 
 
 def _find_latest_with_warnings(rank: int, world: int, root: str) -> tuple[int, list[str]]:
-    from .helpers import WarningRecords
-
     records = WarningRecords()
     return LocalCheckpointManager(root, session_id="job").find_latest(), records.messages
 

@@ -103,7 +103,7 @@ class AsyncCallsQueue:
         _check_bool("overlap_snapshot", overlap_snapshot)
         self.max_in_flight = _check_max_in_flight(max_in_flight)
         self.timeout = (
-            _check_timeout("timeout", timeout)
+            _check_timeout(timeout)
             if timeout is not None
             else tpdist.default_timeout().total_seconds()  # checks TIERPOINT_TIMEOUT
         )
@@ -411,14 +411,13 @@ def _check_max_in_flight(value: object) -> int:
     return int(value)
 
 
-def _check_timeout(name: str, value: object) -> float:
-    """``value`` as seconds; ``name`` is where it came from (an argument or the environment)."""
+def _check_timeout(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"{name} must be a number of seconds (or None), got {type(value).__name__} {value!r}"
+            f"timeout must be a number of seconds (or None), got {type(value).__name__} {value!r}"
         )
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {value}")
     return float(value)
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import dist as tpdist
-from .. import fileformat, transfer
+from .. import fileformat, storage, transfer
 from ..asyncsave.request import AsyncRequest
 from ..asyncsave.worker import seal_staged_part, write_staged_part
 from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
@@ -83,14 +83,10 @@ class LocalCheckpointManager:
     ) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointingError(f"keep_last must be an integer >= 1, got {keep_last!r}")
-        if root_local_ckpt_dir is not None and not isinstance(
-            root_local_ckpt_dir, (str, os.PathLike)
-        ):
-            raise CheckpointingError(
-                f"root_local_ckpt_dir must be a path (or None), got {type(root_local_ckpt_dir).__name__}"
-            )
         self.root_local_ckpt_dir = (
-            Path(root_local_ckpt_dir) if root_local_ckpt_dir else naming.default_root()
+            naming.default_root()
+            if root_local_ckpt_dir in (None, "")
+            else Path(storage.checkpoint_path(root_local_ckpt_dir, "root_local_ckpt_dir"))
         )
         if ".." in self.root_local_ckpt_dir.parts:
             raise CheckpointingError(
@@ -245,11 +241,11 @@ class LocalCheckpointManager:
         newest = max((tuple(p) for listing in listings for p in listing), default=None)
         self._newest_seen = newest
         if newest is not None and newest[0] > self._latest:
-            self._log_unusable(listings, complete)
+            self._log_unusable(listings)
         logger.debug("find_latest: %d (%.3f s)", self._latest, time.perf_counter() - start)
         return self._latest
 
-    def _log_unusable(self, listings: list[list[list[int]]], complete: dict[int, int]) -> None:
+    def _log_unusable(self, listings: list[list[list[int]]]) -> None:
         """Say why each iteration newer than the latest usable one is not used: saved with another
         world size (the local tier does not reshard), or parts missing everywhere."""
         fallback = (
@@ -685,13 +681,11 @@ class LocalCheckpointManager:
                 loaded, reason, kind = self._read_own(iteration, allow_pickle, verify=False)
                 if loaded is not None:
                     source = next(s for s, d, o in plan.moves if d == self.rank == o)
-                    path = str(self._part_path(iteration))
-                    why = first_reason.replace(f"corrupt checkpoint file {path}: ", "")
-                    logger.warning(
-                        "local part %s (%s) was replaced by the copy held by rank %d",
-                        path,
-                        why.removeprefix(f"{path}: "),
+                    logger.warning(  # the reason names the file
+                        "local part of iteration %d replaced by the copy held by rank %d: %s",
+                        iteration,
                         source,
+                        first_reason,
                     )
                 else:
                     bad += [[s, o] for s, d, o in plan.moves if d == self.rank == o]
