@@ -19,6 +19,8 @@ Invariants:
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import re
 import socket
@@ -56,6 +58,17 @@ def default_timeout() -> timedelta:
             f"TIERPOINT_TIMEOUT must be a positive number of seconds, got {text!r}"
         )
     return timedelta(seconds=seconds)
+
+
+def check_timeout(value: object) -> float:
+    """``value`` as seconds, or ``TypeError`` / ``ValueError`` unless it is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"timeout must be a number of seconds (or None), got {type(value).__name__} {value!r}"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {value}")
+    return float(value)
 
 
 def is_distributed() -> bool:

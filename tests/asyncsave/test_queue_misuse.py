@@ -96,11 +96,40 @@ def test_a_request_is_scheduled_once(queue: AsyncCallsQueue):
     queue.schedule_async_request(request)
     with pytest.raises(CheckpointingError, match="save 7: this AsyncRequest was scheduled already"):
         queue.schedule_async_request(request)  # while pending
+    with pytest.raises(CheckpointingError, match="save 7: finalize functions cannot be added"):
+        request.add_finalize_fn(lambda: None)  # it would never run if the call finished already
+    assert list(request.finalize_fns) == []
     queue.maybe_finalize_async_calls(blocking=True)
     with pytest.raises(CheckpointingError, match="scheduled already"):
         queue.schedule_async_request(request)  # and after it was finalized
     assert queue.get_num_unfinalized_calls() == 0
     _schedule_and_finalize(queue)
+
+
+def test_add_finalize_fn_takes_callables_only():
+    request = AsyncRequest(time.sleep, (0.0,))
+    with pytest.raises(TypeError, match="finalize function must be callable, got 'x'"):
+        request.add_finalize_fn("x")
+    assert list(request.finalize_fns) == []
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error", "match"),
+    [
+        ("5", TypeError, "timeout must be a number of seconds"),
+        (-1, ValueError, "timeout must be a finite number of seconds > 0, got -1"),
+        (float("nan"), ValueError, "timeout must be a finite number"),
+    ],
+)
+def test_waits_check_their_timeout(
+    queue: AsyncCallsQueue, timeout: object, error: type[Exception], match: str
+):
+    with pytest.raises(error, match=match):
+        queue.wait_ready(timeout)  # type: ignore[arg-type]
+    with pytest.raises(error, match=match):
+        queue.wait_for_snapshot(timeout)  # type: ignore[arg-type]
+    queue.wait_ready(30)
+    queue.wait_for_snapshot(30)
 
 
 def _dropped(caplog: pytest.LogCaptureFixture, description: str) -> list[str]:

@@ -174,6 +174,8 @@ def test_saves_in_flight_get_own_buffers_and_every_dtype_is_staged(tmp_path):
         state["n"] = 2
         f2 = async_save(state, step_path(tmp_path, 2), queue=queue, staging_pool=pool)
         state["a"].add_(1)
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+            f1.result("120")  # type: ignore[arg-type]
         f1.result(timeout=120)
         f2.result(timeout=120)
         assert pool.allocations == 2

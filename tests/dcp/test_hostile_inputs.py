@@ -415,3 +415,21 @@ def test_huge_central_directory_claim_is_refused_without_reading_it(ckpt: Path) 
     with pytest.raises(CorruptCheckpointError, match="a central directory of"):
         load(blank(), ckpt)
     assert rss_mib() - before < 256
+
+
+def test_data_file_linking_outside_the_checkpoint_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    """A link to a file outside the directory would load its bytes as weights (e.g. a secret copied
+    into a model that is later shared); a link within the directory is an ordinary file."""
+    name = info_of(metadata_of(ckpt), "w").relative_path
+    outside = tmp_path / "elsewhere.distcp"
+    os.replace(ckpt / name, outside)
+    os.symlink(outside, ckpt / name)
+    target = blank()
+    with pytest.raises(CorruptCheckpointError, match="links outside the checkpoint directory"):
+        load(target, ckpt)
+    assert untouched(target)
+    (ckpt / name).unlink()
+    os.replace(outside, ckpt / "kept.bin")
+    os.symlink("kept.bin", ckpt / name)
+    load(target, ckpt)
+    assert torch.equal(target["w"], source()["w"])

@@ -336,6 +336,10 @@ def test_bad_arguments(tmp_path):
         manager.save(BasicTensorAwareStateDict({}), -3)
     with pytest.raises(CheckpointingError, match="no complete local checkpoint"):
         manager.load()
+    with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+        manager.wait_for_restore("60")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="finite number of seconds > 0, got -1"):
+        manager.wait_for_restore(-1)
 
 
 def test_stale_dirty_file_never_blocks_a_save(tmp_path):

@@ -33,7 +33,6 @@ import atexit
 import itertools
 import json
 import logging
-import math
 import numbers
 import threading
 import time
@@ -103,7 +102,7 @@ class AsyncCallsQueue:
         _check_bool("overlap_snapshot", overlap_snapshot)
         self.max_in_flight = _check_max_in_flight(max_in_flight)
         self.timeout = (
-            _check_timeout(timeout)
+            tpdist.check_timeout(timeout)
             if timeout is not None
             else tpdist.default_timeout().total_seconds()  # checks TIERPOINT_TIMEOUT
         )
@@ -121,7 +120,9 @@ class AsyncCallsQueue:
         """Block until the worker process has started (it imports torch, which takes a few seconds)."""
         if self._worker is not None:
             with self._pump_lock:
-                self._worker.wait_ready(timeout if timeout is not None else self.timeout)
+                self._worker.wait_ready(
+                    tpdist.check_timeout(timeout) if timeout is not None else self.timeout
+                )
 
     # ------------------------------------------------------------------------------ scheduling
 
@@ -213,7 +214,9 @@ class AsyncCallsQueue:
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
         """Block until every scheduled snapshot copy finished (the state may be modified after)."""
-        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        deadline = time.monotonic() + (
+            tpdist.check_timeout(timeout) if timeout is not None else self.timeout
+        )
         for call in list(self._calls):
             if call.snapshot is not None:
                 call.snapshot.join(max(0.0, deadline - time.monotonic()))
@@ -409,16 +412,6 @@ def _check_max_in_flight(value: object) -> int:
     if value < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {value}")
     return int(value)
-
-
-def _check_timeout(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"timeout must be a number of seconds (or None), got {type(value).__name__} {value!r}"
-        )
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"timeout must be a finite number of seconds > 0, got {value}")
-    return float(value)
 
 
 def _encode(status: tuple[bool, str, str | None]) -> torch.Tensor:

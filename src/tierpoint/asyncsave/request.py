@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import CheckpointingError
+
 
 @dataclass
 class AsyncRequest:
@@ -63,6 +65,14 @@ class AsyncRequest:
             )
 
     def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` too once the call succeeded on every rank; only before it is scheduled."""
+        if not callable(fn):
+            raise TypeError(f"finalize function must be callable, got {fn!r}")
+        if self.scheduled:
+            raise CheckpointingError(
+                f"{self.description}: finalize functions cannot be added to a scheduled "
+                "AsyncRequest (add them before schedule_async_request)"
+            )
         self.finalize_fns = [*self.finalize_fns, fn]
 
     def execute_sync(self) -> Any:

@@ -233,9 +233,16 @@ class _File:
 
 
 def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File:
-    """Open ``location`` (a path or URL) for reading; it must be a regular file."""
+    """Open ``location`` (a path or URL) for reading; it must be a regular file and, when local,
+    lie in the checkpoint directory (a symbolic link may point elsewhere in it, not outside)."""
     if storage.is_local(location):
         path = location[len("file://") :] if location.startswith("file://") else location
+        home = os.path.realpath(os.path.dirname(path) or ".")
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, home]) != home:
+            raise CorruptDCPError(
+                location, f"{what} file links outside the checkpoint directory, to {real}"
+            )
         try:
             # O_NONBLOCK: a FIFO planted in the directory must not block the open.
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)

@@ -32,6 +32,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue, AsyncRequest
 from ..errors import CheckpointingError, CoordinationTimeoutError
 from ..storage import DEFAULT_UPLOAD, UploadOptions
@@ -181,7 +182,7 @@ class SaveFuture:
 
     def result(self, timeout: float | None = None) -> str:
         """Wait until committed; returns the checkpoint path."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + tpdist.check_timeout(timeout)
         while self._state == "pending":
             if deadline is not None and time.monotonic() > deadline:
                 raise CoordinationTimeoutError(f"{self.path}: not committed within {timeout} s")

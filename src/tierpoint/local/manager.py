@@ -785,6 +785,8 @@ class LocalCheckpointManager:
         :class:`CheckpointingError` after ``timeout`` seconds (default: the coordination timeout
         plus a minute; the transfers themselves time out before that).
         """
+        if timeout is not None:
+            tpdist.check_timeout(timeout)
         thread = self._restore
         if thread is None:
             return
