@@ -152,7 +152,7 @@ def _inspect(path: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tierpoint", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    ls = sub.add_parser("ls", help="list local-tier checkpoints and their completeness")
+    ls = sub.add_parser("ls", help="list local-tier or DCP checkpoints and their completeness")
     ls.add_argument(
         "root", nargs="?", default=str(default_root()), help="local-tier root or DCP base directory"
     )

@@ -334,9 +334,12 @@ def test_hostile_tensor_header_is_refused_and_nothing_runs(
     assert len(evil) <= entry.file_size
     data[start : start + entry.file_size] = evil.ljust(entry.file_size, b" ")
     file.write_bytes(bytes(data))
+    target = zeros_like_state(state)
     with pytest.raises(CorruptCheckpointError, match="forbidden global posix.system"):
-        load(zeros_like_state(state), path)
+        load(target, path)
     assert not marker.exists()
+    # Found before anything was written: the items read before it are not in place either.
+    assert_state_equal(target, zeros_like_state(state))
 
 
 def test_hostile_non_tensor_value_is_refused_and_nothing_runs(tmp_path: Path) -> None:
@@ -349,6 +352,7 @@ def test_hostile_non_tensor_value_is_refused_and_nothing_runs(tmp_path: Path) ->
     with pytest.raises(CorruptCheckpointError, match="non-tensor value 'x'"):
         load(target, path)
     assert not marker.exists()
+    assert not target["w"].any(), "the tensors were written although the load failed"
     # The danger is real: torch's default planner would have run it.
     dcp.load(target, storage_reader=Reader(path), planner=DefaultLoadPlanner(), no_dist=True)
     assert marker.exists()
@@ -426,9 +430,12 @@ def _sharded_target(world: int) -> dict:
 
 
 def _load_expecting_error(path: str, world: int) -> tuple[str, str]:
+    target = _sharded_target(world)
     try:
-        load(_sharded_target(world), path)
+        load(target, path)
     except CheckpointingError as e:
+        # No rank wrote anything, although only rank 1's items are damaged.
+        assert not target["w"].to_local().any(), "a failed load wrote into the state"
         return type(e).__name__, str(e)
     raise AssertionError("load succeeded on a damaged checkpoint")
 
@@ -438,10 +445,20 @@ def _damage_one_ranks_file_then_the_metadata(rank: int, world: int, path: str, m
     state["w"].to_local().copy_(torch.arange(240.0).reshape(40, 6).chunk(world)[rank])
     dcp.save(state, checkpoint_id=path)
     dist.barrier()
+    rank_1_file = Path(path) / "__1_0.distcp"  # only rank 1's shard lives there
     if rank == 0:
-        os.truncate(Path(path) / "__1_0.distcp", 100)  # only rank 1's shard lives there
+        intact = rank_1_file.read_bytes()
+        damaged = bytearray(intact)
+        damaged[damaged.find(b"OrderedDict") + 3] ^= 0xFF  # in the record's header
+        rank_1_file.write_bytes(damaged)
     dist.barrier()
     outcomes = [_load_expecting_error(path, world)]
+    dist.barrier()
+    if rank == 0:
+        rank_1_file.write_bytes(intact)
+        os.truncate(rank_1_file, 100)
+    dist.barrier()
+    outcomes.append(_load_expecting_error(path, world))
     dist.barrier()
     if rank == 0:
         (Path(path) / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
@@ -453,13 +470,16 @@ def _damage_one_ranks_file_then_the_metadata(rank: int, world: int, path: str, m
 
 @pytest.mark.timeout(180)
 def test_damaged_files_fail_every_rank_alike(tmp_path: Path) -> None:
-    """A data file only rank 1 reads, then a hostile .metadata: every rank raises the same
-    CorruptCheckpointError naming the file, nobody hangs, nothing runs."""
+    """A data file only rank 1 reads (a damaged record header, then a truncation), then a hostile
+    .metadata: every rank raises the same CorruptCheckpointError naming the file, no rank wrote
+    into its state, nobody hangs, nothing runs."""
     marker = tmp_path / "pwned"
     path = str(tmp_path / "ckpt")
     results = run_ranks(_damage_one_ranks_file_then_the_metadata, 2, path, str(marker), timeout=150)
     assert results[0] == results[1]
-    (kind, message), (meta_kind, meta_message) = results[0]
+    (header_kind, header_message), (kind, message), (meta_kind, meta_message) = results[0]
+    assert header_kind == "CorruptCheckpointError"
+    assert "failed on rank 1:" in header_message and "__1_0.distcp" in header_message
     assert kind == "CorruptCheckpointError"
     assert "failed on rank 1:" in message
     assert "__1_0.distcp" in message and "truncated" in message

@@ -168,11 +168,12 @@ def test_saved_by_4_loads_with_4(saved_by_4: Path) -> None:
 @pytest.mark.timeout(300)
 def test_saved_by_4_loads_with_2(saved_by_4: Path) -> None:
     """... and the load runs no planning collectives: each rank plans its own reads, and the
-    ranks meet once to agree on the outcome (one JSON all-gather: two all_gather calls)."""
+    ranks meet twice, to agree that every rank's items are sound before any rank writes into its
+    state, and on the outcome (two JSON all-gathers of two all_gather calls each)."""
     for per_load in run_ranks(_load_with_2, 2, str(saved_by_4), timeout=240):
         for counts in per_load:
             assert counts == {
-                "all_gather": 2,
+                "all_gather": 4,
                 "all_gather_object": 0,
                 "gather_object": 0,
                 "scatter_object_list": 0,

@@ -5,9 +5,12 @@ DTensor / ShardedTensor states saved with another number of ranks), with these d
 
 - no planning collectives: torch's default load planning is local to each rank (its global step
   returns the plans unchanged), so with the default planner every rank plans and reads on its own
-  and the ranks meet once, at the end, to agree on the outcome (one small all-gather on tierpoint's
-  coordination group, instead of torch's gather and scatter of every plan through rank 0 and its
-  final all-gather); with another planner or a ``process_group``, ``dcp.load`` runs as usual;
+  and the ranks meet twice (one small all-gather each on tierpoint's coordination group, instead
+  of torch's gather and scatter of every plan through rank 0 and its final all-gather): once every
+  rank has checked every item it will read (:meth:`Reader.start_read`), so that a damaged or hostile
+  file on any rank leaves every rank's state as it was, and at the end, on the outcome; with
+  another planner or a ``process_group``, ``dcp.load`` runs as usual (each rank still checks its
+  items before writing, but cannot know about the other ranks' files);
 - the metadata goes through the allow-list unpickler, and every data item is checked before it is
   read (see :class:`Reader`);
 - non-tensor values (stored as ``torch.save`` bytes) are loaded with ``torch.load(weights_only=True)``
@@ -28,7 +31,8 @@ from __future__ import annotations
 import io
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,7 +46,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..dist import agree, get_rank
 from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
-from .reader import DEFAULT_THREAD_COUNT, Reader
+from .reader import DEFAULT_THREAD_COUNT, PreparedRead, Reader
 from .safe_pickle import CorruptDCPError
 from .state_dict_saver import require_state_dict
 
@@ -51,20 +55,32 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """torch's ``DefaultLoadPlanner``, except that non-tensor values load with
     ``torch.load(weights_only=True)`` (no pickled code runs)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._decoded: dict[str, Any] = {}
+
+    def check_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Decode a value before anything is written (:class:`Reader` calls this first)."""
+        self._decoded[read_item.dest_index.fqn] = self._decode(read_item, value)
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - whatever torch refuses, we refuse
-            raise CorruptDCPError(
-                f"non-tensor value {fqn!r}",
-                "needs code from the checkpoint to load (torch.load weights_only=True refused it:"
-                f" {str(e).splitlines()[0][:200]}); pass planner=DefaultLoadPlanner() to trust it",
-            ) from None
+        obj = self._decoded.pop(fqn) if fqn in self._decoded else self._decode(read_item, value)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+    @staticmethod
+    def _decode(read_item: ReadItem, value: io.BytesIO) -> Any:
+        try:
+            return torch.load(value, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever torch refuses, we refuse
+            raise CorruptDCPError(
+                f"non-tensor value {read_item.dest_index.fqn!r}",
+                "needs code from the checkpoint to load (torch.load weights_only=True refused it:"
+                f" {str(e).splitlines()[0][:200]}); pass planner=DefaultLoadPlanner() to trust it",
+            ) from None
 
 
 def load(
@@ -88,12 +104,17 @@ def load(
     if planner is None:
         planner = SafeLoadPlanner()
     if process_group is None and type(planner) is SafeLoadPlanner:
-        with agree(f"loading {os.fspath(path)}"):
-            try:
-                _load_without_collectives(state_dict, reader, planner)
-            except CorruptCheckpointError as e:
-                # agree() keeps the class only for the classes tierpoint.errors names.
-                raise CorruptCheckpointError(e.path, e.reason) from e
+        what = f"loading {os.fspath(path)}"
+        read = None
+        try:
+            # Every rank checks everything it will read before any rank writes into its state.
+            with _agreement(what):
+                read, commit = _start_without_collectives(state_dict, reader, planner)
+            with _agreement(what):
+                commit()
+        finally:
+            if read is not None:
+                read.close()
         return
     try:
         with warnings.catch_warnings():
@@ -109,12 +130,23 @@ def load(
         raise _from_torch(e, os.fspath(path)) from e
 
 
-def _load_without_collectives(
+@contextmanager
+def _agreement(what: str) -> Iterator[None]:
+    with agree(what):
+        try:
+            yield
+        except CorruptCheckpointError as e:
+            # agree() keeps the class only for the classes tierpoint.errors names.
+            raise CorruptCheckpointError(e.path, e.reason) from e
+
+
+def _start_without_collectives(
     state_dict: dict[str, Any], reader: Reader, planner: SafeLoadPlanner
-) -> None:
+) -> tuple[PreparedRead, Callable[[], None]]:
     """What ``dcp.load`` does, step for step, minus its collectives: with torch's default load
     planning (every rank plans its own reads; the global step returns the plans unchanged) and this
-    reader (no global storage planning), shipping every plan to rank 0 and back changes nothing."""
+    reader (no global storage planning), shipping every plan to rank 0 and back changes nothing.
+    Everything up to the point where the state is written; the returned function writes it."""
     keys = sorted(state_dict)
     local = {
         k: state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]
@@ -126,12 +158,17 @@ def _load_without_collectives(
     reader.set_up_storage_reader(metadata, coordinator)
     plan = reader.prepare_local_plan(planner.create_local_plan())
     plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
-    reader.read_data(planner.finish_plan(plan), planner).wait()
-    for k in keys:
-        if isinstance(state_dict[k], Stateful):
-            state_dict[k].load_state_dict(local[k])
-        else:
-            state_dict[k] = local[k]
+    read = reader.start_read(planner.finish_plan(plan), planner)
+
+    def commit() -> None:
+        read.finish()
+        for k in keys:
+            if isinstance(state_dict[k], Stateful):
+                state_dict[k].load_state_dict(local[k])
+            else:
+                state_dict[k] = local[k]
+
+    return read, commit
 
 
 def _from_torch(e: CheckpointException, path: str) -> CheckpointingError:

@@ -12,9 +12,14 @@ Call order (torch's): ``read_metadata`` -> ``set_up_storage_reader`` -> ``prepar
 - ``read_metadata`` goes through :func:`tierpoint.dcp.safe_pickle.safe_loads`: nothing the file
   names is called, and every field is type- and range-checked.
 - ``read_data`` first opens every data file the plan needs (once each) and checks each item's
-  range against the file's real size; only then does it read. Tensor items are ``torch.save``
-  archives: their headers are parsed without unpickling (:mod:`tierpoint.dcp.saved_tensor`), then the
-  tensor bytes go with ``os.preadv`` (remote: a ranged read) straight into the destination tensor
+  range against the file's real size. Then, before anything is written into the caller's state,
+  every item's record is located and checked against the metadata and its destination, small items
+  and non-tensor values are read into memory (and the values decoded, when the planner has a
+  ``check_bytes`` method, as :class:`~tierpoint.dcp.loading.SafeLoadPlanner` has): a damaged or
+  hostile item leaves the state as it was (:meth:`Reader.start_read` is this first half; only an
+  I/O error or a file changing under the reader can still fail afterwards). Tensor items are
+  ``torch.save`` archives: their headers are parsed without unpickling
+  (:mod:`tierpoint.dcp.saved_tensor`), then the tensor bytes go with ``os.preadv`` (remote: a ranged read) straight into the destination tensor
   when its memory is
   contiguous, of the stored dtype and the region asked for is contiguous in the file (the usual case,
   resharding along dim 0 included); otherwise into a scratch buffer and ``copy_``. Large reads are cut
@@ -171,13 +176,24 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with _DataFiles(self) as files:
-            items = [self._checked(req, files) for req in plan.items]
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierpoint-read") as pool:
-                _ReadRun(self, planner, pool).run(items)
+        self.start_read(plan, planner).finish()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def start_read(self, plan: LoadPlan, planner: LoadPlanner) -> PreparedRead:
+        """Everything of ``read_data`` that can fail on what the files hold, with nothing written
+        into the destination tensors or values yet; :meth:`PreparedRead.finish` writes. Raises
+        :class:`CorruptDCPError` (after releasing what it opened) when an item is unusable."""
+        files = _DataFiles(self)
+        pool = ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierpoint-read")
+        read = PreparedRead(_ReadRun(self, planner, pool), files)
+        try:
+            read.run.prepare([self._checked(req, files) for req in plan.items])
+        except BaseException:
+            read.close()
+            raise
+        return read
 
     # ------------------------------------------------------------------ helpers
 
@@ -301,7 +317,7 @@ def _read_into(file: _File, offset: int, view: memoryview) -> None:
 
 
 class _DataFiles:
-    """The data files of one ``read_data`` call, each opened once, closed on exit."""
+    """The data files of one ``read_data`` call, each opened once, all closed by :meth:`close`."""
 
     def __init__(self, reader: Reader) -> None:
         self.reader = reader
@@ -318,10 +334,7 @@ class _DataFiles:
             self.files[name] = file
         return file
 
-    def __enter__(self) -> _DataFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         for file in self.files.values():
             file.close()
         self.files.clear()
@@ -353,20 +366,13 @@ class _Piece:
 @dataclass
 class _Copy:
     """A tensor item that could not be read in place: read ``pieces`` (into scratch memory), then
-    ``finish()`` copies into the destination."""
+    ``finish()`` copies into the destination (for an archive only ``torch.load`` can decode,
+    ``finish()`` decodes and checks it and returns the copy, to run later)."""
 
     item: _Item
     target: torch.Tensor
-    finish: Callable[[], None]
+    finish: Callable[[], Any]
     pieces: list[_Piece] = field(default_factory=list)
-
-
-@dataclass
-class _Later:
-    """An item larger than one piece: its pieces are read by all threads, then ``finish`` runs."""
-
-    pieces: list[_Piece]
-    finish: Callable[[], None] | None
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -397,15 +403,53 @@ def _region_is_contiguous(size: Sequence[int], lengths: Sequence[int]) -> bool:
     return all(lengths[i] == 1 for i in range(partial[-1]))
 
 
+class PreparedRead:
+    """A ``read_data`` whose every item was located and checked (:meth:`Reader.start_read`):
+    :meth:`finish` reads the tensor bytes into place and hands the values to the planner;
+    :meth:`close` gives up without writing. Either releases the files and threads."""
+
+    def __init__(self, run: _ReadRun, files: _DataFiles) -> None:
+        self.run = run
+        self._files = files
+
+    def finish(self) -> None:
+        try:
+            self.run.write()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.run.pool.shutdown(wait=True)
+        self._files.close()
+
+
+@dataclass
+class _Job:
+    """One tensor item after :meth:`_ReadRun.prepare`: the pieces to read (into the destination,
+    or into scratch memory that ``finish`` copies from), or, for a small item, its bytes already
+    read (``whole``)."""
+
+    pieces: list[_Piece]
+    finish: Callable[[], None] | None
+    whole: bytes | None
+    offset: int  # where ``whole`` starts in the file
+
+
 class _ReadRun:
-    """One ``read_data`` call: locate records and read small items, read the pieces of large ones,
-    copy what went through scratch memory, commit."""
+    """One ``read_data`` call. :meth:`prepare`: locate every record and check it against the
+    metadata and the destination, read small items and non-tensor values into memory (and check the
+    values, if the planner can); nothing is written into the caller's state, so a damaged or
+    hostile item leaves it as it was. :meth:`write`: read the pieces of large items (shared by all
+    threads) into place, copy what went through scratch memory, commit."""
 
     def __init__(self, reader: Reader, planner: LoadPlanner, pool: ThreadPoolExecutor) -> None:
         self.reader = reader
         self.planner = planner
         self.pool = pool
         self.failed = threading.Event()
+        self.targets: list[tuple[_Item, torch.Tensor]] = []
+        self.jobs: list[_Job] = []
+        self.blobs: list[tuple[_Item, memoryview]] = []
 
     def _map(self, fn: Callable[[Any], Any], values: Iterable[Any]) -> list[Any]:
         def guarded(value: Any) -> Any:
@@ -419,35 +463,49 @@ class _ReadRun:
 
         return list(self.pool.map(guarded, values))
 
-    def run(self, items: list[_Item]) -> None:
+    def prepare(self, items: list[_Item]) -> None:
         tensors = [it for it in items if it.req.type != LoadItemType.BYTE_IO]
-        blobs = [it for it in items if it.req.type == LoadItemType.BYTE_IO]
-        targets = [(it, self.planner.resolve_tensor(it.req).detach()) for it in tensors]
-        blob_views = [memoryview(bytearray(it.info.length)) for it in blobs]
-        # 1: each task locates one item's record and reads the item at once when it is small (the
-        #    header reads of some items overlap the data reads of others); larger items come back
-        #    as pieces, which 2: all threads share; 3: items that went through scratch memory are
-        #    copied into place.
-        started = self._map(self._start, targets)
-        started += self._map(self._start_blob, zip(blobs, blob_views))
-        later = [job for job in started if job is not None]
+        self.blobs = [
+            (it, memoryview(bytearray(it.info.length)))
+            for it in items
+            if it.req.type == LoadItemType.BYTE_IO
+        ]
+        self.targets = [(it, self.planner.resolve_tensor(it.req).detach()) for it in tensors]
+        # Header reads of some items overlap the value reads of others.
+        self.jobs = self._map(self._locate, self.targets)
+        self._map(
+            lambda blob: self._read_pieces(_cut(blob[0].file, blob[0].info.offset, blob[1])),
+            self.blobs,
+        )
+        check_bytes = getattr(self.planner, "check_bytes", None)
+        if check_bytes is not None:
+            for item, view in self.blobs:
+                check_bytes(item.req, io.BytesIO(view.obj))  # type: ignore[arg-type]
+
+    def write(self) -> None:
+        for job in self.jobs:
+            if job.whole is not None:
+                for p in job.pieces:
+                    start = p.offset - job.offset
+                    p.view[:] = job.whole[start : start + len(p.view)]
+        large = [job for job in self.jobs if job.whole is None]
         pieces = sorted(
-            (p for job in later for p in job.pieces), key=lambda p: (p.file.path, p.offset)
+            (p for job in large for p in job.pieces), key=lambda p: (p.file.path, p.offset)
         )
         self._map(lambda p: _read_into(p.file, p.offset, p.view), pieces)
-        self._map(lambda job: job.finish(), [job for job in later if job.finish is not None])
-        for item, target in targets:
+        self._map(lambda job: job.finish(), [job for job in self.jobs if job.finish is not None])
+        for item, target in self.targets:
             self.planner.commit_tensor(item.req, target)
-        for item, view in zip(blobs, blob_views):
+        for item, view in self.blobs:
             self.planner.load_bytes(item.req, io.BytesIO(view.obj))  # type: ignore[arg-type]
 
-    def _start(self, job: tuple[_Item, torch.Tensor]) -> _Later | None:
+    def _locate(self, job: tuple[_Item, torch.Tensor]) -> _Job:
         item, target = job
         whole = None
         if item.info.length <= WHOLE_ITEM:
             # Small item: one read serves its header and its data (one request on object stores).
             whole = item.read_at(0, item.info.length)
-        record = self._locate(item, whole)
+        record = self._record(item, whole)
         pieces = None
         finish: Callable[[], None] | None = None
         if isinstance(record, SavedTensor):
@@ -455,28 +513,24 @@ class _ReadRun:
         if pieces is None:
             copy = self._copy(item, record, target)
             pieces, finish = copy.pieces, copy.finish
-        if whole is not None:
-            for p in pieces:
-                start = p.offset - item.info.offset
-                p.view[:] = whole[start : start + len(p.view)]
-            pieces = []
-        return self._now_or_later(pieces, finish)
+        if isinstance(record, NeedsTorchLoad):
+            # The archive is decoded (and refused) now, before anything is written.
+            if whole is None:
+                self._read_pieces(pieces)
+            else:
+                for p in pieces:
+                    start = p.offset - item.info.offset
+                    p.view[:] = whole[start : start + len(p.view)]
+            assert finish is not None
+            finish = finish()
+            pieces, whole = [], None
+        return _Job(pieces, finish, whole, item.info.offset)
 
-    def _start_blob(self, job: tuple[_Item, memoryview]) -> _Later | None:
-        item, view = job
-        return self._now_or_later(_cut(item.file, item.info.offset, view), None)
-
-    @staticmethod
-    def _now_or_later(pieces: list[_Piece], finish: Callable[[], None] | None) -> _Later | None:
-        if len(pieces) > 1:
-            return _Later(pieces, finish)
+    def _read_pieces(self, pieces: list[_Piece]) -> None:
         for p in pieces:
             _read_into(p.file, p.offset, p.view)
-        if finish is not None:
-            finish()
-        return None
 
-    def _locate(self, item: _Item, whole: bytes | None) -> SavedTensor | NeedsTorchLoad:
+    def _record(self, item: _Item, whole: bytes | None) -> SavedTensor | NeedsTorchLoad:
         read_at = item.read_at if whole is None else (lambda offset, n: whole[offset : offset + n])
         try:
             record = locate(read_at, item.info.length)
@@ -565,7 +619,8 @@ class _ReadRun:
         if isinstance(record, NeedsTorchLoad):
             raw = memoryview(bytearray(item.info.length))
 
-            def finish_with_torch_load() -> None:
+            def decode_with_torch_load() -> Callable[[], None]:
+                """Decode and check the archive; returns the copy into the destination."""
                 try:
                     full = torch.load(io.BytesIO(raw.obj), map_location="cpu", weights_only=True)  # type: ignore[arg-type]
                 except Exception as e:  # noqa: BLE001 - any failure means a bad archive
@@ -580,10 +635,10 @@ class _ReadRun:
                     )
                 self._check_stored_size(item, full.shape)
                 self._check_region(item, full.shape)
-                target.copy_(_narrow(full, req.storage_offsets, req.lengths))
+                return lambda: target.copy_(_narrow(full, req.storage_offsets, req.lengths))
 
             return _Copy(
-                item, target, finish_with_torch_load, _cut(item.file, item.info.offset, raw)
+                item, target, decode_with_torch_load, _cut(item.file, item.info.offset, raw)
             )
         itemsize = record.dtype.itemsize
         if record.is_contiguous():
