@@ -12,7 +12,9 @@ Call order (every rank, at the same point of the training loop, as with NVRx)::
 Invariants kept here:
 - Complete or invisible: a part becomes visible by renaming its dirty file after fsync; an iteration
   counts only when every rank's part is visible and its header is valid. The previous complete
-  checkpoint is removed only after every rank agreed that the new one is committed.
+  checkpoint is removed only after every rank agreed that the new one is committed. A save first
+  removes every rank's leftover parts of its iteration and newer ones (a killed job's) and agrees
+  on that before any rank writes, so no iteration is completed by the parts of two saves.
 - All ranks agree: the iteration to save, its success or failure (every rank raises the same
   :class:`CheckpointingError` and removes the failed iteration's files), and the latest iteration.
 - Recycling: a file no complete checkpoint needs any more becomes a spare (renamed away from its
@@ -364,9 +366,13 @@ class LocalCheckpointManager:
         logger.debug("save %d: iteration agreed in %.3f s", iteration, time.perf_counter() - start)
         try:
             with tpdist.agree(f"saving local checkpoint iteration {iteration}"):
+                # Before any rank writes (this agreement is the barrier): a part of this iteration
+                # left by a killed job would complete it together with another rank's new part.
+                self._remove_leftovers(iteration)
                 flat = ta_state_dict.to_flat()
                 plan = fileformat.plan_part(flat, self._extra(iteration))
-                if not is_async:
+            if not is_async:
+                with tpdist.agree(f"writing local checkpoint iteration {iteration}"):
                     self._write_part(flat, plan, iteration)
             if not is_async and self.repl_strategy is not None:
                 with tpdist.agree(f"replicating local checkpoint iteration {iteration}"):
@@ -517,6 +523,23 @@ class LocalCheckpointManager:
             )
         older = sorted((i for i in complete if i < iteration), reverse=True)
         return set(older[: self.keep_last - 1])
+
+    def _remove_leftovers(self, iteration: int) -> None:
+        """Remove this rank's parts (own and replicas) of ``iteration`` and newer iterations: once
+        ``iteration`` is agreed, such parts can only be left by a save that never completed (a job
+        killed mid-save). A part that cannot be removed fails the save."""
+        removed = False
+        for entry in os.scandir(self.local_ckpt_dir):
+            parsed = naming.parse_part_name(entry.name)
+            if parsed is not None and parsed[0] >= iteration:
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
+                removed = True
+        if removed:
+            fileformat.fsync_dir(self.local_ckpt_dir)
+            self._forget_removed_files()
 
     def _write_part(self, flat: FlatState, plan: fileformat.PartPlan, iteration: int) -> None:
         path = self._part_path(iteration)
