@@ -14,7 +14,12 @@ Invariants:
 - :func:`publish` is atomic: a reader sees the old content or the new, never a part (local: tmp file,
   fsync, rename; object stores: one PUT).
 - Large uploads to S3 are multipart, parts sent in parallel and each retried on transient errors
-  (bounded attempts with backoff); a failed upload is aborted, leaving no object behind.
+  (bounded attempts with backoff); a failed upload is aborted (the abort retried like any request),
+  leaving no object behind.
+- Every object-store request is tried :class:`UploadOptions` ``attempts`` times (the S3 client's
+  own retries are off unless ``storage_options`` configure them), each try bounded by the client's
+  connect and read timeouts and by ``request_timeout``: a server that stops answering is an error,
+  not a hang.
 - Listings never come from fsspec's listing cache (it is invalidated first), so a rank sees what the
   store holds now.
 - Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the path and the reason.
@@ -31,6 +36,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from . import direct_write
@@ -51,12 +57,16 @@ class UploadOptions:
 
     Objects larger than ``part_size`` are sent as a multipart upload (S3) with up to ``concurrency``
     parts in flight; each request is tried ``attempts`` times, waiting ``backoff * 2**k`` seconds.
+    One try of a request may take ``request_timeout`` seconds in all, sending its body included
+    (on fsspec's async filesystems, s3fs among them: the client's own read timeout does not bound
+    sending a body to a server that stopped reading).
     """
 
     part_size: int = 32 << 20
     concurrency: int = 4
     attempts: int = 5
     backoff: float = 0.2
+    request_timeout: float = 120.0
 
 
 DEFAULT_UPLOAD = UploadOptions()
@@ -107,12 +117,41 @@ def basename(url: str | os.PathLike) -> str:
     return posixpath.basename(os.fspath(url).rstrip("/"))
 
 
+_S3_SCHEMES = ("s3://", "s3a://")
+_s3_filesystems: dict[str, Any] = {}
+_s3_filesystems_lock = threading.Lock()
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """The fsspec filesystem for a non-local ``url`` and the path inside it (instances are cached)."""
+    """The fsspec filesystem for a non-local ``url`` and the path inside it (instances are cached).
+
+    ``s3://`` URLs get tierpoint's own s3fs instance (per process and options), whose requests
+    are tried once by botocore and by s3fs: tierpoint retries each request itself
+    (:class:`UploadOptions` ``attempts``), so that is the real number of tries and a server that
+    stops answering fails a request after ``attempts`` connect or read timeouts (s3fs's defaults:
+    5 s and 15 s) instead of 25 times that. ``config_kwargs`` in ``storage_options`` win
+    (``{"retries": {...}}`` there brings botocore's retries back).
+    """
     from fsspec.core import url_to_fs
 
+    options = dict(storage_options or {})
     try:
-        return url_to_fs(url, **dict(storage_options or {}))
+        if not url.startswith(_S3_SCHEMES):
+            return url_to_fs(url, **options)
+        from fsspec.utils import tokenize
+
+        options["config_kwargs"] = {
+            "retries": {"total_max_attempts": 1},
+            **dict(options.get("config_kwargs") or {}),
+        }
+        key = tokenize(os.getpid(), url.split("://", 1)[0], options)
+        with _s3_filesystems_lock:
+            fs = _s3_filesystems.get(key)
+            if fs is None:
+                fs, _ = url_to_fs(url, skip_instance_cache=True, **options)
+                fs.retries = 1  # s3fs's own retry loop (an attribute, not an option)
+                _s3_filesystems[key] = fs
+        return fs, type(fs)._strip_protocol(url)
     except (ImportError, ValueError) as e:
         raise CheckpointingError(f"cannot open storage for {url}: {e}") from e
 
@@ -214,8 +253,15 @@ def _transient(e: BaseException) -> bool:
         return False
     if isinstance(e, (OSError, ConnectionError, TimeoutError)):
         return True
+    if {c.__name__ for c in type(e).__mro__} & _TRANSIENT_CLASSES:
+        return True
     name = type(e).__name__
     return any(k in name for k in ("Timeout", "Connection", "Throttl", "Endpoint", "Payload"))
+
+
+_TRANSIENT_CLASSES = {"HTTPClientError", "IncompleteRead", "ResponseParserError"}
+"""Client errors s3fs itself retries (botocore's HTTPClientError covers a reply cut short); the
+client tierpoint uses leaves every retry to :func:`_with_retries`."""
 
 
 def _with_retries(what: str, options: UploadOptions, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -231,14 +277,45 @@ def _with_retries(what: str, options: UploadOptions, fn: Any, *args: Any, **kwar
     raise AssertionError("unreachable")
 
 
+def _bounded(fn: Any, timeout: float, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` where ``fn`` is a blocking method of an fsspec async filesystem
+    (its ``timeout`` cancels the request); an expired deadline becomes a :class:`TimeoutError`."""
+    from fsspec.exceptions import FSTimeoutError
+
+    try:
+        return fn(*args, timeout=timeout, **kwargs)
+    except FSTimeoutError:
+        raise TimeoutError(f"no reply within {timeout:g} s") from None
+
+
+def request(
+    what: str,
+    fs: Any,
+    method: str,
+    *args: Any,
+    upload: UploadOptions = DEFAULT_UPLOAD,
+    **kwargs: Any,
+) -> Any:
+    """``fs.<method>(*args, **kwargs)``: one request to an object store, retried on transient errors
+    as ``upload`` says, each try bounded by ``upload.request_timeout`` on async filesystems."""
+    from fsspec.asyn import AsyncFileSystem
+
+    fn = getattr(fs, method)
+    if isinstance(fs, AsyncFileSystem) and not fs.asynchronous:
+        return _with_retries(what, upload, _bounded, fn, upload.request_timeout, *args, **kwargs)
+    return _with_retries(what, upload, fn, *args, **kwargs)
+
+
 def _is_s3(fs: Any) -> bool:
     return type(fs).__name__ == "S3FileSystem" and hasattr(fs, "_call_s3")
 
 
-def _s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
+def _s3_call(
+    fs: Any, method: str, *, timeout: float = DEFAULT_UPLOAD.request_timeout, **kwargs: Any
+) -> Any:
     from fsspec.asyn import sync
 
-    return sync(fs.loop, fs._call_s3, method, **kwargs)
+    return _bounded(partial(sync, fs.loop, fs._call_s3), timeout, method, **kwargs)
 
 
 def _slice_views(views: Sequence[memoryview], begin: int, end: int) -> bytes:
@@ -271,6 +348,7 @@ def _s3_multipart(
         _s3_call,
         fs,
         "create_multipart_upload",
+        timeout=options.request_timeout,
         Bucket=bucket,
         Key=key,
     )
@@ -284,6 +362,7 @@ def _s3_multipart(
             _s3_call,
             fs,
             "upload_part",
+            timeout=options.request_timeout,
             Bucket=bucket,
             Key=key,
             UploadId=upload_id,
@@ -302,6 +381,7 @@ def _s3_multipart(
             _s3_call,
             fs,
             "complete_multipart_upload",
+            timeout=options.request_timeout,
             Bucket=bucket,
             Key=key,
             UploadId=upload_id,
@@ -309,9 +389,25 @@ def _s3_multipart(
         )
     except BaseException:
         try:
-            _s3_call(fs, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            _with_retries(
+                f"aborting the upload of {path}",
+                options,
+                _s3_call,
+                fs,
+                "abort_multipart_upload",
+                timeout=options.request_timeout,
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+            )
         except Exception as e:  # noqa: BLE001 - the original failure matters more
-            logger.warning("aborting the upload of %s failed: %s", path, _reason(e))
+            logger.warning(
+                "aborting the upload of %s failed (%s): multipart upload %s stays on the server "
+                "until it is aborted (or a lifecycle rule expires it)",
+                path,
+                _reason(e),
+                upload_id,
+            )
         raise
 
 
@@ -325,7 +421,7 @@ def _write_remote(
         _s3_multipart(fs, path, mvs, total, options)
     elif total <= options.part_size:
         data = _slice_views(mvs, 0, total)
-        _with_retries(f"uploading {url}", options, fs.pipe_file, path, data)
+        request(f"uploading {url}", fs, "pipe_file", path, data, upload=options)
     else:  # another object store: its own streaming (chunked) upload
 
         def stream() -> None:
@@ -403,7 +499,7 @@ def publish(
             fsync_dir(os.path.dirname(os.path.abspath(path)))
         else:
             fs, path = filesystem(os.fspath(url), storage_options)
-            _with_retries(f"uploading {url}", upload, fs.pipe_file, path, bytes(data))
+            request(f"uploading {url}", fs, "pipe_file", path, bytes(data), upload=upload)
             fs.invalidate_cache(posixpath.dirname(path))
     except Exception as e:  # noqa: BLE001 - reported with the path
         raise _fail("publishing", url, e) from e
@@ -424,7 +520,7 @@ def touch(
             fsync_dir(os.path.dirname(os.path.abspath(path)))
         else:
             fs, path = filesystem(os.fspath(url), storage_options)
-            _with_retries(f"creating {url}", upload, fs.pipe_file, path, b"")
+            request(f"creating {url}", fs, "pipe_file", path, b"", upload=upload)
             fs.invalidate_cache(posixpath.dirname(path))
     except Exception as e:  # noqa: BLE001 - reported with the path
         raise _fail("creating", url, e) from e
@@ -436,9 +532,10 @@ def remove(
     storage_options: Mapping[str, Any] | None = None,
     missing_ok: bool = True,
     sync_dir: bool = True,
+    upload: UploadOptions = DEFAULT_UPLOAD,
 ) -> bool:
     """Remove a file; returns whether it existed. Local removals are made durable unless
-    ``sync_dir`` is false."""
+    ``sync_dir`` is false; remote ones are retried as ``upload`` says."""
     try:
         if is_local(url):
             path = _local_path(url)
@@ -453,7 +550,7 @@ def remove(
             return True
         fs, path = filesystem(os.fspath(url), storage_options)
         try:
-            fs.rm_file(path)
+            request(f"removing {url}", fs, "rm_file", path, upload=upload)
         except FileNotFoundError:
             if not missing_ok:
                 raise
@@ -478,8 +575,13 @@ def remove_dir_if_empty(
         pass
 
 
-def listdir(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """Names directly under ``url`` (files and directories); empty when it does not exist."""
+def listdir(
+    url: str | os.PathLike,
+    storage_options: Mapping[str, Any] | None = None,
+    upload: UploadOptions = DEFAULT_UPLOAD,
+) -> list[str]:
+    """Names directly under ``url`` (files and directories); empty when it does not exist. Remote
+    listings are retried as ``upload`` says."""
     try:
         if is_local(url):
             try:
@@ -489,7 +591,7 @@ def listdir(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = 
         fs, path = filesystem(os.fspath(url), storage_options)
         fs.invalidate_cache(path)
         try:
-            entries = fs.ls(path, detail=False)
+            entries = request(f"listing {url}", fs, "ls", path, detail=False, upload=upload)
         except FileNotFoundError:
             return []
         prefix = path.rstrip("/") + "/"
@@ -512,18 +614,23 @@ def isdir(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = No
             return os.path.isdir(_local_path(url))
         fs, path = filesystem(os.fspath(url), storage_options)
         fs.invalidate_cache(path)
-        return bool(fs.isdir(path))
+        return bool(request(f"inspecting {url}", fs, "isdir", path))
     except Exception as e:  # noqa: BLE001 - reported with the path
         raise _fail("inspecting", url, e) from e
 
 
-def exists(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bool:
+def exists(
+    url: str | os.PathLike,
+    storage_options: Mapping[str, Any] | None = None,
+    upload: UploadOptions = DEFAULT_UPLOAD,
+) -> bool:
+    """Whether ``url`` exists (remote checks are retried as ``upload`` says)."""
     try:
         if is_local(url):
             return os.path.exists(_local_path(url))
         fs, path = filesystem(os.fspath(url), storage_options)
         fs.invalidate_cache(posixpath.dirname(path))
-        return bool(fs.exists(path))
+        return bool(request(f"inspecting {url}", fs, "exists", path, upload=upload))
     except Exception as e:  # noqa: BLE001 - reported with the path
         raise _fail("inspecting", url, e) from e
 
@@ -534,7 +641,7 @@ def read_bytes(url: str | os.PathLike, storage_options: Mapping[str, Any] | None
             with open(_local_path(url), "rb") as f:
                 return f.read()
         fs, path = filesystem(os.fspath(url), storage_options)
-        return bytes(fs.cat_file(path))
+        return bytes(request(f"reading {url}", fs, "cat_file", path))
     except Exception as e:  # noqa: BLE001 - reported with the path
         raise _fail("reading", url, e) from e
 

@@ -133,7 +133,7 @@ def test_commit_protocol_order(tmp_path, monkeypatch):
 def test_a_committed_directory_is_kept_unless_overwrite_is_asked_for(tmp_path):
     path = step_path(tmp_path, 1)
     save({"a": torch.zeros(4)}, path)
-    with pytest.raises(CheckpointingError, match="already holds a committed checkpoint"):
+    with pytest.raises(CheckpointingError, match="already holds a complete checkpoint"):
         save({"a": torch.ones(4)}, path)
     assert get_latest_complete_checkpoint(tmp_path) == path  # untouched, still committed
     assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp"]
@@ -145,6 +145,39 @@ def test_a_committed_directory_is_kept_unless_overwrite_is_asked_for(tmp_path):
     loaded = {"a": torch.zeros(4)}
     load(loaded, path)
     assert torch.equal(loaded["a"], torch.ones(4))
+
+
+def _resave_complete_then_interrupted(rank: int, world: int, base: str) -> list[str]:
+    path = step_path(base, 1)
+    save({"a": torch.full((4,), float(rank))}, path)
+    outcomes = []
+    try:  # complete: refused on every rank, whichever rank checks first
+        save({"a": torch.full((4,), 9.0)}, path)
+        outcomes.append("saved")
+    except CheckpointingError as e:
+        outcomes.append("refused" if "already holds a complete checkpoint" in str(e) else str(e))
+    outcomes.append(str(get_latest_complete_checkpoint(base)))
+    dist.barrier()
+    if rank == 1:  # a save killed after its commit, before rank 1's marker was removed
+        open(os.path.join(path, ".unfinished-1"), "w").close()
+    dist.barrier()
+    outcomes.append(str(get_latest_complete_checkpoint(base)))
+    save({"a": torch.full((4,), 7.0)}, path)  # not complete: saved into again
+    loaded = {"a": torch.zeros(4)}
+    load(loaded, path)
+    outcomes.append(f"{get_latest_complete_checkpoint(base) == path} {loaded['a'].tolist()}")
+    return outcomes
+
+
+def test_only_a_complete_directory_is_kept_from_a_new_save(tmp_path):
+    """Two ranks: a complete step is refused on both (no rank's new marker makes it look
+    unfinished to the other); a step whose save was killed between its commit and the removal of
+    its markers is not offered by get_latest and is saved into again without overwrite."""
+    path = step_path(tmp_path, 1)
+    results = run_ranks(_resave_complete_then_interrupted, 2, str(tmp_path), timeout=120)
+    for rank, outcomes in enumerate(results):  # (the replicated tensor is stored once, rank 0's)
+        assert outcomes == ["refused", path, "None", f"True {[7.0] * 4}"], (rank, outcomes)
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
 def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):

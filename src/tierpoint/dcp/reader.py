@@ -273,7 +273,7 @@ def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File
         return _File(location, st.st_size, fd=fd)
     fs, key = storage.filesystem(location, storage_options)
     try:
-        info = fs.info(key)
+        info = storage.request(f"inspecting {location}", fs, "info", key)
     except FileNotFoundError:
         raise CorruptDCPError(location, f"missing {what} file") from None
     except Exception as e:  # noqa: BLE001 - any client failure, reported with the URL
@@ -294,7 +294,9 @@ def _read_into(file: _File, offset: int, view: memoryview) -> None:
     end = offset + len(view)
     if file.fs is not None:
         try:
-            data = file.fs.cat_file(file.key, start=offset, end=end)
+            data = storage.request(
+                f"reading {file.path}", file.fs, "cat_file", file.key, start=offset, end=end
+            )
         except Exception as e:  # noqa: BLE001 - any client failure, reported with the URL
             raise CheckpointingError(f"reading {file.path} at offset {offset}: {e!r:.300}") from e
         if len(data) != len(view):

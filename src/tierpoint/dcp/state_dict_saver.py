@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import dist as tpdist
+from .. import storage
 from ..errors import CheckpointingError
 from .writer import Writer
 
@@ -307,9 +308,9 @@ def _agree(group: Any, use_dist: bool, what: str, error: BaseException | None) -
         ) from error
 
 
-def _cleanup_after_failure(writer: Writer) -> None:
+def _cleanup_after_failure(writer: Writer, keep_marker: bool = False) -> None:
     try:
-        writer.discard()
+        writer.discard(keep_marker=keep_marker)
     except Exception as e:  # noqa: BLE001 - the save's own failure is what the user must see
         logger.warning("cleaning up after a failed save of %s: %s", writer.path, e)
 
@@ -387,18 +388,23 @@ def save_state_dict_async_finalize(
         raise CheckpointingError(f"{what} failed: {detail}", failures)
 
     error: BaseException | None = None
+    commit_unknown = False
     if dist_wrapper.is_coordinator:
         try:
             all_results = [_results_of(r, p, cache) for r, p in enumerate(gathered)]
             if global_metadata is None:
                 raise CheckpointingError("the coordinator has no global metadata to commit")
+            commit_unknown = not storage.is_local(path)
             storage_writer.commit(global_metadata, all_results)
+            commit_unknown = False
         except Exception as e:  # noqa: BLE001 - agreed below
             error = e
     try:
         _agree(group, use_dist, f"committing the checkpoint {path}", error)
     except CheckpointingError:
-        _fail_everywhere(storage_writer, cache)
+        # An object store may still apply a .metadata upload whose reply never came (a timeout):
+        # the coordinator's marker then stays, so that the step can never look complete.
+        _fail_everywhere(storage_writer, cache, keep_marker=commit_unknown)
         raise
 
     error = None
@@ -440,7 +446,9 @@ def _results_of(rank: int, payload: dict, cache: CheckpointMetadataCache | None)
     return _decode_results(payload["results"])
 
 
-def _fail_everywhere(writer: Writer, cache: CheckpointMetadataCache | None) -> None:
+def _fail_everywhere(
+    writer: Writer, cache: CheckpointMetadataCache | None, keep_marker: bool = False
+) -> None:
     if cache is not None:
         cache.forget_results()
-    _cleanup_after_failure(writer)
+    _cleanup_after_failure(writer, keep_marker)

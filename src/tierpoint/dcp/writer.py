@@ -20,9 +20,14 @@ by the coordinator via tmp + fsync + rename, or one PUT on object stores: the co
 Invariants:
 - Every rank creates its unfinished marker (``.unfinished-<rank>``) in ``set_up_storage_writer``,
   before any data is written; markers are removed only after ``.metadata`` is written.
-- A committed directory is never written into, unless ``overwrite=True``: then the old
-  ``.metadata`` is removed first (the directory is uncommitted while the new save runs).
-- A failed save leaves no ``.metadata``; :meth:`Writer.discard` removes what this rank wrote.
+- A complete directory (``.metadata`` and no unfinished marker) is never written into, unless
+  ``overwrite=True``: then the old ``.metadata`` is removed first (the directory is uncommitted
+  while the new save runs). A directory whose save was killed between its commit and the removal
+  of its markers is not complete (:func:`~tierpoint.dcp.get_latest_complete_checkpoint` skips it)
+  and is saved into again like an unfinished one.
+- A failed save leaves no ``.metadata``; :meth:`Writer.discard` removes what this rank wrote. (On
+  an object store a ``.metadata`` upload whose reply never came may still land: then the
+  coordinator's marker stays, so the step never counts as complete.)
 - Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the file.
 """
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import io
+import logging
 import os
 import pickle
 import threading
@@ -58,6 +64,8 @@ try:  # the version string torch's own writer records
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 except ImportError:  # pragma: no cover - older torch
     CURRENT_DCP_VERSION = None
+
+logger = logging.getLogger("tierpoint")
 
 DEFAULT_POOL = StagingPool()
 """Staging buffers shared by every :class:`Writer` of this process that is given no pool."""
@@ -159,16 +167,37 @@ class Writer(StorageWriter):
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         self.rank = int(rank) if rank is not None else tpdist.get_rank()
-        if not self.overwrite and storage.exists(self._url(METADATA_NAME), self.storage_options):
-            raise CheckpointingError(
-                f"{self.path} already holds a committed checkpoint: save to a new step directory, "
-                "or pass overwrite=True (a crash during the new save would then leave none there)"
+        if not self.overwrite and storage.exists(
+            self._url(METADATA_NAME), self.storage_options, self.upload
+        ):
+            # Markers next to a .metadata: a save killed after its commit and before its clean-up
+            # (get_latest_complete_checkpoint never offers it). No rank of this save has made its
+            # marker yet (each checks first, and none passes when the directory is complete).
+            stale = sorted(
+                n
+                for n in storage.listdir(self.path, self.storage_options, self.upload)
+                if n.startswith(MARKER_PREFIX)
             )
+            if not stale:
+                raise CheckpointingError(
+                    f"{self.path} already holds a complete checkpoint: save to a new step "
+                    "directory, or pass overwrite=True (a crash during the new save would then "
+                    "leave none there)"
+                )
+            if is_coordinator:
+                logger.warning(
+                    "%s was committed by a save that never finished (%s left): it does not count "
+                    "as complete; saving into it again",
+                    self.path,
+                    ", ".join(stale),
+                )
         storage.makedirs(self.path, self.storage_options)
         storage.touch(self._url(marker_name(self.rank)), storage_options=self.storage_options)
         self._marker_made = True
         if is_coordinator:  # re-saving into a committed directory un-commits it first
-            storage.remove(self._url(METADATA_NAME), storage_options=self.storage_options)
+            storage.remove(
+                self._url(METADATA_NAME), storage_options=self.storage_options, upload=self.upload
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -314,19 +343,29 @@ class Writer(StorageWriter):
         if every_visible:
             names |= {
                 n
-                for n in storage.listdir(self.path, self.storage_options)
+                for n in storage.listdir(self.path, self.storage_options, self.upload)
                 if n.startswith(MARKER_PREFIX)
             }
         for name in sorted(names):
-            storage.remove(self._url(name), storage_options=self.storage_options)
+            storage.remove(
+                self._url(name), storage_options=self.storage_options, upload=self.upload
+            )
 
-    def discard(self) -> None:
-        """Remove what this rank wrote for a failed save: data files, then its marker."""
+    def discard(self, keep_marker: bool = False) -> None:
+        """Remove what this rank wrote for a failed save: data files, then its marker (unless
+        ``keep_marker``: a commit whose outcome is unknown may still land, and the marker keeps
+        the step from ever counting as complete)."""
         if self._files is not None:
             for name in self._files.names:
-                storage.remove(self._url(name), storage_options=self.storage_options)
-        if self._marker_made:
-            storage.remove(self._url(marker_name(self.rank)), storage_options=self.storage_options)
+                storage.remove(
+                    self._url(name), storage_options=self.storage_options, upload=self.upload
+                )
+        if self._marker_made and not keep_marker:
+            storage.remove(
+                self._url(marker_name(self.rank)),
+                storage_options=self.storage_options,
+                upload=self.upload,
+            )
             storage.remove_dir_if_empty(self.path, self.storage_options)
 
     # ---------------------------------------------------------------------- helpers
