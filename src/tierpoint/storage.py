@@ -575,6 +575,18 @@ def remove_dir_if_empty(
         pass
 
 
+def check_bucket(
+    fs: Any, path: str, url: str | os.PathLike, upload: UploadOptions = DEFAULT_UPLOAD
+) -> None:
+    """Raise if ``path`` (on an S3 filesystem) lies in a bucket that does not exist: a missing
+    object there is a wrong URL, not an empty checkpoint directory."""
+    if not _is_s3(fs):
+        return
+    bucket = path.split("/", 1)[0]
+    if not request(f"inspecting bucket {bucket}", fs, "exists", bucket, upload=upload):
+        raise CheckpointingError(f"{os.fspath(url)}: bucket {bucket!r} does not exist")
+
+
 def listdir(
     url: str | os.PathLike,
     storage_options: Mapping[str, Any] | None = None,
@@ -593,6 +605,7 @@ def listdir(
         try:
             entries = request(f"listing {url}", fs, "ls", path, detail=False, upload=upload)
         except FileNotFoundError:
+            check_bucket(fs, path, url, upload)
             return []
         prefix = path.rstrip("/") + "/"
         return sorted(

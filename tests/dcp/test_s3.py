@@ -53,6 +53,7 @@ def _ranks_save_to_s3(rank: int, world: int, base: str, options: dict) -> list:
 def test_ranks_save_sync_and_async_to_s3(s3_bucket):  # noqa: F811
     base, options = s3_bucket
     base = f"{base}/run"
+    assert get_latest_complete_checkpoint(base, storage_options=options) is None  # a first run
     results = run_ranks(_ranks_save_to_s3, 2, base, options, timeout=300)
     for latest, equal, step, names in results:
         assert latest == step_path(base, 2) and equal and step == 1
@@ -133,7 +134,8 @@ def test_missing_bucket_fails_clearly(s3_server):  # noqa: F811
     url = "s3://no-such-bucket-tierpoint/run/step-1"
     with pytest.raises(CheckpointingError, match="no-such-bucket-tierpoint"):
         save({"a": torch.ones(4)}, url, storage_options=options)
-    assert (
+    # A typo in the bucket must not read as "no checkpoint yet" (training would start over).
+    with pytest.raises(
+        CheckpointingError, match="bucket 'no-such-bucket-tierpoint' does not exist"
+    ):
         get_latest_complete_checkpoint("s3://no-such-bucket-tierpoint/run", storage_options=options)
-        is None
-    )

@@ -275,6 +275,7 @@ def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File
     try:
         info = storage.request(f"inspecting {location}", fs, "info", key)
     except FileNotFoundError:
+        storage.check_bucket(fs, key, location)
         raise CorruptDCPError(location, f"missing {what} file") from None
     except Exception as e:  # noqa: BLE001 - any client failure, reported with the URL
         raise CheckpointingError(f"cannot open {what} file {location}: {e!r:.300}") from e
