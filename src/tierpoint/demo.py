@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from . import fileformat
 from .asyncsave import AsyncCallsQueue
 from .local import BasicTensorAwareStateDict, CliqueReplicationStrategy, LocalCheckpointManager
+from .spawn import free_port
 
 WIDTH = 512
 DEPTH = 4
@@ -140,12 +140,6 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(args: argparse.Namespace, worker_args: list[str], log: Path) -> int:
     """One torchrun per simulated node; returns the first non-zero exit code (0 if all succeeded)."""
     env = dict(
@@ -153,7 +147,7 @@ def torchrun(args: argparse.Namespace, worker_args: list[str], log: Path) -> int
         GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         OMP_NUM_THREADS="1",
     )
-    port = _free_port()
+    port = free_port()
     procs = []
     with open(log, "ab") as log_file:
         for node in range(args.nodes):

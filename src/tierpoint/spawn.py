@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -83,6 +84,13 @@ def _context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (for a launcher or a test server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_ranks(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import threading
 import time
 import warnings
@@ -44,6 +43,7 @@ from tierpoint import storage
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import async_save, get_latest_complete_checkpoint, load, save, step_path
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError
+from tierpoint.spawn import free_port
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -130,6 +130,25 @@ def _through(endpoint: FaultyEndpoint | str, **client: Any) -> dict[str, Any]:
     return {"endpoint_url": url, "config_kwargs": {**CLIENT, **client}}
 
 
+def _first_step(base: str, options: dict, numel: int = BIG) -> dict[str, Any]:
+    """Save step 1 straight to the server (no faults): what a failed later save must not lose."""
+    first = _state(1, numel)
+    save(first, step_path(base, 1), storage_options=options)
+    return first
+
+
+def _second_step_within(
+    limit: float, base: str, options: dict, upload: storage.UploadOptions
+) -> Outcome:
+    """Save step 2 (one writer thread) through ``options``, bounded by ``limit`` seconds."""
+    return _within(
+        limit,
+        lambda: save(
+            _state(2), step_path(base, 2), storage_options=options, thread_count=1, upload=upload
+        ),
+    )
+
+
 def _assert_latest_loads(base: str, options: dict, state: dict[str, Any]) -> None:
     """The newest complete step under ``base`` is ``state``'s and loads back exactly."""
     latest = get_latest_complete_checkpoint(base, storage_options=options)
@@ -157,8 +176,7 @@ def test_a_server_that_stops_answering_fails_save_latest_and_load_in_seconds(
     base, direct = s3_bucket
     endpoint = faulty_endpoint()
     options = _through(endpoint)
-    first = _state(1)
-    save(first, step_path(base, 1), storage_options=direct)
+    first = _first_step(base, direct)
 
     found: dict[str, Outcome] = {}
 
@@ -172,16 +190,7 @@ def test_a_server_that_stops_answering_fails_save_latest_and_load_in_seconds(
 
     watcher = _after_new_parts(endpoint, stop_then_look)
     try:
-        saved = _within(
-            25,
-            lambda: save(
-                _state(2),
-                step_path(base, 2),
-                storage_options=options,
-                thread_count=1,
-                upload=UPLOAD,
-            ),
-        )
+        saved = _second_step_within(25, base, options, UPLOAD)
         watcher.join(30)
     finally:
         endpoint.resume()
@@ -204,8 +213,7 @@ def test_an_async_save_to_a_server_that_stops_answering_fails_in_seconds(
     base, direct = s3_bucket
     endpoint = faulty_endpoint()
     options = _through(endpoint)
-    first = _state(1)
-    save(first, step_path(base, 1), storage_options=direct)
+    first = _first_step(base, direct)
     with AsyncCallsQueue(timeout=60) as queue:
         queue.wait_ready()
         watcher = _after_new_parts(endpoint, endpoint.pause)
@@ -238,8 +246,7 @@ def test_a_server_killed_mid_upload_fails_the_save_and_the_upload_is_aborted_whe
     base, direct = s3_bucket
     endpoint = faulty_endpoint()
     options = _through(endpoint)
-    first = _state(1)
-    save(first, step_path(base, 1), storage_options=direct)
+    first = _first_step(base, direct)
 
     class BackWhileAborting(logging.Handler):
         """Restarts the server when tierpoint is about to retry the abort of an upload."""
@@ -255,16 +262,7 @@ def test_a_server_killed_mid_upload_fails_the_save_and_the_upload_is_aborted_whe
     one_part_at_a_time = dataclasses.replace(UPLOAD, concurrency=1)
     try:
         watcher = _after_new_parts(endpoint, endpoint.kill)
-        outcome = _within(
-            20,
-            lambda: save(
-                _state(2),
-                step_path(base, 2),
-                storage_options=options,
-                thread_count=1,
-                upload=one_part_at_a_time,
-            ),
-        )
+        outcome = _second_step_within(20, base, options, one_part_at_a_time)
         watcher.join(30)
     finally:
         logging.getLogger("tierpoint").removeHandler(handler)
@@ -283,8 +281,7 @@ def test_a_metadata_upload_applied_after_the_client_gave_up_never_completes_the_
     faulty_endpoint: Callable[..., FaultyEndpoint],
 ) -> None:
     base, direct = s3_bucket
-    first = _state(1, 1024)
-    save(first, step_path(base, 1), storage_options=direct)
+    first = _first_step(base, direct, 1024)
     endpoint = faulty_endpoint(late_metadata=2.5)
     once = storage.UploadOptions(attempts=1, request_timeout=1)
     outcome = _within(
@@ -328,8 +325,7 @@ def test_more_part_failures_than_attempts_fail_the_save_and_abort_the_upload(
     status: int,
 ) -> None:
     base, direct = s3_bucket
-    first = _state(1, 1024)
-    save(first, step_path(base, 1), storage_options=direct)
+    first = _first_step(base, direct, 1024)
     endpoint = faulty_endpoint(fail_parts=1_000_000, status=status)
     two = storage.UploadOptions(part_size=5 << 20, attempts=2, backoff=0.05)
     outcome = _within(
@@ -371,17 +367,11 @@ def test_retries_the_user_configures_for_the_client_win(
 # ------------------------------------------------------------------ wrong set-up
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_an_endpoint_that_refuses_connections_fails_clearly_in_seconds(
     s3_server: str,
 ) -> None:
     base = "s3://tierpoint-refused/run"
-    options = _through(f"http://127.0.0.1:{_free_port()}")
+    options = _through(f"http://127.0.0.1:{free_port()}")
     calls = {
         "save": lambda: save(
             _state(1, 16), step_path(base, 1), storage_options=options, upload=UPLOAD
@@ -401,8 +391,7 @@ def test_wrong_credentials_fail_clearly_in_seconds_and_lose_nothing(
 ) -> None:
     base, direct = s3_bucket
     endpoint = faulty_endpoint(key="tierpoint-test")  # the key the environment holds
-    first = _state(1, 1024)
-    save(first, step_path(base, 1), storage_options=_through(endpoint))
+    first = _first_step(base, _through(endpoint), 1024)
     wrong = {**_through(endpoint), "key": "intruder", "secret": "intruder"}
     calls = {
         "save": lambda: save(_state(2, 1024), step_path(base, 2), storage_options=wrong),

@@ -173,11 +173,7 @@ class Writer(StorageWriter):
             # Markers next to a .metadata: a save killed after its commit and before its clean-up
             # (get_latest_complete_checkpoint never offers it). No rank of this save has made its
             # marker yet (each checks first, and none passes when the directory is complete).
-            stale = sorted(
-                n
-                for n in storage.listdir(self.path, self.storage_options, self.upload)
-                if n.startswith(MARKER_PREFIX)
-            )
+            stale = self._visible_markers()
             if not stale:
                 raise CheckpointingError(
                     f"{self.path} already holds a complete checkpoint: save to a new step "
@@ -341,11 +337,7 @@ class Writer(StorageWriter):
         """Remove this rank's marker (and, with ``every_visible``, every marker listed here)."""
         names = {marker_name(self.rank)}
         if every_visible:
-            names |= {
-                n
-                for n in storage.listdir(self.path, self.storage_options, self.upload)
-                if n.startswith(MARKER_PREFIX)
-            }
+            names |= set(self._visible_markers())
         for name in sorted(names):
             storage.remove(
                 self._url(name), storage_options=self.storage_options, upload=self.upload
@@ -369,6 +361,14 @@ class Writer(StorageWriter):
             storage.remove_dir_if_empty(self.path, self.storage_options)
 
     # ---------------------------------------------------------------------- helpers
+
+    def _visible_markers(self) -> list[str]:
+        """The unfinished markers in the step directory now, whoever made them."""
+        return sorted(
+            n
+            for n in storage.listdir(self.path, self.storage_options, self.upload)
+            if n.startswith(MARKER_PREFIX)
+        )
 
     def _url(self, name: str) -> str:
         return storage.join(self.path, name)

@@ -808,12 +808,14 @@ class LocalCheckpointManager:
         :class:`CheckpointingError` after ``timeout`` seconds (default: the coordination timeout
         plus a minute; the transfers themselves time out before that).
         """
-        if timeout is not None:
-            tpdist.check_timeout(timeout)
+        limit = (
+            tpdist.default_timeout().total_seconds() + 60
+            if timeout is None
+            else tpdist.check_timeout(timeout)
+        )
         thread = self._restore
         if thread is None:
             return
-        limit = tpdist.default_timeout().total_seconds() + 60 if timeout is None else timeout
         thread.join(limit)
         if thread.is_alive():
             raise CheckpointingError(f"restoring replicas did not finish within {limit:.0f} s")
