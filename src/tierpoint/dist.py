@@ -33,7 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointingError, CoordinationTimeoutError, agreed_error
+from .errors import (
+    CheckpointingError,
+    CoordinationTimeoutError,
+    agreed_error,
+    error_text,
+    failed_on_ranks,
+)
 
 DEFAULT_TIMEOUT_S = 300.0
 """Timeout of tierpoint's collectives; override with ``TIERPOINT_TIMEOUT`` (seconds)."""
@@ -272,7 +278,7 @@ def failure_status(error: BaseException | str | None) -> list[str] | None:
     """What a rank tells the others of its ``error`` (``None``: it succeeded); see :func:`raise_failures`."""
     if error is None:
         return None
-    message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    message = error if isinstance(error, str) else error_text(error)
     kind = "CheckpointingError" if isinstance(error, str) else type(error).__name__
     return [kind, message[:_MAX_MESSAGE]]
 
@@ -285,9 +291,7 @@ def raise_failures(
     if not failures:
         return
     kinds = {s[0] for s in statuses if s is not None}
-    ranks = ", ".join(str(r) for r in failures)
-    detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-    message = f"{what} failed on rank{'s' if len(failures) > 1 else ''} {ranks}: {detail}"
+    message = failed_on_ranks(what, failures)
     # Every rank raises the same class: the failing ranks' common tierpoint error class, if any.
     err = agreed_error(kinds.pop() if len(kinds) == 1 else "", message, failures)
     if isinstance(error, BaseException):

@@ -71,6 +71,22 @@ def agreed_error(type_name: str, message: str, failures: Mapping[int, str]) -> C
     return err
 
 
+def error_text(error: BaseException) -> str:
+    """``"<class>: <message>"`` for an error a rank reports to the others, naming the class once
+    (an error wrapping an agreed message already starts with it)."""
+    name, text = type(error).__name__, str(error)
+    return text if text.startswith(f"{name}: ") else f"{name}: {text}"
+
+
+def failed_on_ranks(what: str, failures: Mapping[int, str]) -> str:
+    """The agreed message for ``what`` failing on the ranks of ``failures`` (rank -> message)."""
+    ranks = sorted(failures)
+    if len(ranks) == 1:
+        return f"{what} failed on rank {ranks[0]}: {failures[ranks[0]]}"
+    detail = "; ".join(f"rank {r}: {failures[r]}" for r in ranks)
+    return f"{what} failed on ranks {', '.join(map(str, ranks))}: {detail}"
+
+
 CheckpointingException = CheckpointingError
 """The name NVRx users know for :class:`CheckpointingError`."""
 

@@ -138,6 +138,8 @@ def test_async_saves_write_the_snapshot_reuse_staging_and_fail_together(tmp_path
     assert len({r["failure"] for r in results}) == 1, results
     message = results[0]["failure"]
     assert "rank 1" in message and "__1_0.distcp" in message and "ENOSPC" in message
+    # Each failing rank and each error class is named once.
+    assert message.count("rank 1") == 1 and "CheckpointingError: CheckpointingError" not in message
     assert {r["latest"] for r in results} == {step_path(tmp_path, 5)}
     assert not os.path.exists(step_path(tmp_path, 6))  # aborted: files, markers, directory removed
 

@@ -186,8 +186,9 @@ def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
     save({"a": torch.ones(1000)}, step_path(tmp_path, 1))
     os.makedirs(step_path(tmp_path, 2))
     os.symlink("/dev/full", os.path.join(step_path(tmp_path, 2), "__0_0.distcp"))
-    with pytest.raises(CheckpointingError, match=r"step-2/__0_0.distcp.*ENOSPC"):
+    with pytest.raises(CheckpointingError, match=r"step-2/__0_0.distcp.*ENOSPC") as info:
         save({"a": torch.ones(1000)}, step_path(tmp_path, 2), thread_count=1)
+    assert "failed on rank 0: CheckpointingError: writing" in str(info.value), info.value
     assert not os.path.exists(os.path.join(step_path(tmp_path, 2), ".metadata"))
     assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 1)
 

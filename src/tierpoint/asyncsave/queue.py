@@ -45,7 +45,13 @@ import torch
 import torch.distributed as dist
 
 from .. import dist as tpdist
-from ..errors import CheckpointingError, CoordinationTimeoutError, agreed_error
+from ..errors import (
+    CheckpointingError,
+    CoordinationTimeoutError,
+    agreed_error,
+    error_text,
+    failed_on_ranks,
+)
 from ..staging import StagingBuffer
 from .request import AsyncRequest
 from .worker import Worker
@@ -186,7 +192,7 @@ class AsyncCallsQueue:
             call.dispatched = True
         except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
             logger.exception("%s: snapshot failed", request.description)
-            failed = (False, f"snapshot failed: {type(e).__name__}: {e}", type(e).__name__)
+            failed = (False, f"snapshot failed: {error_text(e)}", type(e).__name__)
             self._set_worker_result(call, failed)
         if request.background_fn is not None:
             # Also after a failure: the background step then tells its peers at once.
@@ -207,9 +213,7 @@ class AsyncCallsQueue:
             outcome = worker
         except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
             logger.debug("%s: background step failed: %s", call.request.description, e)
-            outcome = (
-                worker if not worker[0] else (False, f"{type(e).__name__}: {e}", type(e).__name__)
-            )
+            outcome = worker if not worker[0] else (False, error_text(e), type(e).__name__)
         call.local = outcome
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
@@ -322,11 +326,9 @@ class AsyncCallsQueue:
         if failures:
             _run_all(request.abort_fns)
             kinds = {statuses[r][2] for r in failures}
-            detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-            ranks = ", ".join(str(r) for r in failures)
             raise agreed_error(
                 kinds.pop() if len(kinds) == 1 and None not in kinds else "",
-                f"{request.description} failed on rank{'s' if len(failures) > 1 else ''} {ranks}: {detail}",
+                failed_on_ranks(request.description, failures),
                 failures,
             )
         for fn in request.finalize_fns:
@@ -435,5 +437,7 @@ def _run_all(fns: Any) -> None:
     for fn in fns:
         try:
             fn()
+        except CheckpointingError as e:  # names what it could not remove; no traceback needed
+            logger.warning("clean-up after a failed checkpoint call: %s", e)
         except Exception:  # noqa: BLE001 - clean-up must not hide the original failure
             logger.exception("clean-up after a failed checkpoint call raised")

@@ -26,7 +26,7 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..errors import CheckpointingError, CoordinationTimeoutError
+from ..errors import CheckpointingError, CoordinationTimeoutError, error_text
 from ..fileformat import PartPlan, seal_planned, write_planned
 from ..staging import StagingBuffer
 
@@ -113,7 +113,7 @@ def worker_main(conn: Any, parent_pid: int | None = None) -> None:
             try:
                 conn.send((call_id, True, fn(*args, **kwargs), None))
             except BaseException as e:  # noqa: BLE001 - reported to the trainer, which decides
-                conn.send((call_id, False, f"{type(e).__name__}: {e}", type(e).__name__))
+                conn.send((call_id, False, error_text(e), type(e).__name__))
 
 
 class Worker:

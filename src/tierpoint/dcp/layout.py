@@ -28,7 +28,7 @@ from typing import Any
 
 from .. import dist as tpdist
 from .. import storage
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, error_text
 
 STEP_PREFIX = "step-"
 METADATA_NAME = ".metadata"
@@ -133,7 +133,7 @@ def _gather_views(
     try:
         mine = local_view(base, storage_options)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
-        error = f"{type(e).__name__}: {e}"
+        error = error_text(e)
     views = tpdist.all_gather_json(
         {"view": mine, "error": error}, f"listing checkpoints under {base}", group=group
     )

@@ -45,7 +45,13 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..dist import agree, get_rank
-from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
+from ..errors import (
+    CheckpointingError,
+    CorruptCheckpointError,
+    agreed_error,
+    error_text,
+    failed_on_ranks,
+)
 from .reader import DEFAULT_THREAD_COUNT, PreparedRead, Reader
 from .safe_pickle import CorruptDCPError
 from .state_dict_saver import require_state_dict
@@ -178,11 +184,8 @@ def _from_torch(e: CheckpointException, path: str) -> CheckpointingError:
     for rank, wrapped in sorted(e.failures.items()):
         exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         errors.append(exc)
-        failures[rank] = f"{type(exc).__name__}: {exc}"
+        failures[rank] = error_text(exc)
     kind = "CheckpointingError"
     if errors and all(isinstance(x, CorruptCheckpointError) for x in errors):
         kind = "CorruptCheckpointError"
-    ranks = ", ".join(str(r) for r in failures)
-    detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-    plural = "s" if len(failures) > 1 else ""
-    return agreed_error(kind, f"loading {path} failed on rank{plural} {ranks}: {detail}", failures)
+    return agreed_error(kind, failed_on_ranks(f"loading {path}", failures), failures)

@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import dist as tpdist
 from .. import transfer
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, error_text
 from .layout import METADATA_NAME
 
 logger = logging.getLogger("tierpoint")
@@ -135,7 +135,7 @@ def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
             )
             plan = {"moves": moves, "error": None}
         except (OSError, CheckpointingError) as e:
-            plan = {"moves": None, "error": f"{type(e).__name__}: {e}"}
+            plan = {"moves": None, "error": error_text(e)}
     plan = tpdist.broadcast_json(plan, decider, f"sharing the retrieval plan of {step_dir}")
     if plan["error"]:
         raise CheckpointingError(f"cannot plan the retrieval of {step_dir}: {plan['error']}")

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import dist as tpdist
 from .. import storage
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, error_text, failed_on_ranks
 from .writer import Writer
 
 logger = logging.getLogger("tierpoint")
@@ -257,9 +257,8 @@ def save_state_dict_async_plan(
             central_plan = dist_wrapper.reduce_scatter("plan", local_step, global_step)
         except CheckpointException as e:
             _cleanup_after_failure(storage_writer)
-            failures = {r: f"{type(x[0]).__name__}: {x[0]}" for r, x in e.failures.items()}
-            detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-            raise CheckpointingError(f"{what} failed: {detail}", failures) from None
+            failures = {r: error_text(x[0]) for r, x in e.failures.items()}
+            raise CheckpointingError(failed_on_ranks(what, failures), failures) from None
 
     assert central_plan is not None and local_plan is not None
     final_plan = planner.finish_plan(central_plan)
@@ -297,15 +296,11 @@ def _min_over_ranks(value: int, group: Any, use_dist: bool, what: str) -> int:
 
 def _agree(group: Any, use_dist: bool, what: str, error: BaseException | None) -> None:
     """Collective: if any rank passes an error, every rank raises the same CheckpointingError."""
-    status = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+    status = None if error is None else error_text(error)[:2000]
     statuses = tpdist.all_gather_json(status, what, group=group) if use_dist else [status]
     failures = {r: s for r, s in enumerate(statuses) if s is not None}
     if failures:
-        detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-        ranks = ", ".join(str(r) for r in failures)
-        raise CheckpointingError(
-            f"{what} failed on rank{'s' if len(failures) > 1 else ''} {ranks}: {detail}", failures
-        ) from error
+        raise CheckpointingError(failed_on_ranks(what, failures), failures) from error
 
 
 def _cleanup_after_failure(writer: Writer, keep_marker: bool = False) -> None:
@@ -369,7 +364,7 @@ def save_state_dict_async_finalize(
             storage_writer.retrieve_write_results(), cache, dist_wrapper.global_coordinator_rank
         )
     except Exception as e:  # noqa: BLE001 - agreed below
-        payload = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        payload = {"error": error_text(e)[:2000]}
     payload["directory"] = posixpath.basename(os.fspath(path).rstrip("/"))
     what = f"writing the checkpoint {path}"
     try:
@@ -384,8 +379,7 @@ def save_state_dict_async_finalize(
         what = "saving a checkpoint (every rank must pass the same step directory)"
     if failures:
         _fail_everywhere(storage_writer, cache)
-        detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-        raise CheckpointingError(f"{what} failed: {detail}", failures)
+        raise CheckpointingError(failed_on_ranks(what, failures), failures)
 
     error: BaseException | None = None
     commit_unknown = False

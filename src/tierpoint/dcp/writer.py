@@ -54,7 +54,7 @@ from torch.futures import Future
 
 from .. import dist as tpdist
 from .. import storage
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, error_text
 from ..staging import StagingBuffer
 from .file_plan import RankFiles, file_views, plan_files
 from .layout import MARKER_PREFIX, METADATA_NAME, marker_name
@@ -255,7 +255,7 @@ class Writer(StorageWriter):
             )
             self._results = files.write_results(plan, self._byte_sizes(byte_records))
         except Exception as e:  # noqa: BLE001 - agreed by the caller, or raised below
-            self.write_error = f"{type(e).__name__}: {e}"
+            self.write_error = error_text(e)
             if raise_errors:
                 raise
 
