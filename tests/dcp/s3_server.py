@@ -92,6 +92,8 @@ _HOP_BY_HOP = {
     "upgrade",
     "expect",
 }
+_CODES = {500: "InternalError", 503: "SlowDown", 400: "InvalidArgument"}
+"""The S3 error code the proxy answers an injected status with."""
 
 
 def _serve_proxy(upstream: str, port: int, faults: dict[str, Any]) -> None:
@@ -163,8 +165,7 @@ def _serve_proxy(upstream: str, port: int, faults: dict[str, Any]) -> None:
                     counts["failed"] += fail
                 if fail:
                     status = faults.get("status", 503)
-                    code = "SlowDown" if status == 503 else "InternalError"
-                    self._error(status, code, f"injected {status}")
+                    self._error(status, _CODES[status], f"injected {status}")
                     return
             if self.command == "PUT" and url.path.endswith("/.metadata"):
                 time.sleep(faults.get("late_metadata", 0))
@@ -210,7 +211,8 @@ class FaultyEndpoint:
     """An endpoint URL in front of moto that a test can stop, resume, kill and restart (see above).
 
     Faults: ``fail_parts``: how many UploadPart requests (the first ones) are answered with
-    ``status`` (503 SlowDown or 500 InternalError). ``key``: requests signed with another access
+    ``status`` (503 SlowDown, 500 InternalError, or 400 InvalidArgument: a request S3 will never
+    accept). ``key``: requests signed with another access
     key id are refused (403 InvalidAccessKeyId), as S3 refuses unknown credentials.
     ``late_metadata``: seconds a PUT of a ``.metadata`` object is held before moto applies it.
     """
