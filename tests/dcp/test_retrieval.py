@@ -79,6 +79,32 @@ def test_a_file_that_exists_nowhere_makes_the_step_not_viable(tmp_path: Path) ->
     assert run_ranks(_latest_swapped, WORLD, str(tmp_path)) == ["step-3"] * WORLD
 
 
+def _replicated_key(rank: int, world: int, tmp: str) -> dict[str, list[str]]:
+    """Each rank on its own node; ``w`` is held by both ranks, so torch DCP writes it once."""
+    os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"
+    base = os.path.join(tmp, f"node{rank}")
+    state = {"w": torch.arange(1000.0), f"own{rank}": torch.full((10,), float(rank))}
+    dcp.save(state, dcp.step_path(base, 5))
+    before = sorted(os.listdir(dcp.step_path(base, 5)))
+    latest = dcp.get_latest_complete_checkpoint(base, node_local=True)
+    assert latest == dcp.step_path(base, 5), latest
+    loaded = {"w": torch.zeros(1000), f"own{rank}": torch.zeros(10)}
+    dcp.load(loaded, latest)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(
+        loaded[f"own{rank}"], state[f"own{rank}"]
+    )
+    return {"before": before, "after": sorted(os.listdir(latest))}
+
+
+def test_a_key_every_rank_holds_is_fetched_by_every_node(tmp_path: Path) -> None:
+    # torch DCP writes "w" from one rank only; the other node must fetch that rank's file too.
+    results = run_ranks(_replicated_key, 2, str(tmp_path))
+    writer = next(r for r in (0, 1) if any(n.startswith(f"__{r}_") for n in results[r]["before"]))
+    other = 1 - writer
+    assert not any(n.startswith(f"__{writer}_") for n in results[other]["before"])
+    assert any(n.startswith(f"__{writer}_") for n in results[other]["after"])
+
+
 def test_plan_spreads_sources_and_skips_files_a_node_has() -> None:
     nodes = ["a", "a", "b", "b", "c", "c"]
     required = {f"__{r}_0.distcp": 100 for r in range(6)}
@@ -92,6 +118,14 @@ def test_plan_spreads_sources_and_skips_files_a_node_has() -> None:
         (5, "__5_0.distcp"),
     ]
     assert len({src for src, _, _ in moves}) == 3  # three transfers from three different ranks
+    # A file holding a key every rank may read (not a shard) goes to every node that lacks it.
+    shared = plan_moves(listings, required, 10, nodes, shared={"__0_0.distcp"})
+    assert sorted((dst, name) for _, dst, name in shared) == [
+        (4, ".metadata"),
+        (4, "__0_0.distcp"),
+        (4, "__4_0.distcp"),
+        (5, "__5_0.distcp"),
+    ]
     # A truncated copy does not count; a file nobody has makes the plan impossible.
     truncated = {**full, "__4_0.distcp": 99}
     assert plan_moves([truncated] * 4 + [{}, {}], required, 10, nodes) is None

@@ -12,7 +12,9 @@ own node). Each rank lists the directory; all listings are gathered; the lowest 
 out its moves; the outcome is agreed.
 
 What a node needs: ``.metadata``, and, when the world size is the one the checkpoint was saved with,
-the data files its ranks wrote (``__<rank>_*``); with another world size (resharding) every data file.
+the data files its ranks wrote (``__<rank>_*``) plus every file holding an item that is not a shard
+(a whole tensor or a non-tensor value: torch DCP writes a key that several ranks hold once, from
+one rank, and every rank reads it there); with another world size (resharding) every data file.
 A file counts as present only if it is at least as long as ``.metadata`` says. Sources are spread:
 each file comes from the holder with the fewest transfers assigned so far, never from one rank alone.
 
@@ -54,18 +56,26 @@ def _listing(step_dir: str) -> dict[str, int]:
     }
 
 
-def _required_sizes(step_dir: str) -> dict[str, int]:
-    """Every data file ``.metadata`` refers to, with the length it must have at least."""
+def _required_sizes(step_dir: str) -> tuple[dict[str, int], set[str]]:
+    """Every data file ``.metadata`` refers to, with the length it must have at least; and the
+    files that hold an item every rank may read (not a shard: one chunk, or a non-tensor value)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from .reader import read_metadata
 
     metadata = read_metadata(step_dir)
+    entries = metadata.state_dict_metadata
     sizes: dict[str, int] = defaultdict(int)
-    for info in (metadata.storage_data or {}).values():
+    shared: set[str] = set()
+    for index, info in (metadata.storage_data or {}).items():
         name = info.relative_path
         if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
             raise CheckpointingError(f"{step_dir}: .metadata names an unsafe file {name!r}")
         sizes[name] = max(sizes[name], int(info.offset) + int(info.length))
-    return dict(sizes)
+        entry = entries.get(index.fqn)
+        if not isinstance(entry, TensorStorageMetadata) or len(entry.chunks) <= 1:
+            shared.add(name)
+    return dict(sizes), shared
 
 
 def plan_moves(
@@ -73,15 +83,18 @@ def plan_moves(
     required: dict[str, int],
     metadata_size: int,
     node_of_rank: list[str],
+    shared: set[str] | frozenset[str] = frozenset(),
 ) -> list[tuple[int, int, str]] | None:
-    """``(source rank, destination rank, file name)`` moves, or ``None`` if some file exists nowhere."""
+    """``(source rank, destination rank, file name)`` moves, or ``None`` if some file exists nowhere.
+
+    ``shared``: the files every rank may read (see :func:`_required_sizes`)."""
     world = len(listings)
     writers = {_writer_of(n) for n in required}
     same_world = writers == set(range(world))
     want = dict(required, **{METADATA_NAME: metadata_size})
 
     def needs(rank: int) -> list[str]:
-        own = [n for n in required if not same_world or _writer_of(n) == rank]
+        own = [n for n in required if not same_world or _writer_of(n) == rank or n in shared]
         return [METADATA_NAME, *sorted(own)]
 
     def has(rank: int, name: str) -> bool:
@@ -129,9 +142,13 @@ def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
     plan: Any = None
     if tpdist.get_rank() == decider:
         try:
-            required = _required_sizes(step_dir)
+            required, shared = _required_sizes(step_dir)
             moves = plan_moves(
-                listings, required, listings[decider][METADATA_NAME], list(layout.node_of_rank)
+                listings,
+                required,
+                listings[decider][METADATA_NAME],
+                list(layout.node_of_rank),
+                shared,
             )
             plan = {"moves": moves, "error": None}
         except (OSError, CheckpointingError) as e:
