@@ -13,8 +13,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
 from tierpoint.dcp import (
     CheckpointMetadataCache,
+    StagingPool,
     Writer,
     get_latest_complete_checkpoint,
     save,
@@ -148,6 +150,30 @@ def test_single_process_cache_reuse(tmp_path):
     assert cache.planning_rounds == 1
     assert cache.get_metadata_caching_status() == (True, False)
     assert sorted(os.listdir(tmp_path)) == ["step-0", "step-1", "step-2"]
+
+
+def test_own_async_requests_reuse_one_staging_buffer(tmp_path):
+    # NVRx style: the caller builds the AsyncRequest from the writer's functions and finalizes with
+    # save_state_dict_async_finalize alone; the staging buffer must still come back to the pool.
+    pool, cache = StagingPool(), CheckpointMetadataCache()
+    with AsyncCallsQueue() as queue:
+        for step in range(3):
+            state = {"a": torch.full((1000,), float(step)), "n": step}
+            writer = Writer(step_path(tmp_path, step), staging_pool=pool)
+            planned = save_state_dict_async_plan(state, writer, metadata_cache=cache)
+            async_fn, preload_fn, args = writer.get_save_function_and_args()
+            request = AsyncRequest(
+                async_fn,
+                args,
+                [lambda planned=planned: save_state_dict_async_finalize(*planned)],
+                preload_fn=preload_fn,
+            )
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+            out = {"a": torch.zeros(1000), "n": -1}
+            dcp.load(out, checkpoint_id=step_path(tmp_path, step))
+            assert torch.equal(out["a"], state["a"]) and out["n"] == step
+    assert pool.allocations == 1 and len(pool._free) == 1
 
 
 def test_caching_can_be_disabled(tmp_path):

@@ -134,10 +134,7 @@ def async_save_request(
     async_fn, preload_fn, args = writer.get_save_function_and_args()
 
     def finalize() -> None:
-        try:
-            save_state_dict_async_finalize(*planned)
-        finally:
-            writer.release_staging()
+        save_state_dict_async_finalize(*planned)  # releases the staging buffer too
 
     def abort() -> None:
         writer.release_staging()

@@ -19,6 +19,9 @@ again (a changed layout is never missed).
 Finalize: every rank's write results reach every rank (a rank whose results did not change since a
 previous save sends a short digest the coordinator already knows), the coordinator writes
 ``.metadata`` (the commit), every rank learns the outcome, then unfinished markers are removed.
+Whatever the outcome, the writer's staging buffer then goes back to its pool, so a caller who
+builds its own ``AsyncRequest`` from ``get_save_function_and_args()`` keeps host memory flat too
+(its abort function should call ``writer.release_staging()`` and ``writer.discard()``).
 
 Invariants:
 - All collectives run on the given process group, else on tierpoint's coordination group.
@@ -354,7 +357,17 @@ def _remember(lru: OrderedDict, key: str, value: Any) -> None:
 def save_state_dict_async_finalize(
     storage_writer: Writer, global_metadata: Metadata | None, dist_wrapper: _DistWrapper
 ) -> None:
-    """Commit a planned and written save (every rank; see the module docstring)."""
+    """Commit a planned and written save, then release its staging buffer (every rank; see the
+    module docstring)."""
+    try:
+        _commit(storage_writer, global_metadata, dist_wrapper)
+    finally:
+        storage_writer.release_staging()
+
+
+def _commit(
+    storage_writer: Writer, global_metadata: Metadata | None, dist_wrapper: _DistWrapper
+) -> None:
     cache: CheckpointMetadataCache | None = getattr(storage_writer, "metadata_cache", None)
     use_dist = dist_wrapper.use_dist
     group = dist_wrapper.group if use_dist else None
