@@ -342,12 +342,12 @@ def _is_s3(fs: Any) -> bool:
     return type(fs).__name__ == "S3FileSystem" and hasattr(fs, "_call_s3")
 
 
-def _s3_call(
-    fs: Any, method: str, *, timeout: float = DEFAULT_UPLOAD.request_timeout, **kwargs: Any
-) -> Any:
+def _s3_request(what: str, fs: Any, method: str, options: UploadOptions, **kwargs: Any) -> Any:
+    """One S3 API call (botocore's ``method``), retried and bounded like :func:`request`."""
     from fsspec.asyn import sync
 
-    return _bounded(partial(sync, fs.loop, fs._call_s3), timeout, method, **kwargs)
+    call = partial(_bounded, partial(sync, fs.loop, fs._call_s3), options.request_timeout)
+    return _with_retries(what, options, call, method, **kwargs)
 
 
 def _slice_views(views: Sequence[memoryview], begin: int, end: int) -> bytes:
@@ -374,13 +374,11 @@ def _s3_multipart(
     bucket, key, _ = fs.split_path(path)
     part_size = max(options.part_size, _S3_MIN_PART, -(-total // _S3_MAX_PARTS))
     ranges = [(b, min(b + part_size, total)) for b in range(0, total, part_size)]
-    created = _with_retries(
+    created = _s3_request(
         f"starting the upload of {path}",
-        options,
-        _s3_call,
         fs,
         "create_multipart_upload",
-        timeout=options.request_timeout,
+        options,
         Bucket=bucket,
         Key=key,
     )
@@ -388,13 +386,11 @@ def _s3_multipart(
 
     def put(number: int, begin: int, end: int) -> dict[str, Any]:
         body = _slice_views(views, begin, end)
-        reply = _with_retries(
+        reply = _s3_request(
             f"uploading part {number} of {path}",
-            options,
-            _s3_call,
             fs,
             "upload_part",
-            timeout=options.request_timeout,
+            options,
             Bucket=bucket,
             Key=key,
             UploadId=upload_id,
@@ -407,13 +403,11 @@ def _s3_multipart(
         with ThreadPoolExecutor(min(options.concurrency, len(ranges))) as pool:
             futures = [pool.submit(put, i + 1, b, e) for i, (b, e) in enumerate(ranges)]
             parts = [f.result() for f in futures]
-        _with_retries(
+        _s3_request(
             f"completing the upload of {path}",
-            options,
-            _s3_call,
             fs,
             "complete_multipart_upload",
-            timeout=options.request_timeout,
+            options,
             Bucket=bucket,
             Key=key,
             UploadId=upload_id,
@@ -421,13 +415,11 @@ def _s3_multipart(
         )
     except BaseException:
         try:
-            _with_retries(
+            _s3_request(
                 f"aborting the upload of {path}",
-                options,
-                _s3_call,
                 fs,
                 "abort_multipart_upload",
-                timeout=options.request_timeout,
+                options,
                 Bucket=bucket,
                 Key=key,
                 UploadId=upload_id,

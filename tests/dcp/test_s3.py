@@ -124,7 +124,7 @@ def test_a_failed_upload_is_aborted_and_reported(s3_bucket):  # noqa: F811
     finally:
         del fs._call_s3
     bucket = base[len("s3://") :]
-    uploads = storage._s3_call(fs, "list_multipart_uploads", Bucket=bucket)
+    uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket)
     assert not uploads.get("Uploads")
     assert not storage.exists(f"{base}/big", options)
 

@@ -158,6 +158,46 @@ def _assert_latest_loads(base: str, options: dict, state: dict[str, Any]) -> Non
     assert torch.equal(out["w"], state["w"]) and out["step"] == state["step"]
 
 
+@dataclass
+class FirstStep:
+    """Step 1 saved straight to the server, and a proxy in front of it for what follows."""
+
+    base: str
+    direct: dict
+    endpoint: FaultyEndpoint
+    options: dict  # through the proxy
+    first: dict[str, Any]
+
+
+@pytest.fixture
+def first_step(
+    s3_bucket: tuple[str, dict], faulty_endpoint: Callable[..., FaultyEndpoint]
+) -> Callable[..., FirstStep]:
+    """``first_step(numel=BIG, **faults)``: step 1 saved, then a proxy with ``faults`` started."""
+
+    def make(numel: int = BIG, **faults: Any) -> FirstStep:
+        base, direct = s3_bucket
+        first = _first_step(base, direct, numel)
+        endpoint = faulty_endpoint(**faults)
+        return FirstStep(base, direct, endpoint, _through(endpoint), first)
+
+    return make
+
+
+def _assert_step_2_failed(outcome: Outcome, named: str, setup: FirstStep, *, clean: bool) -> None:
+    """Saving step 2 raised a CheckpointingError naming ``named``; step 2 was never committed
+    (``clean``: nothing of it is left, no open multipart upload either); step 1 still loads."""
+    base, direct = setup.base, setup.direct
+    assert isinstance(outcome.error, CheckpointingError), outcome
+    assert named in str(outcome.error)
+    if clean:
+        assert _open_uploads(base, direct) == []
+        assert storage.listdir(step_path(base, 2), direct) == []  # no .metadata, data, marker
+    else:
+        assert ".metadata" not in storage.listdir(step_path(base, 2), direct)
+    _assert_latest_loads(base, direct, setup.first)
+
+
 def _open_uploads(base: str, options: dict) -> list:
     import s3fs
 
@@ -170,13 +210,10 @@ def _open_uploads(base: str, options: dict) -> list:
 
 
 def test_a_server_that_stops_answering_fails_save_latest_and_load_in_seconds(
-    s3_bucket: tuple[str, dict],
-    faulty_endpoint: Callable[..., FaultyEndpoint],
+    first_step: Callable[..., FirstStep],
 ) -> None:
-    base, direct = s3_bucket
-    endpoint = faulty_endpoint()
-    options = _through(endpoint)
-    first = _first_step(base, direct)
+    setup = first_step()
+    base, endpoint, options = setup.base, setup.endpoint, setup.options
 
     found: dict[str, Outcome] = {}
 
@@ -195,25 +232,19 @@ def test_a_server_that_stops_answering_fails_save_latest_and_load_in_seconds(
     finally:
         endpoint.resume()
 
-    assert isinstance(saved.error, CheckpointingError), saved
-    assert step_path(base, 2) in str(saved.error)
     for what, outcome in found.items():
         assert isinstance(outcome.error, CheckpointingError), (what, outcome)
         assert base in str(outcome.error) and "timeout" in str(outcome.error).lower()
         assert outcome.seconds < 15, (what, outcome)
     assert set(found) == {"latest", "load"}
-    assert ".metadata" not in storage.listdir(step_path(base, 2), direct)
-    _assert_latest_loads(base, direct, first)
+    _assert_step_2_failed(saved, step_path(base, 2), setup, clean=False)
 
 
 def test_an_async_save_to_a_server_that_stops_answering_fails_in_seconds(
-    s3_bucket: tuple[str, dict],
-    faulty_endpoint: Callable[..., FaultyEndpoint],
+    first_step: Callable[..., FirstStep],
 ) -> None:
-    base, direct = s3_bucket
-    endpoint = faulty_endpoint()
-    options = _through(endpoint)
-    first = _first_step(base, direct)
+    setup = first_step()
+    base, endpoint, options = setup.base, setup.endpoint, setup.options
     with AsyncCallsQueue(timeout=60) as queue:
         queue.wait_ready()
         watcher = _after_new_parts(endpoint, endpoint.pause)
@@ -230,23 +261,17 @@ def test_an_async_save_to_a_server_that_stops_answering_fails_in_seconds(
             watcher.join(30)
         finally:
             endpoint.resume()
-    assert isinstance(outcome.error, CheckpointingError), outcome
-    assert step_path(base, 2) in str(outcome.error)
-    assert ".metadata" not in storage.listdir(step_path(base, 2), direct)
-    _assert_latest_loads(base, direct, first)
+    _assert_step_2_failed(outcome, step_path(base, 2), setup, clean=False)
 
 
 # ------------------------------------------------------------------ the server dies
 
 
 def test_a_server_killed_mid_upload_fails_the_save_and_the_upload_is_aborted_when_it_is_back(
-    s3_bucket: tuple[str, dict],
-    faulty_endpoint: Callable[..., FaultyEndpoint],
+    first_step: Callable[..., FirstStep],
 ) -> None:
-    base, direct = s3_bucket
-    endpoint = faulty_endpoint()
-    options = _through(endpoint)
-    first = _first_step(base, direct)
+    setup = first_step()
+    base, endpoint, options = setup.base, setup.endpoint, setup.options
 
     class BackWhileAborting(logging.Handler):
         """Restarts the server when tierpoint is about to retry the abort of an upload."""
@@ -269,20 +294,14 @@ def test_a_server_killed_mid_upload_fails_the_save_and_the_upload_is_aborted_whe
         if not endpoint.running():
             endpoint.start()
 
-    assert isinstance(outcome.error, CheckpointingError), outcome
-    assert f"{step_path(base, 2)}/__0_0.distcp" in str(outcome.error)
-    assert _open_uploads(base, direct) == []
-    assert storage.listdir(step_path(base, 2), direct) == []  # no .metadata, data, marker
-    _assert_latest_loads(base, direct, first)
+    _assert_step_2_failed(outcome, f"{step_path(base, 2)}/__0_0.distcp", setup, clean=True)
 
 
 def test_a_metadata_upload_applied_after_the_client_gave_up_never_completes_the_step(
-    s3_bucket: tuple[str, dict],
-    faulty_endpoint: Callable[..., FaultyEndpoint],
+    first_step: Callable[..., FirstStep],
 ) -> None:
-    base, direct = s3_bucket
-    first = _first_step(base, direct, 1024)
-    endpoint = faulty_endpoint(late_metadata=2.5)
+    setup = first_step(1024, late_metadata=2.5)
+    base, direct, endpoint = setup.base, setup.direct, setup.endpoint
     once = storage.UploadOptions(attempts=1, request_timeout=1)
     outcome = _within(
         15,
@@ -297,7 +316,7 @@ def test_a_metadata_upload_applied_after_the_client_gave_up_never_completes_the_
         assert time.monotonic() < deadline, "the held .metadata upload never reached the server"
         time.sleep(0.1)
     assert ".unfinished-0" in storage.listdir(step_path(base, 2), direct)
-    _assert_latest_loads(base, direct, first)
+    _assert_latest_loads(base, direct, setup.first)
 
 
 # ------------------------------------------------------------------ errors the server answers
@@ -320,13 +339,11 @@ def test_transient_part_errors_are_retried_until_the_save_succeeds(
 
 @pytest.mark.parametrize("status", [500, 503, 400])
 def test_more_part_failures_than_attempts_fail_the_save_and_abort_the_upload(
-    s3_bucket: tuple[str, dict],
-    faulty_endpoint: Callable[..., FaultyEndpoint],
+    first_step: Callable[..., FirstStep],
     status: int,
 ) -> None:
-    base, direct = s3_bucket
-    first = _first_step(base, direct, 1024)
-    endpoint = faulty_endpoint(fail_parts=1_000_000, status=status)
+    setup = first_step(1024, fail_parts=1_000_000, status=status)
+    base, endpoint = setup.base, setup.endpoint
     two = storage.UploadOptions(part_size=5 << 20, attempts=2, backoff=0.05)
     outcome = _within(
         20,
@@ -338,15 +355,11 @@ def test_more_part_failures_than_attempts_fail_the_save_and_abort_the_upload(
             upload=two,
         ),
     )
-    assert isinstance(outcome.error, CheckpointingError), outcome
-    assert f"{step_path(base, 2)}/__0_0.distcp" in str(outcome.error)
+    _assert_step_2_failed(outcome, f"{step_path(base, 2)}/__0_0.distcp", setup, clean=True)
     assert f"injected {status}" in str(outcome.error)
     # Three parts, no hidden retries; a request the store refuses for good (400) is not repeated.
     tries = two.attempts if status >= 500 else 1
     assert endpoint.counts()["upload_part"] == 3 * tries
-    assert _open_uploads(base, direct) == []
-    assert storage.listdir(step_path(base, 2), direct) == []
-    _assert_latest_loads(base, direct, first)
 
 
 def test_retries_the_user_configures_for_the_client_win(
