@@ -77,6 +77,11 @@ def check_timeout(value: object) -> float:
     return float(value)
 
 
+def timeout_or(value: object, default: float) -> float:
+    """``value`` checked by :func:`check_timeout`, or ``default`` when it is ``None``."""
+    return default if value is None else check_timeout(value)
+
+
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 

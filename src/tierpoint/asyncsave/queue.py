@@ -107,11 +107,8 @@ class AsyncCallsQueue:
         _check_bool("persistent", persistent)
         _check_bool("overlap_snapshot", overlap_snapshot)
         self.max_in_flight = _check_max_in_flight(max_in_flight)
-        self.timeout = (
-            tpdist.check_timeout(timeout)
-            if timeout is not None
-            else tpdist.default_timeout().total_seconds()  # checks TIERPOINT_TIMEOUT
-        )
+        # default_timeout() checks TIERPOINT_TIMEOUT
+        self.timeout = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds())
         self.overlap_snapshot = overlap_snapshot
         self._worker: Worker | None = Worker()
         self._calls: deque[_Call] = deque()
@@ -126,9 +123,7 @@ class AsyncCallsQueue:
         """Block until the worker process has started (it imports torch, which takes a few seconds)."""
         if self._worker is not None:
             with self._pump_lock:
-                self._worker.wait_ready(
-                    tpdist.check_timeout(timeout) if timeout is not None else self.timeout
-                )
+                self._worker.wait_ready(tpdist.timeout_or(timeout, self.timeout))
 
     # ------------------------------------------------------------------------------ scheduling
 
@@ -218,9 +213,7 @@ class AsyncCallsQueue:
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
         """Block until every scheduled snapshot copy finished (the state may be modified after)."""
-        deadline = time.monotonic() + (
-            tpdist.check_timeout(timeout) if timeout is not None else self.timeout
-        )
+        deadline = time.monotonic() + tpdist.timeout_or(timeout, self.timeout)
         for call in list(self._calls):
             if call.snapshot is not None:
                 call.snapshot.join(max(0.0, deadline - time.monotonic()))

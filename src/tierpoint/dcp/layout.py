@@ -28,7 +28,7 @@ from typing import Any
 
 from .. import dist as tpdist
 from .. import storage
-from ..errors import CheckpointingError, error_text
+from ..errors import CheckpointingError, error_text, failed_on_ranks
 
 STEP_PREFIX = "step-"
 METADATA_NAME = ".metadata"
@@ -139,8 +139,9 @@ def _gather_views(
     )
     failures = {r: v["error"] for r, v in enumerate(views) if v["error"]}
     if failures:
-        detail = "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-        raise CheckpointingError(f"listing checkpoints under {base} failed: {detail}", failures)
+        raise CheckpointingError(
+            failed_on_ranks(f"listing checkpoints under {base}", failures), failures
+        )
     return views
 
 

@@ -378,6 +378,13 @@ class _Copy:
     pieces: list[_Piece] = field(default_factory=list)
 
 
+def _fill(pieces: list[_Piece], whole: bytes, offset: int) -> None:
+    """Copy each piece's bytes from ``whole``, the bytes of the file from ``offset`` on."""
+    for p in pieces:
+        start = p.offset - offset
+        p.view[:] = whole[start : start + len(p.view)]
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The memory of a contiguous CPU tensor, writable, no copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -488,9 +495,7 @@ class _ReadRun:
     def write(self) -> None:
         for job in self.jobs:
             if job.whole is not None:
-                for p in job.pieces:
-                    start = p.offset - job.offset
-                    p.view[:] = job.whole[start : start + len(p.view)]
+                _fill(job.pieces, job.whole, job.offset)
         large = [job for job in self.jobs if job.whole is None]
         pieces = sorted(
             (p for job in large for p in job.pieces), key=lambda p: (p.file.path, p.offset)
@@ -521,9 +526,7 @@ class _ReadRun:
             if whole is None:
                 self._read_pieces(pieces)
             else:
-                for p in pieces:
-                    start = p.offset - item.info.offset
-                    p.view[:] = whole[start : start + len(p.view)]
+                _fill(pieces, whole, item.info.offset)
             assert finish is not None
             finish = finish()
             pieces, whole = [], None

@@ -127,11 +127,7 @@ def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
     or nobody has ``.metadata``); raises the same :class:`CheckpointingError` on every rank when a
     transfer fails.
     """
-    limit = (
-        tpdist.check_timeout(timeout)
-        if timeout is not None
-        else tpdist.default_timeout().total_seconds()
-    )
+    limit = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds())
     step_dir = str(step_dir)
     layout = tpdist.node_layout()
     listings = tpdist.all_gather_json(_listing(step_dir), f"listing {step_dir} on every rank")

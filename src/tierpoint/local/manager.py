@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -529,9 +530,8 @@ class LocalCheckpointManager:
         ``iteration`` is agreed, such parts can only be left by a save that never completed (a job
         killed mid-save). A part that cannot be removed fails the save."""
         removed = False
-        for entry in os.scandir(self.local_ckpt_dir):
-            parsed = naming.parse_part_name(entry.name)
-            if parsed is not None and parsed[0] >= iteration:
+        for entry, saved in self._part_files():
+            if saved >= iteration:
                 try:
                     os.unlink(entry.path)
                 except FileNotFoundError:
@@ -540,6 +540,15 @@ class LocalCheckpointManager:
         if removed:
             fileformat.fsync_dir(self.local_ckpt_dir)
             self._forget_removed_files()
+
+    def _part_files(self, dirty: bool = False) -> Iterator[tuple[os.DirEntry, int]]:
+        """This rank's part files (own and replicas; with ``dirty``, unfinished ones too) and the
+        iteration of each."""
+        for entry in os.scandir(self.local_ckpt_dir):
+            name = entry.name.removesuffix(naming.DIRTY_SUFFIX) if dirty else entry.name
+            parsed = naming.parse_part_name(name)
+            if parsed is not None:
+                yield entry, parsed[0]
 
     def _write_part(self, flat: FlatState, plan: fileformat.PartPlan, iteration: int) -> None:
         path = self._part_path(iteration)
@@ -596,10 +605,8 @@ class LocalCheckpointManager:
     def _remove_iteration(self, iteration: int) -> None:
         if not self.local_ckpt_dir.is_dir():
             return
-        for entry in os.scandir(self.local_ckpt_dir):
-            name = entry.name.removesuffix(naming.DIRTY_SUFFIX)
-            parsed = naming.parse_part_name(name)
-            if parsed is not None and parsed[0] == iteration:
+        for entry, saved in self._part_files(dirty=True):
+            if saved == iteration:
                 _unlink(entry.path)
         self._forget_removed_files()
 
@@ -808,11 +815,7 @@ class LocalCheckpointManager:
         :class:`CheckpointingError` after ``timeout`` seconds (default: the coordination timeout
         plus a minute; the transfers themselves time out before that).
         """
-        limit = (
-            tpdist.default_timeout().total_seconds() + 60
-            if timeout is None
-            else tpdist.check_timeout(timeout)
-        )
+        limit = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds() + 60)
         thread = self._restore
         if thread is None:
             return
