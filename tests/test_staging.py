@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tierpoint import fileformat, staging, tree
+from tierpoint.errors import CheckpointingError
 
 
 def mixed_state() -> dict:
@@ -51,7 +52,7 @@ def test_wrong_number_of_checksums_is_refused(tmp_path: Path) -> None:
     flat = tree.flatten({"a": torch.ones(4), "b": torch.zeros(2)})
     plan = fileformat.plan_part(flat)
     views = [fileformat.byte_view(t) for t in flat.tensors]
-    with pytest.raises(fileformat.CheckpointingError, match="1 checksums given for 2 tensors"):
+    with pytest.raises(CheckpointingError, match="1 checksums given for 2 tensors"):
         fileformat.write_planned(tmp_path / "p.part", plan, views, checksums=["0" * 16])
     assert list(tmp_path.iterdir()) == []
 
@@ -93,7 +94,7 @@ def test_sealing_an_unprepared_or_wrong_sized_file_is_refused_and_removes_it(
     with pytest.raises(FileNotFoundError):
         fileformat.seal_planned(path, plan)
     fileformat.dirty_name(path).write_bytes(b"short")
-    with pytest.raises(fileformat.CheckpointingError, match="not the planned size"):
+    with pytest.raises(CheckpointingError, match="not the planned size"):
         fileformat.seal_planned(path, plan)
     assert list(tmp_path.iterdir()) == []
 

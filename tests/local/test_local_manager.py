@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tierpoint import fileformat
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.errors import CheckpointingError
+from tierpoint.fileformat import writing
 from tierpoint.local import (
     BasicTensorAwareStateDict,
     CheckpointingException,
@@ -136,7 +136,7 @@ def test_single_process_without_distributed(tmp_path):
 def _crash_during_save(rank: int, world: int, root: str, crash_point: dict) -> int:
     manager = save_iterations(root, rank, [1, 2])
     point = crash_point.get(str(rank))
-    real_replace, real_write_data = os.replace, fileformat._write_data
+    real_replace, real_write_data = os.replace, writing._write_data
 
     def killing_replace(src, dst):
         if point == "before_rename" and str(dst).endswith("_local.safetensors"):
@@ -151,14 +151,14 @@ def _crash_during_save(rank: int, world: int, root: str, crash_point: dict) -> i
             os.kill(os.getpid(), signal.SIGKILL)
         real_write_data(fd, views)
 
-    fileformat.os.replace = killing_replace  # type: ignore[attr-defined]
-    fileformat._write_data = killing_write_data
+    os.replace = killing_replace
+    writing._write_data = killing_write_data
     try:
         manager.save(BasicTensorAwareStateDict(make_state(rank, 3)), 3)
     except CheckpointingError:
         return -2  # a survivor: the crash of a peer surfaced as an agreed error
     finally:
-        fileformat.os.replace, fileformat._write_data = real_replace, real_write_data  # type: ignore[attr-defined]
+        os.replace, writing._write_data = real_replace, real_write_data
     return 3
 
 

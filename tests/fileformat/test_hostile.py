@@ -386,11 +386,11 @@ def test_header_larger_than_readers_accept_is_refused_on_save(
     fileformat.write(path, old)
     big = {"w": torch.zeros(2), "order": list(range(500))}
     size = fileformat.plan_part(tree.flatten(big)).header_size()
-    monkeypatch.setattr(fileformat, "MAX_HEADER_BYTES", size - 1)
+    monkeypatch.setattr(fileformat.header, "MAX_HEADER_BYTES", size - 1)  # writer and reader
     with pytest.raises(UnsupportedStateError, match="header"):
         fileformat.write(path, big)
     assert_nothing_written(tmp_path, path, old)
-    monkeypatch.setattr(fileformat, "MAX_HEADER_BYTES", size)
+    monkeypatch.setattr(fileformat.header, "MAX_HEADER_BYTES", size)
     fileformat.write(path, big)
     assert fileformat.read(path)["order"] == big["order"]
     assert fileformat.read_header(path).data_start == 8 + size

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from tierpoint import fileformat, tree
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError, UnsupportedStateError
 
-from .conftest import good_state
+from ..conftest import good_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 

@@ -1,0 +1,170 @@
+"""Laying out a part file: which tensor goes where, and the header that describes them.
+
+Call order: ``plan = plan_part(flat, extra)`` (checks that every tensor can be saved, reads no tensor
+data), then a writer (:mod:`tierpoint.fileformat.writing`) fills the data section in
+``plan.file_order`` and writes ``plan.header(checksums)``. A :class:`PartPlan` is JSON-able
+(:meth:`PartPlan.to_json`), so a worker process can seal a part planned by the training process.
+
+Invariants: tensors are laid out without gaps (safetensors needs none), each aligned to its element
+size and the large ones to :data:`DATA_ALIGNMENT`; the header's size is fixed by the plan alone (the
+checksum fields have a fixed width), so the data can be written before the checksums are known; a
+plan whose header readers would refuse is refused here, before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointingError, UnsupportedStateError
+from ..tree import FlatState
+from . import header
+from .header import (
+    CHECKSUM_KEY,
+    DATA_ALIGNMENT,
+    DTYPES,
+    FORMAT_VERSION,
+    MAX_DIMS,
+    NATIVE_CODES,
+    ZERO_SUM,
+    padded,
+    sum_field,
+)
+from .tensor_bytes import checksum
+
+
+def _check_savable(t: torch.Tensor, path: str) -> None:
+    if t.is_quantized or t.device.type == "meta":
+        raise UnsupportedStateError(path, f"{t.device.type} / quantized tensors cannot be saved")
+    if str(t.dtype).removeprefix("torch.") not in DTYPES:
+        raise UnsupportedStateError(path, f"dtype {t.dtype} is not supported")
+    if t.dim() > MAX_DIMS:  # readers refuse more: saving it would lose the checkpoint
+        raise UnsupportedStateError(
+            path, f"tensors of more than {MAX_DIMS} dimensions cannot be saved"
+        )
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        raise CheckpointingError("tierpoint part files need a little-endian host")
+
+
+def _unique_names(paths: Sequence[str]) -> list[str]:
+    names: list[str] = []
+    used: set[str] = {"__metadata__"}
+    for i, p in enumerate(paths):
+        name = p or f"tensor{i}"
+        while name in used:  # `while`: "a~2" may itself be another tensor's path
+            name = f"{name}~{i}"
+        used.add(name)
+        names.append(name)
+    return names
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """Everything about a part file except its tensor bytes and checksums (JSON-able, for workers).
+
+    Lists are in skeleton order; ``offsets`` are relative to the data section, larger element sizes
+    first so that every tensor is aligned to its element size.
+    """
+
+    skeleton: Any
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    devices: list[str]
+    offsets: list[tuple[int, int]]
+    data_size: int
+    extra: dict[str, Any]
+    _header_size: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def file_order(self) -> list[int]:
+        return sorted(range(len(self.names)), key=lambda i: self.offsets[i])
+
+    def header(self, sums: Sequence[str]) -> bytes:
+        """The padded header (without the length prefix), its own checksum filled in."""
+        body = self._header_json(sums, ZERO_SUM)
+        return padded(body.replace(sum_field(ZERO_SUM), sum_field(checksum(padded(body))), 1))
+
+    def header_size(self) -> int:
+        """Bytes of the padded header: fixed by the plan (checksum fields have a fixed width)."""
+        if self._header_size is None:
+            size = len(padded(self._header_json([ZERO_SUM] * len(self.names), ZERO_SUM)))
+            if (
+                size > header.MAX_HEADER_BYTES
+            ):  # readers refuse more: saving it would lose the checkpoint
+                raise UnsupportedStateError(
+                    "",
+                    f"the part file header would take {size} bytes, over the limit of "
+                    f"{header.MAX_HEADER_BYTES}: store large non-tensor data (long lists...) as tensors",
+                )
+            object.__setattr__(self, "_header_size", size)  # computed once per plan
+        return self._header_size
+
+    def data_start(self) -> int:
+        """File offset of the first tensor byte (a multiple of :data:`DATA_ALIGNMENT`)."""
+        return 8 + self.header_size()
+
+    def file_size(self) -> int:
+        return self.data_start() + self.data_size
+
+    def _header_json(self, sums: Sequence[str], header_sum: str) -> bytes:
+        entries: dict[str, Any] = {}
+        records = []
+        for i, name in enumerate(self.names):
+            begin, end = self.offsets[i]
+            code = NATIVE_CODES.get(DTYPES[self.dtypes[i]])
+            shape = self.shapes[i] if code else [end - begin]
+            entries[name] = {"dtype": code or "U8", "shape": shape, "data_offsets": [begin, end]}
+            records.append([name, self.dtypes[i], self.shapes[i], sums[i], self.devices[i]])
+        doc = {
+            "version": FORMAT_VERSION,
+            "skeleton": self.skeleton,
+            "extra": self.extra,
+            "tensors": records,
+        }
+        inner = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        meta = {"format": "tierpoint", "tierpoint": inner, CHECKSUM_KEY: header_sum}
+        return json.dumps(
+            {"__metadata__": meta, **entries}, separators=(",", ":"), allow_nan=False
+        ).encode()
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> PartPlan:
+        return cls(**{**doc, "offsets": [tuple(o) for o in doc["offsets"]]})
+
+
+def plan_part(flat: FlatState, extra: Mapping[str, Any] | None = None) -> PartPlan:
+    """Lay out a flattened state as a part file (validates dtypes; reads no tensor data)."""
+    for t, p in zip(flat.tensors, flat.paths):
+        _check_savable(t, p)
+    sizes = [t.numel() * t.element_size() for t in flat.tensors]
+    # Tensors whose size is a multiple of 64 bytes go first: each of them then starts on a 64-byte
+    # boundary (fast copies into staging memory). The rest (typically small) follow by descending
+    # element size, which keeps each aligned to its own element size. No gaps: safetensors needs none.
+    order = sorted(
+        range(len(sizes)),
+        key=lambda i: (sizes[i] % DATA_ALIGNMENT != 0, -flat.tensors[i].element_size()),
+    )
+    offsets: list[tuple[int, int]] = [(0, 0)] * len(sizes)
+    cursor = 0
+    for i in order:
+        offsets[i] = (cursor, cursor + sizes[i])
+        cursor += sizes[i]
+    return PartPlan(
+        skeleton=flat.skeleton,
+        names=_unique_names(flat.paths),
+        dtypes=[str(t.dtype).removeprefix("torch.") for t in flat.tensors],
+        shapes=[list(t.shape) for t in flat.tensors],
+        devices=[str(t.device) for t in flat.tensors],
+        offsets=offsets,
+        data_size=cursor,
+        extra=dict(extra or {}),
+    )
