@@ -455,15 +455,23 @@ def test_pickled_state_loads_only_when_allowed(tmp_path):
     assert ckpt_id.iteration == 2 and ta.state_dict["ratio"] == Fraction(1, 3)
 
 
-def _find_latest_with_warnings(rank: int, world: int, root: str) -> tuple[int, list[str]]:
+def _find_latest_then_save(rank: int, world: int, root: str) -> tuple[int, list[str], int]:
     records = WarningRecords()
-    return LocalCheckpointManager(root, session_id="job").find_latest(), records.messages
+    manager = LocalCheckpointManager(root, session_id="job")
+    latest = manager.find_latest()
+    # e.g. resumed from a persistent checkpoint at step 0: the old world's iteration 9 must not
+    # block the new world's saves
+    manager.save(BasicTensorAwareStateDict(make_state(rank, 0)), 0)
+    return latest, records.messages, LocalCheckpointManager(root, session_id="job").find_latest()
 
 
-def test_a_checkpoint_of_another_world_size_is_not_offered(tmp_path):
+def test_a_checkpoint_of_another_world_size_is_not_offered_nor_blocks_saves(tmp_path):
     run_ranks(_save_world, 2, str(tmp_path))
-    results = run_ranks(_find_latest_with_warnings, WORLD, str(tmp_path))
-    assert [latest for latest, _ in results] == [-1] * WORLD
+    results = run_ranks(_find_latest_then_save, WORLD, str(tmp_path))
+    assert [latest for latest, _, _ in results] == [-1] * WORLD
+    warnings = results[0][1]
     assert any(
-        "iteration 9 was saved with world size 2, this job has 4 ranks" in m for m in results[0][1]
+        "iteration 9 was saved with world size 2, this job has 4 ranks" in m for m in warnings
     )
+    assert any("saving local iteration 0 removes iteration(s) 9" in m for m in warnings)
+    assert [after for _, _, after in results] == [0] * WORLD

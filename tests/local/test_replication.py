@@ -94,6 +94,11 @@ def test_retrieval_plan_spreads_sources_and_reports_losses() -> None:
     # A source that failed before is not chosen again.
     statuses = [HolderStatus(True, [0, 1]), HolderStatus(False, [0, 1], [[0, 1]])]
     assert plan_retrieval(statuses, None).lost == [1]
+    # A replica comes from the origin, whose part the load verified, rather than from another
+    # holder's copy (only its header was checked), when both are as busy.
+    statuses = [HolderStatus(True, [0, 1]), HolderStatus(True, [0, 1]), HolderStatus(True, [2])]
+    plan = plan_retrieval(statuses, lambda o: [r for r in range(3) if r != o])
+    assert (0, 2, 0) in plan.moves and (1, 2, 1) in plan.moves
 
 
 # ------------------------------------------------------------------------------------ save, lose, load
@@ -195,6 +200,34 @@ def test_corrupt_part_is_replaced_with_a_warning(tmp_path: Path) -> None:
     assert warning and warning[0].count(str(victim)) == 1 and "rank 3" in warning[0]
     assert "checksum" in warning[0]  # why it was replaced
     assert victim.read_bytes() != bytes(data)  # the good copy now sits on disk
+
+
+def _load_then_save_next(rank: int, world: int, root: str) -> tuple[int, int, list[str]]:
+    _as_node(rank)
+    records = WarningRecords()
+    manager = _manager(root, keep_last=2)
+    ta, ckpt = manager.load()
+    assert_bitwise_equal(ta.state_dict, make_state(rank, ckpt.iteration))
+    manager.save(
+        BasicTensorAwareStateDict(make_state(rank, ckpt.iteration + 1)), ckpt.iteration + 1
+    )
+    return ckpt.iteration, manager.find_latest(), records.messages
+
+
+def test_a_part_corrupt_on_every_holder_is_never_loaded_and_saving_goes_on(tmp_path: Path) -> None:
+    run_ranks(_save, WORLD, str(tmp_path), [5, 9], False)
+    for holder in (1, 3):  # rank 1's part of iteration 9 and its only replica
+        victim = tmp_path / "job" / str(holder) / part_name(9, 1)
+        data = bytearray(victim.read_bytes())
+        data[-100] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    results = run_ranks(_load_then_save_next, WORLD, str(tmp_path))
+    # Iteration 9 cannot be had bitwise on rank 1: every rank resumes from 5 and saves 6 over 9.
+    assert [(loaded, latest) for loaded, latest, _ in results] == [(5, 6)] * WORLD
+    assert not any("replaced by the copy" in m for m in results[1][2])
+    assert any("no rank holds a good copy of the part of rank 1" in m for m in results[0][2])
+    assert not any(part_name(9, 1) in name for r in range(WORLD) for name in _files(tmp_path, r))
+    assert [it for it, _ in run_ranks(_load, WORLD, str(tmp_path))] == [6] * WORLD
 
 
 def test_losing_a_whole_clique_falls_back_or_says_so(tmp_path: Path) -> None:

@@ -109,8 +109,9 @@ class LocalCheckpointManager:
         self._newest_seen: tuple[int, int, int] | None = None
         self._pending: int | None = None
         self._requested: set[int] = set()  # async saves handed out, not yet finalized or aborted
+        self._unloadable: set[int] = set()  # complete iterations a load found no good copy of
         self._world: int | None = None  # the world size this manager works with, once known
-        self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int]]] = {}
+        self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int] | None]] = {}
         self._listings: list[list[list[int]]] = []
         self.last_replication: transfer.MoveStats | None = None
         """Bytes and seconds of this rank's part of the last replication (for monitoring)."""
@@ -164,12 +165,13 @@ class LocalCheckpointManager:
     def _scan(self) -> list[list[int]]:
         """This rank's committed, structurally valid parts: ``[iteration, origin rank, world size]``.
 
-        A header is validated once per file version (inode, size, mtime), so saves do not re-read it.
+        A header is validated once per file version (inode, size, mtime), so saves do not re-read it
+        (and an unusable one is warned about once).
         """
         if not self.local_ckpt_dir.is_dir():
             return []
         found = []
-        seen: dict[str, tuple[tuple[int, int, int], list[int]]] = {}
+        seen: dict[str, tuple[tuple[int, int, int], list[int] | None]] = {}
         for entry in os.scandir(self.local_ckpt_dir):
             parsed = naming.parse_part_name(entry.name)
             if parsed is None:
@@ -178,12 +180,11 @@ class LocalCheckpointManager:
             cached = self._scan_cache.get(entry.name)
             if cached is not None and cached[0] == version:
                 part = cached[1]
-            else:
+            else:  # an unusable file is reported once per version, not on every scan
                 part = self._validate_part(entry.path, *parsed)
-                if part is None:
-                    continue
             seen[entry.name] = (version, part)
-            found.append(part)
+            if part is not None:
+                found.append(part)
         self._scan_cache = seen
         return found
 
@@ -502,7 +503,11 @@ class LocalCheckpointManager:
         """Check (on every rank alike) that all ranks save the same, new iteration; return what to keep."""
         gathered = self._gather_parts(
             "save: agreeing on the iteration",
-            {"iteration": iteration, "requested": max(self._requested, default=_NO_CHECKPOINT)},
+            {
+                "iteration": iteration,
+                "requested": max(self._requested, default=_NO_CHECKPOINT),
+                "unloadable": sorted(self._unloadable),
+            },
             create=True,
         )
         requested = [g["iteration"] for g in gathered]
@@ -510,11 +515,24 @@ class LocalCheckpointManager:
             raise CheckpointingError(
                 f"ranks disagree on the iteration to save: {dict(enumerate(requested))}"
             )
-        complete = self._complete_iterations([g["parts"] for g in gathered])
+        unloadable = {i for g in gathered for i in g["unloadable"]}
+        complete = {
+            i: world
+            for i, world in self._complete_iterations([g["parts"] for g in gathered]).items()
+            if world == self.world_size and i not in unloadable
+        }
         latest = max(complete, default=_NO_CHECKPOINT)
         if iteration <= latest:
             raise CheckpointingError(
                 f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
+            )
+        superseded = sorted({p[0] for g in gathered for p in g["parts"] if p[0] >= iteration})
+        if superseded and self.rank == 0:
+            logger.warning(
+                "saving local iteration %d removes iteration(s) %s, which this job cannot load "
+                "(saved with another world size, incomplete, or without a good copy of some part)",
+                iteration,
+                ", ".join(map(str, superseded)),
             )
         in_flight = max(g["requested"] for g in gathered)
         if iteration <= in_flight:
@@ -640,6 +658,7 @@ class LocalCheckpointManager:
             loaded = self._load_iteration(candidate, failures, kinds, allow_pickle)
             if loaded is not None:
                 return loaded
+            self._unloadable.add(candidate)  # newer than what the job resumes from: not kept
         where = self.root_local_ckpt_dir / self.session_id
         detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
         raise agreed_error(
@@ -705,20 +724,21 @@ class LocalCheckpointManager:
             if not plan.moves:
                 break
             self._log_plan(iteration, plan, "part(s) from peers")
-            bad += self._fetch(iteration, plan, group)  # sources that failed stay excluded
-            if loaded is None and any(d == self.rank == o for _, d, o in plan.moves):
+            failed = self._fetch(iteration, plan, group)
+            bad += failed  # sources that failed stay excluded
+            own = [s for s, d, o in plan.moves if d == self.rank == o]
+            if loaded is None and own and [own[0], self.rank] not in failed:
                 # Every checksum was verified on receipt: no second pass over the bytes.
                 loaded, reason, kind = self._read_own(iteration, allow_pickle, verify=False)
                 if loaded is not None:
-                    source = next(s for s, d, o in plan.moves if d == self.rank == o)
                     logger.warning(  # the reason names the file
                         "local part of iteration %d replaced by the copy held by rank %d: %s",
                         iteration,
-                        source,
+                        own[0],
                         first_reason,
                     )
                 else:
-                    bad += [[s, o] for s, d, o in plan.moves if d == self.rank == o]
+                    bad.append([own[0], self.rank])
         with tpdist.agree(what):
             if loaded is None:
                 raise CheckpointingError(reason)
@@ -843,8 +863,13 @@ class LocalCheckpointManager:
         return sorted({origin for it, origin, _ in self._scan() if it == iteration})
 
     def _fetch(self, iteration: int, plan: RetrievalPlan, group: Any) -> list[list[int]]:
-        """Carry out ``plan``'s moves; return ``[source, origin]`` of the moves to here that failed."""
+        """Carry out ``plan``'s moves; return ``[source, origin]`` of the moves to here that failed.
+
+        A move succeeded only if a new file took the destination's name: a corrupt part that a
+        failed transfer left in place is not a fetched one.
+        """
         moves = self._part_moves(iteration, plan.moves)
+        before = {m.dst_path: _version_of(m.dst_path) for m in moves if m.dst == self.rank}
         self._ensure_dir()
         try:
             transfer.move_files(
@@ -861,7 +886,7 @@ class LocalCheckpointManager:
         return [
             [m.src, o]
             for m, (_, _, o) in zip(moves, plan.moves)
-            if m.dst == self.rank and not os.path.exists(m.dst_path)
+            if m.dst == self.rank and _version_of(m.dst_path) in (None, before[m.dst_path])
         ]
 
 
@@ -903,6 +928,14 @@ def _warn_unrestored(iteration: int, origin: int, why: str) -> None:
 def _file_version(st: os.stat_result) -> tuple[int, int, int]:
     """What identifies one version of a file for the scan cache: inode, size, mtime."""
     return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _version_of(path: str) -> tuple[int, int, int] | None:
+    """The file's :func:`_file_version`, or ``None`` when there is none."""
+    try:
+        return _file_version(os.stat(path))
+    except FileNotFoundError:
+        return None
 
 
 def _unlink(path: str | os.PathLike) -> None:

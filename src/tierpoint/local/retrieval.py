@@ -79,8 +79,9 @@ def plan_retrieval(
         candidates = [s for s in range(world) if s != dst and has_good_copy(s, origin)]
         if not candidates:
             return False
-        # Prefer a replica holder over the origin, then the least busy, then the lowest rank.
-        src = min(candidates, key=lambda s: (load[s], s == origin, s))
+        # The least busy; then the origin, whose own part the load just verified (a replica was
+        # only checked for a valid header); then the lowest rank.
+        src = min(candidates, key=lambda s: (load[s], s != origin, s))
         load[src] += 1
         moves.append((src, dst, origin))
         return True
