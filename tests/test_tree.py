@@ -271,6 +271,7 @@ UNSUPPORTED = {
     "str_subclass": Label("x"),
     "object_ndarray": np.array([1, "a"], dtype=object),
     "sparse_tensor": torch.eye(2).to_sparse(),
+    "nested_tensor": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
 }
 
 
@@ -306,7 +307,9 @@ def test_unsupported_root_message_says_root() -> None:
         tree.flatten(Custom(1))
 
 
-PICKLABLE = [name for name in UNSUPPORTED if name not in ("lambda", "sparse_tensor")]
+PICKLABLE = [
+    name for name in UNSUPPORTED if name not in ("lambda", "sparse_tensor", "nested_tensor")
+]
 
 
 @pytest.mark.parametrize("name", PICKLABLE)

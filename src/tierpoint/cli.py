@@ -28,7 +28,7 @@ from . import fileformat
 from .dcp import layout
 from .dcp.verify import verify_checkpoint
 from .errors import CheckpointingError
-from .local.naming import default_root, parse_part_name
+from .local.naming import default_root, parse_part_name, part_world_size
 
 
 def _ls(root: Path) -> int:
@@ -47,7 +47,7 @@ def _ls(root: Path) -> int:
                     continue
                 iteration, origin = parsed
                 try:
-                    world = fileformat.read_header(holder / name).extra.get("world_size")
+                    world = part_world_size(holder / name, iteration, origin)
                 except (OSError, CheckpointingError) as e:
                     print(f"  unreadable: {holder / name}: {e}")
                     continue

@@ -93,6 +93,8 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
         if obj is None or type(obj) in (bool, str):
             return obj
         if isinstance(obj, torch.Tensor):
+            if obj.is_nested:
+                raise UnsupportedStateError(path, "nested tensors are not supported")
             if obj.is_sparse or obj.layout != torch.strided:
                 raise UnsupportedStateError(path, f"tensor layout {obj.layout} is not supported")
             return {_TAG: "tensor", "i": add_tensor(obj, path)}

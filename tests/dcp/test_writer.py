@@ -89,6 +89,18 @@ def test_plain_dcp_save_with_writer_commits_and_clears_markers(tmp_path):
     assert_same(out, state)
 
 
+def test_lazy_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    state = {"conj": c.conj(), "neg": c.conj().imag, "plain": torch.arange(3.0)}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    path = str(tmp_path / "ckpt")
+    dcp.save(state, storage_writer=Writer(path))
+    out = {k: torch.zeros_like(v.resolve_conj().resolve_neg()) for k, v in state.items()}
+    dcp.load(out, checkpoint_id=path)
+    for key, value in state.items():
+        assert torch.equal(out[key], value.resolve_conj().resolve_neg()), key
+
+
 def test_tensor_records_are_what_torch_load_reads():
     for dtype, shape in [(torch.float16, (3, 5)), (torch.int8, (0,)), (torch.float64, ())]:
         t = torch.arange(max(1, int(torch.tensor(shape).prod().item()) if shape else 1)).to(dtype)

@@ -688,3 +688,12 @@ def test_tensors_of_whole_cache_lines_start_on_64_byte_boundaries() -> None:
         assert begin % fileformat.DTYPES[dtype].itemsize == 0
         if size % 64 == 0:
             assert begin % 64 == 0, (begin, size, dtype)
+
+
+def test_lazy_conjugate_and_negative_views_are_written_as_their_values(tmp_path: Path) -> None:
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    state = {"conj": c.conj(), "neg": c.conj().imag}
+    fileformat.write(tmp_path / "part", state)
+    back = fileformat.read(tmp_path / "part")
+    assert torch.equal(back["conj"], torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64))
+    assert torch.equal(back["neg"], torch.tensor([-2.0, 4.0]))

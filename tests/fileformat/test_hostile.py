@@ -102,7 +102,7 @@ FIELD_CASES = {
     "record_dtype": [lambda v: {"rec": ["w", v, [4], ZERO_SUM, "cpu"]}, [*WRONG_TYPES, "Tensor", "qint8", "bits8"]],
     "record_shape": [lambda v: {"rec": ["w", "float32", v, ZERO_SUM, "cpu"]}, [*WRONG_TYPES, [True] * 4, [4.0], [NAN], [2, 2.0]]],
     "record_checksum": [lambda v: {"rec": ["w", "float32", [4], v, "cpu"]}, [*WRONG_TYPES, "0" * 17]],
-    "record_device": [lambda v: {"rec": ["w", "float32", [4], ZERO_SUM, v]}, [None, 1, [], {}]],
+    "record_device": [lambda v: {"rec": ["w", "float32", [4], ZERO_SUM, v]}, [None, 1, [], {}, "bogus!", "cuda:-1", "cpu" * 30]],
     "record_short": [lambda v: {"rec": v}, [[], ["w"], ["w", "float32", [4], ZERO_SUM], "w", 7, {}]],
     "entry_dtype": [lambda v: {"entry": {"dtype": v}}, [None, 1, [], "F64", "f32", "U8"]],
     "entry_offsets": [lambda v: {"entry": {"data_offsets": v}}, [None, [0], [0, 16, 32], [0.0, 16], [False, 16], [NAN, 16], [0, 2**70], [-16, 0], "0,16"]],

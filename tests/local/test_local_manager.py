@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tierpoint import fileformat
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.errors import CheckpointingError
 from tierpoint.fileformat import writing
@@ -128,6 +129,36 @@ def test_single_process_without_distributed(tmp_path):
     assert ckpt_id == (2, 0, "job")
     assert_bitwise_equal(ta.state_dict, make_state(0, 2))
     assert CheckpointingException is CheckpointingError
+
+
+def _iterations_on_disk(root: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (root / "job" / "0").glob("iter_*"))
+
+
+def test_async_saves_keep_last_counts_the_save_committed_meanwhile(tmp_path):
+    """The README's loop: each request is made while the previous save is still in flight."""
+    manager = LocalCheckpointManager(tmp_path, session_id="job", keep_last=2)
+    with AsyncCallsQueue() as queue:
+        for it in (5, 10, 20, 30):
+            queue.maybe_finalize_async_calls(blocking=False)
+            request = manager.save(BasicTensorAwareStateDict(make_state(0, it)), it, is_async=True)
+            queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert _iterations_on_disk(tmp_path) == [20, 30]
+
+
+def test_a_stale_async_request_never_retires_a_newer_checkpoint(tmp_path):
+    manager = LocalCheckpointManager(tmp_path, session_id="job")
+    stale = manager.save(BasicTensorAwareStateDict(make_state(0, 10)), 10, is_async=True)
+    manager.save(BasicTensorAwareStateDict(make_state(0, 20)), 20)  # before 10 was scheduled
+    with AsyncCallsQueue() as queue:
+        with pytest.raises(CheckpointingError, match="scheduled after iteration 20 was saved"):
+            queue.schedule_async_request(stale)
+            queue.maybe_finalize_async_calls(blocking=True)
+    assert _iterations_on_disk(tmp_path) == [20]
+    ta, ckpt_id = LocalCheckpointManager(tmp_path, session_id="job").load()
+    assert ckpt_id.iteration == 20
+    assert_bitwise_equal(ta.state_dict, make_state(0, 20))
 
 
 # ------------------------------------------------------------------------------------ crashes
@@ -475,3 +506,14 @@ def test_a_checkpoint_of_another_world_size_is_not_offered_nor_blocks_saves(tmp_
     )
     assert any("saving local iteration 0 removes iteration(s) 9" in m for m in warnings)
     assert [after for _, _, after in results] == [0] * WORLD
+
+
+def test_a_forged_world_size_is_refused_not_allocated(tmp_path):
+    """A part whose header (checksum intact) claims 10**30 ranks is reported, never counted up to."""
+    part = tmp_path / "job" / "0" / "iter_0000001_0_local.safetensors"
+    part.parent.mkdir(parents=True)
+    forged = {"iteration": 1, "rank": 0, "world_size": 10**30}
+    fileformat.write(part, {"w": torch.ones(2)}, extra=forged)
+    records = WarningRecords()
+    assert LocalCheckpointManager(tmp_path, session_id="job").find_latest() == -1
+    assert any("bad world size in metadata" in m for m in records.messages)

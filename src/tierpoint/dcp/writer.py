@@ -55,6 +55,7 @@ from torch.futures import Future
 from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text
+from ..fileformat.tensor_bytes import cpu_contiguous
 from ..staging import StagingBuffer
 from .file_plan import RankFiles, file_views, plan_files
 from .layout import MARKER_PREFIX, METADATA_NAME, marker_name
@@ -92,13 +93,6 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _as_cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.contiguous()
 
 
 class Writer(StorageWriter):
@@ -388,7 +382,7 @@ class Writer(StorageWriter):
         return data.detach()
 
     def _resolve_tensor(self, item_index: int) -> torch.Tensor:
-        return _as_cpu_contiguous(self._planner_data(item_index))
+        return cpu_contiguous(self._planner_data(item_index))
 
     def _resolve_bytes(self) -> list[list[bytes]]:
         """The serialized non-tensor values, per file."""

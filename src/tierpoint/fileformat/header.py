@@ -198,6 +198,17 @@ def decode_header(raw: bytes, file_size: int, path: str) -> PartHeader:
     return PartHeader(path, data_start, file_size, records, doc.get("skeleton"), extra, version)
 
 
+def _is_device(name: Any) -> bool:
+    """Whether ``name`` is a device string torch accepts (restoring a tensor's device parses it)."""
+    if not isinstance(name, str) or len(name) > 64:
+        return False
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
 def _validate_records(
     raw_records: Any, entries: dict[str, Any], data_size: int, path: str
 ) -> tuple[TensorRecord, ...]:
@@ -263,7 +274,7 @@ def _validate_records(
                 path,
                 f"tensor {name!r}: header shape {str(entry.get('shape'))[:80]} disagrees with {shape}",
             )
-        if not (isinstance(sum_hex, str) and len(sum_hex) == 16) or not isinstance(device, str):
+        if not (isinstance(sum_hex, str) and len(sum_hex) == 16) or not _is_device(device):
             raise CorruptCheckpointError(
                 path, f"tensor {name!r} has a malformed checksum or device"
             )

@@ -24,6 +24,15 @@ IO_CHUNK = 1 << 30
 """Largest single read or write (Linux moves at most ~2 GiB per call)."""
 
 
+def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor holding ``t``'s values as plain bytes (a copy only where unavoidable:
+    another device, a non-contiguous layout, or a lazy conjugate / negative view)."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without copying."""
     flat = t.as_strided((t.numel(),), (1,))  # not reshape: it keeps a size-1 dim's odd stride

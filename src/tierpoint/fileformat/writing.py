@@ -23,14 +23,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
 
 from ..errors import CheckpointingError
 from ..tree import FlatState, flatten
 from .plan import PartPlan, plan_part
 from .reading import is_mapped
-from .tensor_bytes import HASH_CHUNK, IO_CHUNK, ChunkHasher, byte_view, mapped_checksums
+from .tensor_bytes import (
+    HASH_CHUNK,
+    IO_CHUNK,
+    ChunkHasher,
+    byte_view,
+    cpu_contiguous,
+    mapped_checksums,
+)
 
 _SMALL_TENSOR = 1 << 20
 
@@ -40,14 +46,6 @@ class WriteResult:
     path: str
     nbytes: int
     seconds: float
-
-
-def _prepare(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with the same bytes (a copy only where unavoidable)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t if t.is_contiguous() else t.contiguous()
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -157,7 +155,7 @@ def write_flat(
     tmpfs file is several times faster than filling a new one); the caller guarantees nothing needs it.
     """
     plan = plan if plan is not None else plan_part(flat, extra)
-    views = [byte_view(_prepare(t)) for t in flat.tensors]
+    views = [byte_view(cpu_contiguous(t)) for t in flat.tensors]
     return write_planned(path, plan, views, recycle=recycle, dirty_path=dirty_path, fsync=fsync)
 
 

@@ -200,12 +200,7 @@ class LocalCheckpointManager:
     @staticmethod
     def _validate_part(path: str, iteration: int, origin: int) -> list[int] | None:
         try:
-            meta = fileformat.read_header(path).extra
-            if meta.get("iteration") != iteration or meta.get("rank") != origin:
-                raise CorruptCheckpointError(path, "file name disagrees with its metadata")
-            world = meta.get("world_size")
-            if type(world) is not int or world < 1:
-                raise CorruptCheckpointError(path, "bad world size in metadata")
+            world = naming.part_world_size(path, iteration, origin)
         except (OSError, CheckpointingError) as e:
             logger.warning("ignoring unusable local part %s: %s", path, e)
             return None
@@ -400,7 +395,13 @@ class LocalCheckpointManager:
         }
 
     def _commit(self, iteration: int, keep: set[int], nbytes: int, start: float) -> None:
-        """Every rank committed ``iteration``: make it the latest and retire what is not kept."""
+        """Every rank committed ``iteration``: make it the latest and retire what is not kept.
+
+        ``keep`` was chosen when the save was requested; an async save committed since then (the
+        previous one, finalized in between) is newer than all of it and counts towards ``keep_last``.
+        """
+        if self._latest is not None and self._latest < iteration:
+            keep = set(sorted(keep | {self._latest}, reverse=True)[: self.keep_last - 1])
         self._pending = None
         self._requested.discard(iteration)
         self._latest = iteration
@@ -439,6 +440,13 @@ class LocalCheckpointManager:
         def snapshot() -> dict[str, Any]:
             # Runs when the queue schedules the request: after the previous save was finalized, so
             # the staging buffer and the spare file are free.
+            if self._latest is not None and self._latest >= iteration:  # alike on every rank
+                self._requested.discard(iteration)
+                raise CheckpointingError(
+                    f"the async save of local iteration {iteration} was scheduled after iteration "
+                    f"{self._latest} was saved: nothing written (a stale request would retire "
+                    "the newer checkpoint)"
+                )
             self._pending = iteration
             spare = self._take_spare() if self.recycle else None
             t0 = time.perf_counter()

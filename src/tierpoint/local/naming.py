@@ -16,13 +16,16 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-from ..errors import CheckpointingError
+from .. import fileformat
+from ..errors import CheckpointingError, CorruptCheckpointError
 
 EXTENSION = ".safetensors"
 DIRTY_SUFFIX = ".dirty"
 _PART_RE = re.compile(r"iter_(\d{7,})_(\d+)_local" + re.escape(EXTENSION))
 _SPARE_RE = re.compile(r"spare_(\d+)\.free")
 _SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]*")
+MAX_WORLD_SIZE = 1 << 24
+"""Larger world sizes in a part's metadata are refused as corrupt (a forged one could exhaust memory)."""
 
 
 class CkptID(NamedTuple):
@@ -71,3 +74,15 @@ def is_spare_name(name: str) -> bool:
 
 def spare_name(n: int) -> str:
     return f"spare_{n}.free"
+
+
+def part_world_size(path: str | os.PathLike, iteration: int, origin: int) -> int:
+    """The world size a part file was saved with, once its header is valid and its metadata agrees
+    with its name; :class:`CorruptCheckpointError` otherwise."""
+    meta = fileformat.read_header(path).extra
+    if meta.get("iteration") != iteration or meta.get("rank") != origin:
+        raise CorruptCheckpointError(str(path), "file name disagrees with its metadata")
+    world = meta.get("world_size")
+    if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
+        raise CorruptCheckpointError(str(path), f"bad world size in metadata: {str(world)[:40]}")
+    return world
