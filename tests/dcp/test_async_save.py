@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import (
@@ -22,7 +23,7 @@ from tierpoint.dcp import (
     get_latest_complete_checkpoint,
     step_path,
 )
-from tierpoint.dcp.writer import write_staged
+from tierpoint.dcp.writer import Writer, write_staged
 from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
 
@@ -196,3 +197,23 @@ def test_saves_in_flight_get_own_buffers_and_every_dtype_is_staged(tmp_path):
         out = {"a": torch.zeros(1000), "n": 0}
         dcp.load(out, checkpoint_id=step_path(tmp_path, step))
         assert torch.equal(out["a"], torch.arange(1000.0) + step - 1) and out["n"] == min(step, 2)
+
+
+def test_a_directory_with_a_save_in_flight_is_not_saved_into_again(tmp_path):
+    """A second save (async or sync) into the step an async save is still writing is refused; the
+    first one commits and loads intact, and the step takes saves again once it is finalized."""
+    path = step_path(tmp_path, 200)
+    with AsyncCallsQueue(max_in_flight=2) as queue:
+        first = async_save({"w": torch.full((1000,), 1.0)}, path, queue=queue)
+        with pytest.raises(CheckpointingError, match="an async save into it is still in flight"):
+            async_save({"w": torch.full((1000,), 2.0)}, path, queue=queue, overwrite=True)
+        with pytest.raises(CheckpointException, match="an async save into it is still in flight"):
+            dcp.save({"w": torch.full((1000,), 3.0)}, storage_writer=Writer(path, overwrite=True))
+        first.result(timeout=120)
+        assert get_latest_complete_checkpoint(tmp_path) == path
+        out = {"w": torch.zeros(1000)}
+        dcp.load(out, checkpoint_id=path)
+        assert torch.equal(out["w"], torch.full((1000,), 1.0))
+        async_save({"w": torch.full((1000,), 4.0)}, path, queue=queue, overwrite=True).result(120)
+    dcp.load(out, checkpoint_id=path)
+    assert torch.equal(out["w"], torch.full((1000,), 4.0))

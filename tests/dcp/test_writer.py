@@ -324,4 +324,8 @@ def test_wrong_arguments_are_named(tmp_path):
         save(torch.ones(2), step_path(tmp_path, 1))
     with pytest.raises(CheckpointingError, match="state_dict must be a dict"):
         load([torch.ones(2)], step_path(tmp_path, 1))
+    with pytest.raises(CheckpointingError, match="thread_count must be an int >= 1, got '2'"):
+        Writer(step_path(tmp_path, 1), thread_count="2")
+    with pytest.raises(CheckpointingError, match="base must be a path or URL string"):
+        get_latest_complete_checkpoint(None)
     assert not os.path.exists(step_path(tmp_path, 1))

@@ -217,7 +217,7 @@ def test_torch_size_beyond_int64_is_refused(tmp_path: Path, dims: list[int]) -> 
     later, in user code, with a raw ValueError (on repr, comparison, allocation...)."""
     path = tmp_path / "part"
     path.write_bytes(skeleton_file({"~": "size", "v": dims}))
-    for reader in ("read", "read_noverify", "read_mmap"):
+    for reader in ("read", "read_noverify", "read_mmap", "verify"):
         assert_corrupt(path, READERS[reader], "bad state skeleton")
 
 
@@ -243,7 +243,20 @@ def test_pickle_payload_in_a_file_never_runs_by_default(tmp_path: Path) -> None:
     for reader in ("read", "read_noverify", "read_mmap"):
         with pytest.raises(UnsupportedStateError, match="allow_pickle"):
             READERS[reader](path)
+    fileformat.verify(path)  # intact, and checked without unpickling
     assert not ran
+
+
+@pytest.mark.parametrize(
+    "skeleton",
+    [{"~": "tensor", "i": 5}, {"~": "nope"}, {"~": "dict", "k": ["a"], "v": []}],
+    ids=["index", "tag", "dict"],
+)
+def test_verify_rebuilds_the_skeleton_as_a_load_would(tmp_path: Path, skeleton: Any) -> None:
+    path = tmp_path / "part"
+    path.write_bytes(skeleton_file(skeleton))
+    for reader in ("read", "verify"):
+        assert_corrupt(path, READERS[reader], "bad state skeleton")
 
 
 # ------------------------------------------------------------------------ truncation, file kinds

@@ -358,6 +358,12 @@ def test_bad_arguments(tmp_path):
         LocalCheckpointManager(tmp_path, session_id="../escape")
     with pytest.raises(CheckpointingError, match="keep_last"):
         LocalCheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(CheckpointingError, match="keep_last"):
+        LocalCheckpointManager(tmp_path, keep_last=True)
+    with pytest.raises(CheckpointingError, match="verify must be True or False, got None"):
+        LocalCheckpointManager(tmp_path, verify=None)
+    with pytest.raises(CheckpointingError, match="recycle must be True or False"):
+        LocalCheckpointManager(tmp_path, recycle="no")
     with pytest.raises(CheckpointingError, match="root_local_ckpt_dir must be a path"):
         LocalCheckpointManager(123)  # type: ignore[arg-type]
     manager = LocalCheckpointManager(tmp_path)
@@ -517,3 +523,14 @@ def test_a_forged_world_size_is_refused_not_allocated(tmp_path):
     records = WarningRecords()
     assert LocalCheckpointManager(tmp_path, session_id="job").find_latest() == -1
     assert any("bad world size in metadata" in m for m in records.messages)
+
+
+def test_parts_only_in_other_ranks_directories_are_named(tmp_path):
+    """After a restart that numbered this node's ranks anew, the node's parts sit in directories of
+    other global ranks: not used (the root may be shared), but the warning says where and why."""
+    part = tmp_path / "job" / "3" / "iter_0000009_3_local.safetensors"
+    part.parent.mkdir(parents=True)
+    fileformat.write(part, {"w": torch.ones(2)}, extra={"iteration": 9, "rank": 3, "world_size": 4})
+    records = WarningRecords()
+    assert LocalCheckpointManager(tmp_path, session_id="job").find_latest() == -1
+    assert any("rank 0 holds no local parts" in m and "rank(s) 3" in m for m in records.messages)

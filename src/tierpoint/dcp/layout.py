@@ -113,6 +113,7 @@ def get_latest_complete_checkpoint(
     hold them (:mod:`tierpoint.dcp.retrieval`); a candidate with a file that exists nowhere is
     skipped. The returned step is then loadable from ``base`` on every node.
     """
+    base = storage.checkpoint_path(base, "base")
     if node_local:
         return _latest_node_local(base, storage_options, group)
     views = _gather_views(base, storage_options, group)

@@ -25,6 +25,9 @@ Invariants:
   while the new save runs). A directory whose save was killed between its commit and the removal
   of its markers is not complete (:func:`~tierpoint.dcp.get_latest_complete_checkpoint` skips it)
   and is saved into again like an unfinished one.
+- While an async save into a directory is in flight in this process (from
+  :meth:`Writer.get_save_function_and_args` until it is finalized or discarded), another save into
+  that directory is refused in ``set_up_storage_writer``: it would name the same files and markers.
 - A failed save leaves no ``.metadata``; :meth:`Writer.discard` removes what this rank wrote. (On
   an object store a ``.metadata`` upload whose reply never came may still land: then the
   coordinator's marker stays, so the step never counts as complete.)
@@ -95,6 +98,10 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+_busy_directories: set[str] = set()  # step directories an async save of this process writes into
+_busy_lock = threading.Lock()
+
+
 class Writer(StorageWriter):
     """Writes a torch DCP checkpoint to ``path_or_url`` (a directory or an fsspec URL prefix).
 
@@ -125,8 +132,8 @@ class Writer(StorageWriter):
         overwrite: bool = False,
     ) -> None:
         super().__init__()
-        if thread_count < 1:
-            raise CheckpointingError(f"thread_count must be >= 1, got {thread_count}")
+        if type(thread_count) is not int or thread_count < 1:
+            raise CheckpointingError(f"thread_count must be an int >= 1, got {thread_count!r}")
         self.path = storage.checkpoint_path(path_or_url, "path_or_url")
         self.thread_count = int(thread_count)
         self.sync_files = sync_files
@@ -145,6 +152,7 @@ class Writer(StorageWriter):
         self._results: list[WriteResult] | None = None
         self.write_error: str | None = None
         self._buffer: StagingBuffer | None = None
+        self._busy_key: str | None = None  # this writer's entry in _busy_directories
 
     # ---------------------------------------------------------------------- StorageWriter
 
@@ -181,6 +189,7 @@ class Writer(StorageWriter):
                     self.path,
                     ", ".join(stale),
                 )
+        self._claim(check_only=True)
         storage.makedirs(self.path, self.storage_options)
         storage.touch(self._url(marker_name(self.rank)), storage_options=self.storage_options)
         self._marker_made = True
@@ -260,6 +269,7 @@ class Writer(StorageWriter):
         returns the keyword arguments that complete ``async_fn``'s call in the worker.
         """
         _, files = self._require_plan()
+        self._claim()
         args = (
             self.path,
             [(f.name, f.staging_base, f.tensor_bytes) for f in files.files],
@@ -301,6 +311,7 @@ class Writer(StorageWriter):
 
     def release_staging(self) -> None:
         """Give the staging buffer back to the pool (the save is finalized or aborted)."""
+        self._leave()
         if self._buffer is not None:
             self.pool.release(self._buffer)
             self._buffer = None
@@ -341,6 +352,7 @@ class Writer(StorageWriter):
         """Remove what this rank wrote for a failed save: data files, then its marker (unless
         ``keep_marker``: a commit whose outcome is unknown may still land, and the marker keeps
         the step from ever counting as complete)."""
+        self._leave()
         if self._files is not None:
             for name in self._files.names:
                 storage.remove(
@@ -355,6 +367,30 @@ class Writer(StorageWriter):
             storage.remove_dir_if_empty(self.path, self.storage_options)
 
     # ---------------------------------------------------------------------- helpers
+
+    def _claim(self, check_only: bool = False) -> None:
+        """Refuse if another writer's async save is in flight into this directory in this process;
+        else (unless ``check_only``) mark this writer's save as in flight there."""
+        key = os.path.realpath(self.path) if storage.is_local(self.path) else self.path.rstrip("/")
+        with _busy_lock:
+            if self._busy_key is not None:  # one save per writer: the previous one is over
+                _busy_directories.discard(self._busy_key)
+                self._busy_key = None
+            if key in _busy_directories:
+                raise CheckpointingError(
+                    f"{self.path}: an async save into it is still in flight in this process; "
+                    "finalize it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True), "
+                    "or the result of async_save)"
+                )
+            if not check_only:
+                _busy_directories.add(key)
+                self._busy_key = key
+
+    def _leave(self) -> None:
+        with _busy_lock:
+            if self._busy_key is not None:
+                _busy_directories.discard(self._busy_key)
+                self._busy_key = None
 
     def _visible_markers(self) -> list[str]:
         """The unfinished markers in the step directory now, whoever made them."""

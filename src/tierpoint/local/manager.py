@@ -84,8 +84,11 @@ class LocalCheckpointManager:
         verify: bool = True,
         mmap_load: bool = True,
     ) -> None:
-        if not isinstance(keep_last, int) or keep_last < 1:
+        if type(keep_last) is not int or keep_last < 1:
             raise CheckpointingError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+        for name, value in (("recycle", recycle), ("verify", verify), ("mmap_load", mmap_load)):
+            if type(value) is not bool:  # verify=None must not turn checksums off quietly
+                raise CheckpointingError(f"{name} must be True or False, got {value!r}")
         self.root_local_ckpt_dir = (
             naming.default_root()
             if root_local_ckpt_dir in (None, "")
@@ -241,8 +244,37 @@ class LocalCheckpointManager:
         self._newest_seen = newest
         if newest is not None and newest[0] > self._latest:
             self._log_unusable(listings)
+        if not listings[self.rank]:
+            self._warn_other_ranks_parts()
         logger.debug("find_latest: %d (%.3f s)", self._latest, time.perf_counter() - start)
         return self._latest
+
+    def _warn_other_ranks_parts(self) -> None:
+        """This rank holds no parts, yet directories of other ranks under the same root hold some:
+        typically this node's ranks changed since the save (an elastic rendezvous numbers nodes
+        anew), and parts are found by global rank. Said, not acted on: on a shared root those
+        directories belong to other nodes' ranks."""
+        session = self.root_local_ckpt_dir / self.session_id
+        try:
+            others = sorted(
+                int(d.name)
+                for d in os.scandir(session)
+                if d.name.isdigit()
+                and int(d.name) != self.rank
+                and any(naming.parse_part_name(n) for n in os.listdir(d.path))
+            )
+        except OSError:
+            return
+        if others:
+            logger.warning(
+                "rank %d holds no local parts under %s, but the directories of rank(s) %s there "
+                "do: parts are found by global rank, so if this node's ranks changed since they "
+                "were saved (torchrun numbers nodes anew at each rendezvous unless --node-rank is "
+                "fixed), those parts are not used",
+                self.rank,
+                session,
+                ", ".join(map(str, others[:8])) + (", ..." if len(others) > 8 else ""),
+            )
 
     def _log_unusable(self, listings: list[list[list[int]]]) -> None:
         """Say why each iteration newer than the latest usable one is not used: saved with another
