@@ -46,6 +46,8 @@ def test_verify_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture) -> No
     assert main(["inspect", str(good)]) == 0
     out = capsys.readouterr().out
     assert '"iteration": 1' in out and "w  torch.float32  [2, 3]" in out
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "use `tierpoint ls` or `tierpoint verify`" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["verify"])
 

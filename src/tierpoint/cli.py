@@ -138,6 +138,13 @@ def _refused(message: str) -> Any:
 
 
 def _inspect(path: str) -> int:
+    if os.path.isdir(path) or path.endswith((".distcp", ".metadata")):
+        print(
+            f"{path}: inspect shows one local-tier part file; for DCP checkpoints and "
+            "directories use `tierpoint ls` or `tierpoint verify`",
+            file=sys.stderr,
+        )
+        return 2
     try:
         header = fileformat.read_header(path)
     except (OSError, CheckpointingError) as e:

@@ -230,6 +230,9 @@ def test_missing_metadata(checkpoint: tuple[Path, dict]) -> None:
         load(zeros_like_state(state), path)
     with pytest.raises(CorruptCheckpointError, match="missing DCP metadata"):
         read_metadata(path)
+    with pytest.raises(CheckpointingError, match="no such checkpoint directory") as err:
+        load(zeros_like_state(state), path.parent / "step-999")
+    assert not isinstance(err.value, CorruptCheckpointError)
 
 
 @pytest.mark.timeout(30)

@@ -263,6 +263,10 @@ def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File
             # O_NONBLOCK: a FIFO planted in the directory must not block the open.
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
+            if not os.path.isdir(os.path.dirname(path) or "."):  # nothing there, nothing corrupt
+                raise CheckpointingError(
+                    f"{os.path.dirname(path)}: no such checkpoint directory"
+                ) from None
             raise CorruptDCPError(location, f"missing {what} file") from None
         except OSError as e:
             raise CheckpointingError(f"cannot open {what} file {location}: {e}") from e
