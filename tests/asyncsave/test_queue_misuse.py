@@ -72,6 +72,13 @@ def _schedule_and_finalize(queue: AsyncCallsQueue) -> None:
     assert done == [True]
 
 
+def _in_main_script() -> None:
+    pass
+
+
+_in_main_script.__module__ = "__main__"  # as if defined in the user's script: not importable there
+
+
 @pytest.mark.parametrize(
     ("request_", "match"),
     [
@@ -80,6 +87,8 @@ def _schedule_and_finalize(queue: AsyncCallsQueue) -> None:
         (AsyncRequest("not a function"), "AsyncRequest.async_fn must be callable"),
         (AsyncRequest(time.sleep, (0.0,), None), "AsyncRequest.finalize_fns must be a list"),
         (AsyncRequest(time.sleep, 0.0), "AsyncRequest.async_fn_args must be a tuple"),
+        (AsyncRequest(lambda: None), "async_fn '<lambda>' is defined inside a function or as a"),
+        (AsyncRequest(_in_main_script), "defined in the script being run"),
     ],
 )
 def test_a_wrong_request_is_refused_and_leaves_the_queue_intact(

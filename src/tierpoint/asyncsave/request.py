@@ -14,7 +14,8 @@ A request is scheduled once: :meth:`~tierpoint.asyncsave.AsyncCallsQueue.schedul
 checks its fields (:meth:`AsyncRequest.validate`) and refuses a request that was scheduled before.
 
 Arguments travel to the worker by pickle over a private pipe between the two processes (never from
-a file). :class:`~tierpoint.staging.StagingBuffer` arguments travel as shared memory, not as bytes.
+a file); ``async_fn`` travels by module and name, so it must sit at the top level of a module the
+worker can import (not in the script being run, not a lambda): scheduling refuses anything else. :class:`~tierpoint.staging.StagingBuffer` arguments travel as shared memory, not as bytes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class AsyncRequest:
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise TypeError(f"AsyncRequest.{name} must be callable or None, got {fn!r}")
+        _check_importable(self.async_fn)
         if not isinstance(self.async_fn_args, (tuple, list)):
             raise TypeError(
                 "AsyncRequest.async_fn_args must be a tuple or list, "
@@ -86,3 +88,22 @@ class AsyncRequest:
         for fn in self.finalize_fns:
             fn()
         return result
+
+
+def _check_importable(fn: Callable[..., Any] | None) -> None:
+    """The worker process finds ``async_fn`` by module and name: refuse, before anything is sent,
+    a function it could not import there (it would die unpickling it)."""
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", "")
+    if fn is None or not isinstance(qualname, str):
+        return
+    where = None
+    if module == "__main__":
+        where = "in the script being run (__main__), which the worker does not import"
+    elif "<lambda>" in qualname or "<locals>" in qualname:
+        where = "inside a function or as a lambda, so it has no importable name"
+    if where is not None:
+        raise TypeError(
+            f"AsyncRequest.async_fn {qualname!r} is defined {where}: the background worker runs it "
+            "by module and name; define it at the top level of a module the script imports"
+        )
