@@ -13,8 +13,11 @@ Invariants kept here:
 - Complete or invisible: a part becomes visible by renaming its dirty file after fsync; an iteration
   counts only when every rank's part is visible and its header is valid. The previous complete
   checkpoint is removed only after every rank agreed that the new one is committed. A save first
-  removes every rank's leftover parts of its iteration and newer ones (a killed job's) and agrees
-  on that before any rank writes, so no iteration is completed by the parts of two saves.
+  removes every rank's leftover parts of its iteration and newer ones (a killed job's, or of an
+  iteration this job cannot load) and agrees on that before any rank writes, so no iteration is
+  completed by the parts of two saves. A save is refused only below a newer loadable iteration.
+- A load never returns a part that failed verification: a fetch counts only when a new, verified
+  file took the part's name; otherwise the next holder is tried, then an older iteration.
 - All ranks agree: the iteration to save, its success or failure (every rank raises the same
   :class:`CheckpointingError` and removes the failed iteration's files), and the latest iteration.
 - Recycling: a file no complete checkpoint needs any more becomes a spare (renamed away from its
@@ -566,6 +569,12 @@ class LocalCheckpointManager:
             raise CheckpointingError(
                 f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
             )
+        in_flight = max(g["requested"] for g in gathered)
+        if iteration <= in_flight:
+            raise CheckpointingError(
+                f"cannot save iteration {iteration}: an async save of iteration {in_flight} was "
+                "requested and is not finalized; iterations must increase"
+            )
         superseded = sorted({p[0] for g in gathered for p in g["parts"] if p[0] >= iteration})
         if superseded and self.rank == 0:
             logger.warning(
@@ -574,19 +583,14 @@ class LocalCheckpointManager:
                 iteration,
                 ", ".join(map(str, superseded)),
             )
-        in_flight = max(g["requested"] for g in gathered)
-        if iteration <= in_flight:
-            raise CheckpointingError(
-                f"cannot save iteration {iteration}: an async save of iteration {in_flight} was "
-                "requested and is not finalized; iterations must increase"
-            )
         older = sorted((i for i in complete if i < iteration), reverse=True)
         return set(older[: self.keep_last - 1])
 
     def _remove_leftovers(self, iteration: int) -> None:
         """Remove this rank's parts (own and replicas) of ``iteration`` and newer iterations: once
-        ``iteration`` is agreed, such parts can only be left by a save that never completed (a job
-        killed mid-save). A part that cannot be removed fails the save."""
+        ``iteration`` is agreed, such parts belong to no iteration this job can load (a save that
+        never completed, another world size, a part with no good copy left). A part that cannot be
+        removed fails the save."""
         removed = False
         for entry, saved in self._part_files():
             if saved >= iteration:
