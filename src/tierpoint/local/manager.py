@@ -247,16 +247,16 @@ class LocalCheckpointManager:
         self._newest_seen = newest
         if newest is not None and newest[0] > self._latest:
             self._log_unusable(listings)
-        if not listings[self.rank]:
+        if self._latest == _NO_CHECKPOINT and not listings[self.rank]:
             self._warn_other_ranks_parts()
         logger.debug("find_latest: %d (%.3f s)", self._latest, time.perf_counter() - start)
         return self._latest
 
     def _warn_other_ranks_parts(self) -> None:
-        """This rank holds no parts, yet directories of other ranks under the same root hold some:
-        typically this node's ranks changed since the save (an elastic rendezvous numbers nodes
-        anew), and parts are found by global rank. Said, not acted on: on a shared root those
-        directories belong to other nodes' ranks."""
+        """Nothing is complete and this rank holds no parts, yet directories of other ranks under
+        the same root hold some: typically this node's ranks changed since the save (an elastic
+        rendezvous numbers nodes anew), and parts are found by global rank. Said, not acted on: on a
+        shared root those directories belong to other nodes' ranks."""
         session = self.root_local_ckpt_dir / self.session_id
         try:
             others = sorted(
