@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -49,3 +50,12 @@ def assert_bitwise_equal(a: object, b: object) -> None:
             assert_bitwise_equal(x, y)
     else:
         assert a == b and type(a) is type(b)
+
+
+def flip_tensor_byte(path: str | Path) -> bytes:
+    """Flip a byte near the end of a part file (a tensor byte: the header stays valid, the checksum
+    does not); returns the damaged contents."""
+    data = bytearray(Path(path).read_bytes())
+    data[-100] ^= 0xFF
+    Path(path).write_bytes(bytes(data))
+    return bytes(data)

@@ -21,10 +21,11 @@ from tierpoint.local import (
     CkptID,
     LocalCheckpointManager,
 )
+from tierpoint.local.naming import part_name
 from tierpoint.spawn import run_ranks
 
 from ..mounts import small_tmpfs
-from .helpers import WarningRecords, assert_bitwise_equal, make_state
+from .helpers import WarningRecords, assert_bitwise_equal, flip_tensor_byte, make_state
 
 WORLD = 4
 
@@ -291,12 +292,7 @@ def test_full_disk_on_one_rank(tmp_path):
 def _flip_and_load(rank: int, world: int, root: str) -> str:
     manager = save_iterations(root, rank, [4])
     if rank == 1:
-        path = manager.local_ckpt_dir / "iter_0000004_1_local.safetensors"
-        with open(path, "r+b") as f:
-            f.seek(-3, os.SEEK_END)
-            byte = f.read(1)
-            f.seek(-3, os.SEEK_END)
-            f.write(bytes([byte[0] ^ 0x10]))
+        flip_tensor_byte(manager.local_ckpt_dir / "iter_0000004_1_local.safetensors")
     return load_error(root)
 
 
@@ -514,12 +510,17 @@ def test_a_checkpoint_of_another_world_size_is_not_offered_nor_blocks_saves(tmp_
     assert [after for _, _, after in results] == [0] * WORLD
 
 
+def _write_part(root: Path, holder: int, iteration: int, origin: int, world: int) -> None:
+    """A part file whose metadata says what the arguments say (true or not)."""
+    part = root / "job" / str(holder) / part_name(iteration, origin)
+    part.parent.mkdir(parents=True)
+    extra = {"iteration": iteration, "rank": origin, "world_size": world}
+    fileformat.write(part, {"w": torch.ones(2)}, extra=extra)
+
+
 def test_a_forged_world_size_is_refused_not_allocated(tmp_path):
     """A part whose header (checksum intact) claims 10**30 ranks is reported, never counted up to."""
-    part = tmp_path / "job" / "0" / "iter_0000001_0_local.safetensors"
-    part.parent.mkdir(parents=True)
-    forged = {"iteration": 1, "rank": 0, "world_size": 10**30}
-    fileformat.write(part, {"w": torch.ones(2)}, extra=forged)
+    _write_part(tmp_path, holder=0, iteration=1, origin=0, world=10**30)
     records = WarningRecords()
     assert LocalCheckpointManager(tmp_path, session_id="job").find_latest() == -1
     assert any("bad world size in metadata" in m for m in records.messages)
@@ -528,9 +529,7 @@ def test_a_forged_world_size_is_refused_not_allocated(tmp_path):
 def test_parts_only_in_other_ranks_directories_are_named(tmp_path):
     """After a restart that numbered this node's ranks anew, the node's parts sit in directories of
     other global ranks: not used (the root may be shared), but the warning says where and why."""
-    part = tmp_path / "job" / "3" / "iter_0000009_3_local.safetensors"
-    part.parent.mkdir(parents=True)
-    fileformat.write(part, {"w": torch.ones(2)}, extra={"iteration": 9, "rank": 3, "world_size": 4})
+    _write_part(tmp_path, holder=3, iteration=9, origin=3, world=4)
     records = WarningRecords()
     assert LocalCheckpointManager(tmp_path, session_id="job").find_latest() == -1
     assert any("rank 0 holds no local parts" in m and "rank(s) 3" in m for m in records.messages)

@@ -25,7 +25,7 @@ from tierpoint.local.naming import part_name
 from tierpoint.local.retrieval import HolderStatus, plan_retrieval
 from tierpoint.spawn import run_ranks
 
-from .helpers import WarningRecords, assert_bitwise_equal, make_state
+from .helpers import WarningRecords, assert_bitwise_equal, flip_tensor_byte, make_state
 
 WORLD = 4
 
@@ -191,9 +191,7 @@ def test_a_peer_lost_while_replicas_come_back_is_a_warning_not_a_hang(
 def test_corrupt_part_is_replaced_with_a_warning(tmp_path: Path) -> None:
     run_ranks(_save, WORLD, str(tmp_path), [4], False)
     victim = tmp_path / "job" / "1" / part_name(4, 1)
-    data = bytearray(victim.read_bytes())
-    data[-100] ^= 0xFF  # a tensor byte: the header stays valid, the checksum does not
-    victim.write_bytes(bytes(data))
+    data = flip_tensor_byte(victim)
     results = run_ranks(_load, WORLD, str(tmp_path))
     assert [it for it, _ in results] == [4] * WORLD
     warning = [m for m in results[1][1] if "replaced" in m]
@@ -217,10 +215,7 @@ def _load_then_save_next(rank: int, world: int, root: str) -> tuple[int, int, li
 def test_a_part_corrupt_on_every_holder_is_never_loaded_and_saving_goes_on(tmp_path: Path) -> None:
     run_ranks(_save, WORLD, str(tmp_path), [5, 9], False)
     for holder in (1, 3):  # rank 1's part of iteration 9 and its only replica
-        victim = tmp_path / "job" / str(holder) / part_name(9, 1)
-        data = bytearray(victim.read_bytes())
-        data[-100] ^= 0xFF
-        victim.write_bytes(bytes(data))
+        flip_tensor_byte(tmp_path / "job" / str(holder) / part_name(9, 1))
     results = run_ranks(_load_then_save_next, WORLD, str(tmp_path))
     # Iteration 9 cannot be had bitwise on rank 1: every rank resumes from 5 and saves 6 over 9.
     assert [(loaded, latest) for loaded, latest, _ in results] == [(5, 6)] * WORLD

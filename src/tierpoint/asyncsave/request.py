@@ -15,7 +15,8 @@ checks its fields (:meth:`AsyncRequest.validate`) and refuses a request that was
 
 Arguments travel to the worker by pickle over a private pipe between the two processes (never from
 a file); ``async_fn`` travels by module and name, so it must sit at the top level of a module the
-worker can import (not in the script being run, not a lambda): scheduling refuses anything else. :class:`~tierpoint.staging.StagingBuffer` arguments travel as shared memory, not as bytes.
+worker can import (not in the script being run, not a lambda): scheduling refuses anything else.
+:class:`~tierpoint.staging.StagingBuffer` arguments travel as shared memory, not as bytes.
 """
 
 from __future__ import annotations
@@ -93,12 +94,11 @@ class AsyncRequest:
 def _check_importable(fn: Callable[..., Any] | None) -> None:
     """The worker process finds ``async_fn`` by module and name: refuse, before anything is sent,
     a function it could not import there (it would die unpickling it)."""
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", "")
-    if fn is None or not isinstance(qualname, str):
+    qualname = getattr(fn, "__qualname__", None)
+    if not isinstance(qualname, str):  # None, or a callable object: pickled by its class
         return
     where = None
-    if module == "__main__":
+    if getattr(fn, "__module__", None) == "__main__":
         where = "in the script being run (__main__), which the worker does not import"
     elif "<lambda>" in qualname or "<locals>" in qualname:
         where = "inside a function or as a lambda, so it has no importable name"

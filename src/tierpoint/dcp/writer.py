@@ -372,10 +372,8 @@ class Writer(StorageWriter):
         """Refuse if another writer's async save is in flight into this directory in this process;
         else (unless ``check_only``) mark this writer's save as in flight there."""
         key = os.path.realpath(self.path) if storage.is_local(self.path) else self.path.rstrip("/")
+        self._leave()  # one save per writer: its previous one is over
         with _busy_lock:
-            if self._busy_key is not None:  # one save per writer: the previous one is over
-                _busy_directories.discard(self._busy_key)
-                self._busy_key = None
             if key in _busy_directories:
                 raise CheckpointingError(
                     f"{self.path}: an async save into it is still in flight in this process; "

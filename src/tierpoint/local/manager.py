@@ -153,9 +153,13 @@ class LocalCheckpointManager:
     def local_ckpt_dir(self) -> Path:
         return self._dir_of(self.rank)
 
+    @property
+    def _session_dir(self) -> Path:
+        return self.root_local_ckpt_dir / self.session_id
+
     def _dir_of(self, holder: int) -> Path:
         """Where rank ``holder`` keeps its files (on its own node)."""
-        return self.root_local_ckpt_dir / self.session_id / str(holder)
+        return self._session_dir / str(holder)
 
     def _part_path(self, iteration: int, origin_rank: int | None = None) -> Path:
         origin = self.rank if origin_rank is None else origin_rank
@@ -197,11 +201,9 @@ class LocalCheckpointManager:
     def _remember_own_part(self, iteration: int) -> None:
         """Spare the next scan re-reading the header of the part this process just wrote."""
         path = self._part_path(iteration)
-        try:
-            version = _file_version(os.stat(path))
-        except OSError:
-            return
-        self._scan_cache[path.name] = (version, [iteration, self.rank, self.world_size])
+        version = _version_of(path)
+        if version is not None:
+            self._scan_cache[path.name] = (version, [iteration, self.rank, self.world_size])
 
     @staticmethod
     def _validate_part(path: str, iteration: int, origin: int) -> list[int] | None:
@@ -257,7 +259,7 @@ class LocalCheckpointManager:
         the same root hold some: typically this node's ranks changed since the save (an elastic
         rendezvous numbers nodes anew), and parts are found by global rank. Said, not acted on: on a
         shared root those directories belong to other nodes' ranks."""
-        session = self.root_local_ckpt_dir / self.session_id
+        session = self._session_dir
         try:
             others = sorted(
                 int(d.name)
@@ -683,7 +685,7 @@ class LocalCheckpointManager:
         """
         iteration = self.find_latest()
         if iteration == _NO_CHECKPOINT:
-            where = self.root_local_ckpt_dir / self.session_id
+            where = self._session_dir
             seen = self._newest_seen
             if seen is not None and seen[2] != self.world_size:
                 raise CheckpointingError(
@@ -703,7 +705,7 @@ class LocalCheckpointManager:
             if loaded is not None:
                 return loaded
             self._unloadable.add(candidate)  # newer than what the job resumes from: not kept
-        where = self.root_local_ckpt_dir / self.session_id
+        where = self._session_dir
         detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
         raise agreed_error(
             kinds.pop() if len(kinds) == 1 else "",
@@ -770,19 +772,19 @@ class LocalCheckpointManager:
             self._log_plan(iteration, plan, "part(s) from peers")
             failed = self._fetch(iteration, plan, group)
             bad += failed  # sources that failed stay excluded
-            own = [s for s, d, o in plan.moves if d == self.rank == o]
-            if loaded is None and own and [own[0], self.rank] not in failed:
+            source = next((s for s, d, o in plan.moves if d == self.rank == o), None)
+            if loaded is None and source is not None and [source, self.rank] not in failed:
                 # Every checksum was verified on receipt: no second pass over the bytes.
                 loaded, reason, kind = self._read_own(iteration, allow_pickle, verify=False)
                 if loaded is not None:
                     logger.warning(  # the reason names the file
                         "local part of iteration %d replaced by the copy held by rank %d: %s",
                         iteration,
-                        own[0],
+                        source,
                         first_reason,
                     )
                 else:
-                    bad.append([own[0], self.rank])
+                    bad.append([source, self.rank])
         with tpdist.agree(what):
             if loaded is None:
                 raise CheckpointingError(reason)
@@ -974,11 +976,11 @@ def _file_version(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _version_of(path: str) -> tuple[int, int, int] | None:
-    """The file's :func:`_file_version`, or ``None`` when there is none."""
+def _version_of(path: str | os.PathLike) -> tuple[int, int, int] | None:
+    """The file's :func:`_file_version`, or ``None`` when it cannot be seen."""
     try:
         return _file_version(os.stat(path))
-    except FileNotFoundError:
+    except OSError:
         return None
 
 
