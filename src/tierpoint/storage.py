@@ -728,7 +728,7 @@ def write_files_parallel(
         w.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if w.is_alive():
             raise CheckpointingError(
-                f"writing {len(jobs)} files did not finish within {timeout:.0f} s"
+                f"writing {len(jobs)} files did not finish within {timeout:g} s"
             )
     if errors:
         raise errors[0]

@@ -14,7 +14,7 @@ import pytest
 
 from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
 from tierpoint.asyncsave import queue as queue_module
-from tierpoint.errors import CheckpointingError
+from tierpoint.errors import CheckpointingError, CoordinationTimeoutError
 
 HINT = "maybe_finalize_async_calls(blocking=True) or close()"
 
@@ -139,6 +139,25 @@ def test_waits_check_their_timeout(
         queue.wait_for_snapshot(timeout)  # type: ignore[arg-type]
     queue.wait_ready(30)
     queue.wait_for_snapshot(30)
+
+
+def test_the_worker_start_up_does_not_count_against_the_timeout():
+    """The worker imports torch (seconds) after the queue is created; a 1 s timeout still lets the
+    first save finish, and a call slower than the timeout still fails, at about the timeout."""
+    queue = AsyncCallsQueue(timeout=1.0)
+    started = time.monotonic()
+    queue.schedule_async_request(AsyncRequest(time.sleep, (0.0,), description="quick save"))
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    assert time.monotonic() - started > 1.0, "the worker started faster than this test assumes"
+
+    queue.schedule_async_request(AsyncRequest(time.sleep, (30.0,), description="slow save"))
+    started = time.monotonic()
+    with pytest.raises(
+        CoordinationTimeoutError, match="slow save: not finished on every rank within 1 s"
+    ):
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert time.monotonic() - started < 10
+    queue.close(abort=True)
 
 
 def _dropped(caplog: pytest.LogCaptureFixture, description: str) -> list[str]:

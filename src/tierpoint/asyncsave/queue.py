@@ -18,7 +18,9 @@ Invariants:
   rank posts exactly one gather per call, in call order, so they always match.
 - A failure anywhere makes every rank run the call's ``abort_fns`` and raise the same
   :class:`CheckpointingError`; finalize functions run only when every rank succeeded.
-- Every blocking wait has a deadline (``timeout``, default ``TIERPOINT_TIMEOUT``).
+- Every blocking wait has a deadline (``timeout``, default ``TIERPOINT_TIMEOUT``). Time the worker
+  spends starting (importing torch) does not count against it; the start itself is bounded by
+  ``max(timeout, WORKER_START_TIMEOUT)``.
 - A dead worker is detected by its exit status and replaced at the next schedule.
 - Misuse is refused before anything changes: a wrong argument raises ``TypeError`` or
   ``ValueError`` naming it, and a request already scheduled raises :class:`CheckpointingError`.
@@ -60,6 +62,9 @@ logger = logging.getLogger("tierpoint")
 
 _STATUS_BYTES = 2048
 
+WORKER_START_TIMEOUT = 120.0
+"""Seconds a worker process may take to start (import torch) on a loaded machine."""
+
 _live_queues: weakref.WeakSet[AsyncCallsQueue] = weakref.WeakSet()
 """Every queue not yet garbage-collected, to name the calls still pending at exit."""
 
@@ -86,7 +91,7 @@ class AsyncCallsQueue:
         persistent: accepted for NVRx compatibility; the worker is always a persistent process.
         max_in_flight: unfinalized calls allowed before scheduling waits (an int >= 1).
         timeout: seconds any blocking wait may take, finite and > 0 (default: ``TIERPOINT_TIMEOUT``
-            or 300).
+            or 300); the worker's start-up is not counted.
         overlap_snapshot: copy into staging memory on a background thread, so that
             ``schedule_async_request`` returns at once; call :meth:`wait_for_snapshot` (or install
             :meth:`install_optimizer_hook`) before the state is modified.
@@ -196,10 +201,20 @@ class AsyncCallsQueue:
             )
             call.background.start()
 
+    def _deadline(self, start: float) -> float:
+        """When a wait that began at ``start`` times out: ``timeout`` seconds after ``start`` or
+        after the worker became ready, whichever is later (its start-up is bounded on its own)."""
+        worker = self._worker
+        if worker is None or worker.exitcode is not None:
+            return start + self.timeout
+        if worker.ready_at is None:
+            return start + max(self.timeout, WORKER_START_TIMEOUT)
+        return max(start, worker.ready_at) + self.timeout
+
     def _run_background(self, call: _Call) -> None:
         """Wait (bounded) for the worker's result, then run the request's ``background_fn``."""
-        deadline = time.monotonic() + self.timeout
-        while call.worker_result is None and time.monotonic() < deadline:
+        start = time.monotonic()
+        while call.worker_result is None and time.monotonic() < self._deadline(start):
             self._pump(0.05)
         worker = call.worker_result or (False, "the background worker did not finish in time", None)
         try:
@@ -239,16 +254,16 @@ class AsyncCallsQueue:
 
     def _finalize(self, *, blocking: bool, no_dist: bool, limit: int | None) -> list[int]:
         done: list[int] = []
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
         while self._calls and (limit is None or len(done) < limit):
             call = self._calls[0]
             statuses = self._outcome(call, no_dist)
             if statuses is None:
                 if not blocking:
                     break
-                if time.monotonic() > deadline:
+                if time.monotonic() > self._deadline(start):
                     raise CoordinationTimeoutError(
-                        f"{call.request.description}: not finished on every rank within {self.timeout:.0f} s"
+                        f"{call.request.description}: not finished on every rank within {self.timeout:g} s"
                     )
                 self._pump(0.02)
                 continue

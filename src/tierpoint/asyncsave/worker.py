@@ -142,7 +142,7 @@ class Worker:
         self._conn = Connection(parent_sock.detach())
         self._sent: set[str] = set()
         self._lock = threading.Lock()
-        self.ready = False
+        self.ready_at: float | None = None  # time.monotonic() when the worker reported ready
         self._early: list[tuple[int, bool, Any, str | None]] = []
 
     @property
@@ -178,7 +178,7 @@ class Worker:
             while self._conn.poll(wait if not out else 0):
                 msg = self._conn.recv()
                 if msg[0] == "ready":
-                    self.ready = True
+                    self.ready_at = time.monotonic()
                 else:
                     out.append(msg)
         except (EOFError, OSError):
@@ -188,14 +188,14 @@ class Worker:
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Block until the worker finished starting (imports done); raise if it died or timed out."""
         deadline = time.monotonic() + timeout
-        while not self.ready:
+        while self.ready_at is None:
             if self.exitcode is not None:
                 raise CheckpointingError(
                     f"the background worker exited while starting (code {self.exitcode})"
                 )
             if time.monotonic() > deadline:
                 raise CoordinationTimeoutError(
-                    f"the background worker did not start within {timeout:.0f} s"
+                    f"the background worker did not start within {timeout:g} s"
                 )
             self._early.extend(self.results(0.05))
 

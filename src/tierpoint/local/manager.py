@@ -887,7 +887,7 @@ class LocalCheckpointManager:
             return
         thread.join(limit)
         if thread.is_alive():
-            raise CheckpointingError(f"restoring replicas did not finish within {limit:.0f} s")
+            raise CheckpointingError(f"restoring replicas did not finish within {limit:g} s")
         self._restore = None
 
     def _part_moves(
