@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
@@ -98,6 +99,11 @@ def get_world_size() -> int:
         return dist.get_world_size()
     _refuse_uninitialised_launch()
     return 1
+
+
+def progress_level(rank: int) -> int:
+    """Log level of per-rank progress lines: INFO on rank 0 (one line per operation), DEBUG elsewhere."""
+    return logging.INFO if rank == 0 else logging.DEBUG
 
 
 def _refuse_uninitialised_launch() -> None:

@@ -148,6 +148,9 @@ def write_and_check(path: Path, state: Any, **kwargs: Any) -> Any:
     assert_states_equal(out, state)
     header, mapped = fileformat.read_flat(path, mmap=True)
     assert_states_equal(fileformat.unflatten_checked(header, mapped), state)
+    for t in mapped:  # each mapped tensor owns exactly its bytes (torch.save writes only those)
+        assert t.storage_offset() == 0
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     fileformat.verify(path)
     assert_layout_invariants(path, state, result.nbytes)
     assert_safetensors_reads(path, state)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -130,6 +132,35 @@ def test_single_process_without_distributed(tmp_path):
     assert ckpt_id == (2, 0, "job")
     assert_bitwise_equal(ta.state_dict, make_state(0, 2))
     assert CheckpointingException is CheckpointingError
+
+
+_RNG_SCRIPT = """
+import sys, torch
+from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
+manager = LocalCheckpointManager(sys.argv[1], session_id="job")
+torch.manual_seed(7)
+state = {"w": torch.randn(1 << 20), "rng": torch.get_rng_state(), "step": torch.tensor(5)}
+expected = torch.rand(4)
+manager.save(BasicTensorAwareStateDict(state), 1)
+ta, _ = LocalCheckpointManager(sys.argv[1], session_id="job").load()  # mmap_load=True
+torch.set_rng_state(ta.state_dict["rng"])
+assert torch.equal(torch.rand(4), expected)
+torch.save(ta.state_dict["step"], sys.argv[1] + "/step.pt")
+print("ok")
+"""
+
+
+def test_a_mapped_load_restores_the_rng_state_and_saves_tensors_alone(tmp_path):
+    """Loaded tensors are not views into one storage of the whole file: torch.set_rng_state
+    (which ignores storage offsets) would crash on them, and torch.save would write the file."""
+    done = subprocess.run(
+        [sys.executable, "-c", _RNG_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert (tmp_path / "step.pt").stat().st_size < 4096  # not the 4 MiB part file
 
 
 def _iterations_on_disk(root: Path) -> list[int]:

@@ -89,8 +89,8 @@ def read_flat(
     shape; contiguous CPU targets are filled in place with no extra copy. ``None`` entries are allocated.
 
     ``mmap=True`` (without targets) maps the file copy-on-write instead of reading it: no copy and no
-    fresh memory, the fastest load from a RAM disk. The tensors then share one storage with the mapping,
-    and the file is registered so that tierpoint never rewrites it in place (see :func:`is_mapped`).
+    fresh memory, the fastest load from a RAM disk. Each tensor has its own storage over its bytes of
+    the mapping (the mapping lives until every tensor is freed), and the file is registered so that tierpoint never rewrites it in place (see :func:`is_mapped`).
     """
     path = str(path)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -195,10 +195,19 @@ def _map_tensors(f: Any, header: PartHeader) -> list[torch.Tensor]:
     key = (st.st_dev, st.st_ino)
     _mapped_inodes[key] += 1
     weakref.finalize(mapping, _unmapped, key)
-    base = torch.frombuffer(mapping, dtype=torch.uint8)
     out = []
     for rec in header.records:
-        raw = base[header.data_start + rec.begin : header.data_start + rec.end]
+        if rec.end == rec.begin:
+            out.append(torch.empty(rec.shape, dtype=rec.dtype))
+            continue
+        # One storage per tensor, over exactly its bytes: a view into one storage of the whole file
+        # would be saved whole by torch.save and crashes torch.set_rng_state (it ignores offsets).
+        raw = torch.frombuffer(
+            mapping,
+            dtype=torch.uint8,
+            count=rec.end - rec.begin,
+            offset=header.data_start + rec.begin,
+        )
         try:
             out.append(raw.view(rec.dtype).view(rec.shape))
         except RuntimeError:  # dtypes without a byte view (sub-byte shells): copy out instead

@@ -16,16 +16,15 @@ Invariants kept here:
   removes every rank's leftover parts of its iteration and newer ones (a killed job's, or of an
   iteration this job cannot load) and agrees on that before any rank writes, so no iteration is
   completed by the parts of two saves. A save is refused only below a newer loadable iteration.
-- A load never returns a part that failed verification: a fetch counts only when a new, verified
-  file took the part's name; otherwise the next holder is tried, then an older iteration.
+- Loading (``load``, ``wait_for_restore``) lives in :mod:`tierpoint.local.recovery`, the base class;
+  a load never returns a part that failed verification.
 - All ranks agree: the iteration to save, its success or failure (every rank raises the same
   :class:`CheckpointingError` and removes the failed iteration's files), and the latest iteration.
 - Recycling: a file no complete checkpoint needs any more becomes a spare (renamed away from its
   committed name first) whose pages the next save rewrites, which is several times faster on tmpfs
   than filling a new file. Spares are never part of any checkpoint.
-- A load fetches missing or corrupt own parts before it returns; the replicas a replaced node
-  should hold come back on a background thread (the strategy's restore group), which every later
-  collective call of the manager (and :meth:`LocalCheckpointManager.wait_for_restore`) joins first.
+- The background restore of a replaced node's replicas that a load started is joined first by
+  every later collective call of the manager.
 - Async snapshots on a RAM tier go straight into the pending part's dirty file (a recycled spare,
   its space reserved before anything is copied) through a mapping kept in ``_mappings`` from save
   to save; only the snapshot of the pending save writes through such a mapping, and the worker only
@@ -47,21 +46,18 @@ from .. import dist as tpdist
 from .. import fileformat, storage, transfer
 from ..asyncsave.request import AsyncRequest
 from ..asyncsave.worker import seal_staged_part, write_staged_part
-from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
+from ..errors import CheckpointingError
 from ..staging import Stager, in_memory_filesystem
-from ..tensor_aware import BasicTensorAwareStateDict, TensorAwareStateDict
+from ..tensor_aware import TensorAwareStateDict
 from ..tree import FlatState
 from . import naming
-from .naming import CkptID
+from .recovery import PartRecovery, ReceivedPart
 from .replication import CliqueReplicationStrategy
-from .retrieval import HolderStatus, RetrievalPlan, plan_retrieval
 
 logger = logging.getLogger("tierpoint")
 
-_NO_CHECKPOINT = -1
 
-
-class LocalCheckpointManager:
+class LocalCheckpointManager(PartRecovery):
     """Saves and restores one part file per rank per iteration under ``root/<session_id>/<rank>/``.
 
     Args:
@@ -73,7 +69,7 @@ class LocalCheckpointManager:
             file per part written per save on disk between saves).
         verify: check every tensor checksum on load.
         mmap_load: load by mapping the part file copy-on-write instead of copying it (no copy, no fresh
-            memory; the loaded tensors share one storage). A mapped file is never recycled.
+            memory; each tensor is backed by its bytes of the mapping). A mapped file is never recycled.
     """
 
     def __init__(
@@ -186,7 +182,7 @@ class LocalCheckpointManager:
             parsed = naming.parse_part_name(entry.name)
             if parsed is None:
                 continue
-            version = _file_version(entry.stat())
+            version = naming.file_version(entry.stat())
             cached = self._scan_cache.get(entry.name)
             if cached is not None and cached[0] == version:
                 part = cached[1]
@@ -201,7 +197,7 @@ class LocalCheckpointManager:
     def _remember_own_part(self, iteration: int) -> None:
         """Spare the next scan re-reading the header of the part this process just wrote."""
         path = self._part_path(iteration)
-        version = _version_of(path)
+        version = naming.version_of(path)
         if version is not None:
             self._scan_cache[path.name] = (version, [iteration, self.rank, self.world_size])
 
@@ -244,12 +240,12 @@ class LocalCheckpointManager:
         listings = self._listings = [g["parts"] for g in gathered]
         complete = self._complete_iterations(listings)
         usable = [i for i, world in complete.items() if world == self.world_size]
-        self._latest = max(usable, default=_NO_CHECKPOINT)
+        self._latest = max(usable, default=naming.NO_CHECKPOINT)
         newest = max((tuple(p) for listing in listings for p in listing), default=None)
         self._newest_seen = newest
         if newest is not None and newest[0] > self._latest:
             self._log_unusable(listings)
-        if self._latest == _NO_CHECKPOINT and not listings[self.rank]:
+        if self._latest == naming.NO_CHECKPOINT and not listings[self.rank]:
             self._warn_other_ranks_parts()
         logger.debug("find_latest: %d (%.3f s)", self._latest, time.perf_counter() - start)
         return self._latest
@@ -286,7 +282,7 @@ class LocalCheckpointManager:
         world size (the local tier does not reshard), or parts missing everywhere."""
         fallback = (
             f"falling back to iteration {self._latest}"
-            if self._latest != _NO_CHECKPOINT
+            if self._latest != naming.NO_CHECKPOINT
             else "no older complete iteration exists"
         )
         for iteration in sorted({p[0] for listing in listings for p in listing}, reverse=True):
@@ -355,7 +351,7 @@ class LocalCheckpointManager:
             strategy.group,
             timeout=tpdist.default_timeout().total_seconds(),
             digest=False,  # the part file carries its own checksums, verified on receipt
-            verify=_ReceivedPart,
+            verify=ReceivedPart,
             unavailable=None if written else f"rank {self.rank} could not write its own part",
             reuse=lambda move: self._take_spare(leftovers=False) if self.recycle else None,
             mappings=self._mappings,
@@ -446,7 +442,7 @@ class LocalCheckpointManager:
         self._remember_own_part(iteration)
         seconds = time.perf_counter() - start
         logger.log(
-            _per_rank_level(self.rank),
+            tpdist.progress_level(self.rank),
             "saved local checkpoint iteration %d (rank %d): %.1f MiB in %.3f s, %.2f GB/s",
             iteration,
             self.rank,
@@ -550,7 +546,7 @@ class LocalCheckpointManager:
             "save: agreeing on the iteration",
             {
                 "iteration": iteration,
-                "requested": max(self._requested, default=_NO_CHECKPOINT),
+                "requested": max(self._requested, default=naming.NO_CHECKPOINT),
                 "unloadable": sorted(self._unloadable),
             },
             create=True,
@@ -566,7 +562,7 @@ class LocalCheckpointManager:
             for i, world in self._complete_iterations([g["parts"] for g in gathered]).items()
             if world == self.world_size and i not in unloadable
         }
-        latest = max(complete, default=_NO_CHECKPOINT)
+        latest = max(complete, default=naming.NO_CHECKPOINT)
         if iteration <= latest:
             raise CheckpointingError(
                 f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
@@ -673,315 +669,6 @@ class LocalCheckpointManager:
             if saved == iteration:
                 _unlink(entry.path)
         self._forget_removed_files()
-
-    # ------------------------------------------------------------------------------ loading
-
-    def load(self, *, allow_pickle: bool = False) -> tuple[TensorAwareStateDict, CkptID]:
-        """Load this rank's part of the latest complete iteration (verified). Collective.
-
-        Missing or corrupt own parts are fetched from their holders first; replicas a replaced node
-        should hold are restored in the background after this returns (see :meth:`wait_for_restore`).
-        ``allow_pickle``: also load objects saved with ``allow_pickle=True`` (only for trusted files).
-        """
-        iteration = self.find_latest()
-        if iteration == _NO_CHECKPOINT:
-            where = self._session_dir
-            seen = self._newest_seen
-            if seen is not None and seen[2] != self.world_size:
-                raise CheckpointingError(
-                    f"no complete local checkpoint for world size {self.world_size} under {where}: the newest "
-                    f"parts (iteration {seen[0]}) were saved with world size {seen[2]}"
-                )
-            raise CheckpointingError(f"no complete local checkpoint under {where}")
-        older = self._complete_iterations(self._listings)  # as of the last find_latest
-        candidates = sorted(
-            {iteration} | {i for i, w in older.items() if w == self.world_size and i < iteration},
-            reverse=True,
-        )
-        failures: dict[int, str] = {}
-        kinds: set[str] = set()
-        for candidate in candidates:
-            loaded = self._load_iteration(candidate, failures, kinds, allow_pickle)
-            if loaded is not None:
-                return loaded
-            self._unloadable.add(candidate)  # newer than what the job resumes from: not kept
-        where = self._session_dir
-        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-        raise agreed_error(
-            kinds.pop() if len(kinds) == 1 else "",
-            f"no local checkpoint under {where} could be loaded on every rank: {detail}",
-            failures,
-        )
-
-    def _read_own(
-        self, iteration: int, allow_pickle: bool, verify: bool | None = None
-    ) -> tuple[Any, str, str]:
-        """This rank's part of ``iteration`` read and verified: ``(loaded, reason, error kind)``."""
-        path = self._part_path(iteration)
-        verify = self.verify if verify is None else verify
-        try:
-            header, tensors = fileformat.read_flat(path, verify=verify, mmap=self.mmap_load)
-            # validates the skeleton before use
-            fileformat.unflatten_checked(header, tensors, allow_pickle=allow_pickle)
-            return (header, tensors), "", ""
-        except FileNotFoundError:
-            return None, f"{path}: missing", "CheckpointingError"
-        except (OSError, CheckpointingError) as e:
-            return None, str(e), type(e).__name__
-
-    def _load_iteration(
-        self, iteration: int, failures: dict[int, str], kinds: set[str], allow_pickle: bool
-    ) -> tuple[TensorAwareStateDict, CkptID] | None:
-        """Load ``iteration``, fetching missing or corrupt parts from peers. Collective.
-
-        Returns ``None`` on every rank alike when some rank's part cannot be had (noting why in
-        ``failures`` / ``kinds``).
-        """
-        start = time.perf_counter()
-        loaded, reason, kind = self._read_own(iteration, allow_pickle)
-        first_reason = reason
-        bad: list[list[int]] = []
-        group = self.repl_strategy.group if self.repl_strategy else tpdist.coordination_group()
-        what = f"loading local checkpoint iteration {iteration}"
-        for _ in range(self.world_size + 1):
-            status = HolderStatus(loaded is not None, self._held_origins(iteration), bad)
-            # Own parts only; replicas are restored after the load.
-            statuses, plan = self._agree_on_plan(status, None, what, reason=reason, kind=kind)
-            refused = {
-                r: s["reason"]
-                for r, s in enumerate(statuses)
-                if s["kind"] == "UnsupportedStateError"
-            }
-            if refused:  # intact files this call may not load (pickled objects): no fallback
-                detail = "; ".join(f"rank {r}: {m}" for r, m in refused.items())
-                raise agreed_error("UnsupportedStateError", f"{what}: {detail}", refused)
-            if plan.lost:
-                for r in plan.lost:
-                    failures[r] = statuses[r]["reason"] or "no copy of its part"
-                    kinds.add(statuses[r]["kind"] or "CheckpointingError")
-                logger.warning(
-                    "local iteration %d cannot be restored: no rank holds a good copy of the part "
-                    "of rank%s %s",
-                    iteration,
-                    "s" if len(plan.lost) > 1 else "",
-                    ", ".join(map(str, plan.lost)),
-                )
-                return None
-            if not plan.moves:
-                break
-            self._log_plan(iteration, plan, "part(s) from peers")
-            failed = self._fetch(iteration, plan, group)
-            bad += failed  # sources that failed stay excluded
-            source = next((s for s, d, o in plan.moves if d == self.rank == o), None)
-            if loaded is None and source is not None and [source, self.rank] not in failed:
-                # Every checksum was verified on receipt: no second pass over the bytes.
-                loaded, reason, kind = self._read_own(iteration, allow_pickle, verify=False)
-                if loaded is not None:
-                    logger.warning(  # the reason names the file
-                        "local part of iteration %d replaced by the copy held by rank %d: %s",
-                        iteration,
-                        source,
-                        first_reason,
-                    )
-                else:
-                    bad.append([source, self.rank])
-        with tpdist.agree(what):
-            if loaded is None:
-                raise CheckpointingError(reason)
-        header, tensors = loaded
-        flat = FlatState(header.skeleton, tensors, [r.name for r in header.records])
-        ta = BasicTensorAwareStateDict.from_flat(
-            flat, [r.device for r in header.records], allow_pickle=allow_pickle
-        )
-        ta.restore_tensor_device()
-        seconds = time.perf_counter() - start
-        logger.log(
-            _per_rank_level(self.rank),
-            "loaded local checkpoint iteration %d (rank %d): %.1f MiB in %.3f s, %.2f GB/s",
-            iteration,
-            self.rank,
-            header.file_size / 2**20,
-            seconds,
-            header.file_size / seconds / 1e9,
-        )
-        self._latest = iteration
-        self._restore_replicas(iteration)
-        return ta, CkptID(iteration, self.rank, self.session_id)
-
-    def _restore_replicas(self, iteration: int) -> None:
-        """Give back the replicas of ``iteration`` that ranks should hold but lack (a replaced node).
-
-        The plan is agreed now (collective, small); the bytes move on a background thread over the
-        strategy's restore group while training resumes. :meth:`wait_for_restore` joins it, and so
-        does every later collective call of this manager.
-        """
-        strategy = self.repl_strategy
-        if strategy is None or strategy.replication_factor < 2:
-            return
-        what = f"restoring the replicas of local checkpoint iteration {iteration}"
-        status = HolderStatus(True, self._held_origins(iteration), [])
-        _, plan = self._agree_on_plan(status, strategy.holders, what)
-        for holder, origin in plan.unreplicated:
-            if holder == self.rank:
-                _warn_unrestored(iteration, origin, "no rank holds a good copy")
-        if not plan.moves:
-            return
-        self._log_plan(iteration, plan, "replica(s) in the background")
-        group = strategy.restore_group
-        self._restore = threading.Thread(
-            target=self._restore_in_background,
-            args=(iteration, plan, group),
-            name="tierpoint-restore",
-        )
-        self._restore.start()
-
-    def _agree_on_plan(
-        self, status: HolderStatus, holders: Any, what: str, **extra: str
-    ) -> tuple[list[dict[str, Any]], RetrievalPlan]:
-        """Every rank's status (with ``extra``) and the retrieval plan rank 0 made from them.
-        Collective."""
-        statuses = tpdist.all_gather_json(
-            {**vars(status), **extra}, f"{what}: gathering what is held"
-        )
-        plan = None
-        if self.rank == 0:
-            plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], holders).to_json()
-        shared = tpdist.broadcast_json(plan, 0, f"{what}: sharing the retrieval plan")
-        return statuses, RetrievalPlan.from_json(shared)
-
-    def _log_plan(self, iteration: int, plan: RetrievalPlan, what: str) -> None:
-        if self.rank == 0:
-            logger.info(
-                "local iteration %d: restoring %d %s: %s",
-                iteration,
-                len(plan.moves),
-                what,
-                ", ".join(f"rank {s} -> {d} (part of {o})" for s, d, o in plan.moves),
-            )
-
-    def _restore_in_background(self, iteration: int, plan: RetrievalPlan, group: Any) -> None:
-        try:
-            missing = self._fetch(iteration, plan, group)
-        except Exception as e:  # noqa: BLE001 - a background thread: logged, the next save repairs
-            logger.warning(
-                "restoring replicas of iteration %d failed (the next save replicates anew; call "
-                "wait_for_restore() before destroying the process group after a load): %s",
-                iteration,
-                e,
-            )
-            return
-        for _, origin in missing:
-            _warn_unrestored(iteration, origin, "the transfer failed")
-
-    def wait_for_restore(self, timeout: float | None = None) -> None:
-        """Wait until the replicas the last :meth:`load` restores in the background are in place
-        (failures are logged as warnings; the next save replicates anew). Not collective.
-
-        Call it before destroying the process group right after a load. Raises
-        :class:`CheckpointingError` after ``timeout`` seconds (default: the coordination timeout
-        plus a minute; the transfers themselves time out before that).
-        """
-        limit = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds() + 60)
-        thread = self._restore
-        if thread is None:
-            return
-        thread.join(limit)
-        if thread.is_alive():
-            raise CheckpointingError(f"restoring replicas did not finish within {limit:g} s")
-        self._restore = None
-
-    def _part_moves(
-        self, iteration: int, triples: list[tuple[int, int, int]]
-    ) -> list[transfer.FileMove]:
-        """``(source, destination, origin)`` -> moves of origin's part between the two directories."""
-        name = naming.part_name
-        return [
-            transfer.FileMove(
-                src,
-                dst,
-                str(self._dir_of(src) / name(iteration, o)),
-                str(self._dir_of(dst) / name(iteration, o)),
-            )
-            for src, dst, o in triples
-        ]
-
-    def _held_origins(self, iteration: int) -> list[int]:
-        return sorted({origin for it, origin, _ in self._scan() if it == iteration})
-
-    def _fetch(self, iteration: int, plan: RetrievalPlan, group: Any) -> list[list[int]]:
-        """Carry out ``plan``'s moves; return ``[source, origin]`` of the moves to here that failed.
-
-        A move succeeded only if a new file took the destination's name: a corrupt part that a
-        failed transfer left in place is not a fetched one.
-        """
-        moves = self._part_moves(iteration, plan.moves)
-        before = {m.dst_path: _version_of(m.dst_path) for m in moves if m.dst == self.rank}
-        self._ensure_dir()
-        try:
-            transfer.move_files(
-                moves,
-                group,
-                timeout=tpdist.default_timeout().total_seconds(),
-                digest=False,
-                verify=_ReceivedPart,
-                mappings=self._mappings,
-            )
-        except CheckpointingError as e:
-            logger.warning("retrieving parts of iteration %d: %s", iteration, e)
-        self._scan_cache.clear()
-        return [
-            [m.src, o]
-            for m, (_, _, o) in zip(moves, plan.moves)
-            if m.dst == self.rank and _version_of(m.dst_path) in (None, before[m.dst_path])
-        ]
-
-
-class _ReceivedPart(fileformat.PartVerifier):
-    """A part arriving from a peer: every checksum holds (checked as it lands) and it is the part
-    its name says."""
-
-    def __init__(self, move: transfer.FileMove, data: memoryview) -> None:
-        super().__init__(move.dst_path, data)
-        self.move = move
-
-    def finish(self) -> fileformat.PartHeader:
-        header = super().finish()
-        expected = naming.parse_part_name(Path(self.move.dst_path).name)
-        meta = header.extra
-        if expected is None or (meta.get("iteration"), meta.get("rank")) != expected:
-            raise CorruptCheckpointError(
-                self.move.dst_path,
-                f"rank {self.move.src} sent a part whose metadata does not match its name",
-            )
-        return header
-
-
-def _per_rank_level(rank: int) -> int:
-    """Per-rank progress lines: INFO on rank 0 (one line per save or load), DEBUG on the others."""
-    return logging.INFO if rank == 0 else logging.DEBUG
-
-
-def _warn_unrestored(iteration: int, origin: int, why: str) -> None:
-    logger.warning(
-        "iteration %d: could not restore the replica of rank %d's part here (%s; the next save "
-        "replicates anew)",
-        iteration,
-        origin,
-        why,
-    )
-
-
-def _file_version(st: os.stat_result) -> tuple[int, int, int]:
-    """What identifies one version of a file for the scan cache: inode, size, mtime."""
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _version_of(path: str | os.PathLike) -> tuple[int, int, int] | None:
-    """The file's :func:`_file_version`, or ``None`` when it cannot be seen."""
-    try:
-        return _file_version(os.stat(path))
-    except OSError:
-        return None
 
 
 def _unlink(path: str | os.PathLike) -> None:

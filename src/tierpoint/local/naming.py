@@ -4,6 +4,9 @@ Layout: ``root/<session_id>/<holder rank>/iter_<7-digit iteration>_<origin rank>
 The origin rank is the rank whose state the file holds; it differs from the holder only for replicas.
 A file being written carries the ``.dirty`` suffix; an expired file kept for reuse is a ``spare_<n>.free``.
 
+A file version (inode, size, mtime) identifies what a name pointed to at one moment: the manager's
+scan cache and its fetches compare versions to tell a new file from the old one.
+
 Invariant: names are parsed strictly (``parse_part_name`` returns ``None`` for anything else), and
 session ids cannot escape the root (no separators, no ``..``).
 """
@@ -24,6 +27,8 @@ DIRTY_SUFFIX = ".dirty"
 _PART_RE = re.compile(r"iter_(\d{7,})_(\d+)_local" + re.escape(EXTENSION))
 _SPARE_RE = re.compile(r"spare_(\d+)\.free")
 _SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]*")
+NO_CHECKPOINT = -1
+"""What ``find_latest`` returns when no iteration is complete."""
 MAX_WORLD_SIZE = 1 << 24
 """Larger world sizes in a part's metadata are refused as corrupt (a forged one could exhaust memory)."""
 
@@ -86,3 +91,16 @@ def part_world_size(path: str | os.PathLike, iteration: int, origin: int) -> int
     if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
         raise CorruptCheckpointError(str(path), f"bad world size in metadata: {str(world)[:40]}")
     return world
+
+
+def file_version(st: os.stat_result) -> tuple[int, int, int]:
+    """What identifies one version of a file: inode, size, mtime."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def version_of(path: str | os.PathLike) -> tuple[int, int, int] | None:
+    """The file's :func:`file_version`, or ``None`` when it cannot be seen."""
+    try:
+        return file_version(os.stat(path))
+    except OSError:
+        return None

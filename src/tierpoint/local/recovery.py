@@ -1,0 +1,350 @@
+"""Loading local checkpoints: verify this rank's part, fetch missing or corrupt parts from peers,
+fall back to older iterations, and give a replaced node back the replicas it should hold.
+
+:class:`PartRecovery` is the loading half of :class:`~tierpoint.local.LocalCheckpointManager`
+(a base class; it uses the manager's paths, scan and settings, see the attributes annotated below).
+
+Call order: ``load()`` (collective) runs ``find_latest()``, then for the newest complete iteration and
+then each older one: every rank reads and verifies its own part; the ranks gather what each holds,
+rank 0 makes the retrieval plan (:mod:`tierpoint.local.retrieval`) and broadcasts it; the moves run
+(:mod:`tierpoint.transfer`, verified as they land); repeat until nothing is needed or a part has no
+good copy left (then the next older iteration). After the load, the replicas this rank should hold
+but lacks are planned the same way and fetched on a background thread (:meth:`wait_for_restore`).
+
+Invariants:
+- A load never returns a part that failed verification: a fetch counts only when a new, verified
+  file took the part's name; otherwise the next holder is tried, then an older iteration.
+- Every rank returns the same iteration or raises the same error; an iteration fallen back from is
+  recorded in ``_unloadable`` (the next save removes it instead of being refused below it).
+- Replicas of a replaced node come from the origin first (its part was verified by the load).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import dist as tpdist
+from .. import fileformat, transfer
+from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
+from ..tensor_aware import BasicTensorAwareStateDict, TensorAwareStateDict
+from ..tree import FlatState
+from . import naming
+from .naming import CkptID
+from .retrieval import HolderStatus, RetrievalPlan, plan_retrieval
+
+logger = logging.getLogger("tierpoint")
+
+
+class PartRecovery:
+    """Load, peer retrieval and replica restore. The manager provides the attributes annotated here
+    and ``find_latest``, ``_scan``, ``_dir_of``, ``_part_path``, ``_ensure_dir`` and
+    ``_complete_iterations``."""
+
+    rank: int
+    world_size: int
+    session_id: str
+    repl_strategy: Any
+    verify: bool
+    mmap_load: bool
+    local_ckpt_dir: Path
+    _session_dir: Path
+    _latest: int | None
+    _newest_seen: tuple[int, int, int] | None
+    _listings: list[list[list[int]]]
+    _unloadable: set[int]
+    _scan_cache: dict[str, Any]
+    _mappings: transfer.MappingCache
+    _restore: threading.Thread | None
+
+    def load(self, *, allow_pickle: bool = False) -> tuple[TensorAwareStateDict, CkptID]:
+        """Load this rank's part of the latest complete iteration (verified). Collective.
+
+        Missing or corrupt own parts are fetched from their holders first; replicas a replaced node
+        should hold are restored in the background after this returns (see :meth:`wait_for_restore`).
+        ``allow_pickle``: also load objects saved with ``allow_pickle=True`` (only for trusted files).
+        """
+        iteration = self.find_latest()
+        if iteration == naming.NO_CHECKPOINT:
+            where = self._session_dir
+            seen = self._newest_seen
+            if seen is not None and seen[2] != self.world_size:
+                raise CheckpointingError(
+                    f"no complete local checkpoint for world size {self.world_size} under {where}: the newest "
+                    f"parts (iteration {seen[0]}) were saved with world size {seen[2]}"
+                )
+            raise CheckpointingError(f"no complete local checkpoint under {where}")
+        older = self._complete_iterations(self._listings)  # as of the last find_latest
+        candidates = sorted(
+            {iteration} | {i for i, w in older.items() if w == self.world_size and i < iteration},
+            reverse=True,
+        )
+        failures: dict[int, str] = {}
+        kinds: set[str] = set()
+        for candidate in candidates:
+            loaded = self._load_iteration(candidate, failures, kinds, allow_pickle)
+            if loaded is not None:
+                return loaded
+            self._unloadable.add(candidate)  # newer than what the job resumes from: not kept
+        where = self._session_dir
+        detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+        raise agreed_error(
+            kinds.pop() if len(kinds) == 1 else "",
+            f"no local checkpoint under {where} could be loaded on every rank: {detail}",
+            failures,
+        )
+
+    def _read_own(
+        self, iteration: int, allow_pickle: bool, verify: bool | None = None
+    ) -> tuple[Any, str, str]:
+        """This rank's part of ``iteration`` read and verified: ``(loaded, reason, error kind)``."""
+        path = self._part_path(iteration)
+        verify = self.verify if verify is None else verify
+        try:
+            header, tensors = fileformat.read_flat(path, verify=verify, mmap=self.mmap_load)
+            # validates the skeleton before use
+            fileformat.unflatten_checked(header, tensors, allow_pickle=allow_pickle)
+            return (header, tensors), "", ""
+        except FileNotFoundError:
+            return None, f"{path}: missing", "CheckpointingError"
+        except (OSError, CheckpointingError) as e:
+            return None, str(e), type(e).__name__
+
+    def _load_iteration(
+        self, iteration: int, failures: dict[int, str], kinds: set[str], allow_pickle: bool
+    ) -> tuple[TensorAwareStateDict, CkptID] | None:
+        """Load ``iteration``, fetching missing or corrupt parts from peers. Collective.
+
+        Returns ``None`` on every rank alike when some rank's part cannot be had (noting why in
+        ``failures`` / ``kinds``).
+        """
+        start = time.perf_counter()
+        loaded, reason, kind = self._read_own(iteration, allow_pickle)
+        first_reason = reason
+        bad: list[list[int]] = []
+        group = self.repl_strategy.group if self.repl_strategy else tpdist.coordination_group()
+        what = f"loading local checkpoint iteration {iteration}"
+        for _ in range(self.world_size + 1):
+            status = HolderStatus(loaded is not None, self._held_origins(iteration), bad)
+            # Own parts only; replicas are restored after the load.
+            statuses, plan = self._agree_on_plan(status, None, what, reason=reason, kind=kind)
+            refused = {
+                r: s["reason"]
+                for r, s in enumerate(statuses)
+                if s["kind"] == "UnsupportedStateError"
+            }
+            if refused:  # intact files this call may not load (pickled objects): no fallback
+                detail = "; ".join(f"rank {r}: {m}" for r, m in refused.items())
+                raise agreed_error("UnsupportedStateError", f"{what}: {detail}", refused)
+            if plan.lost:
+                for r in plan.lost:
+                    failures[r] = statuses[r]["reason"] or "no copy of its part"
+                    kinds.add(statuses[r]["kind"] or "CheckpointingError")
+                logger.warning(
+                    "local iteration %d cannot be restored: no rank holds a good copy of the part "
+                    "of rank%s %s",
+                    iteration,
+                    "s" if len(plan.lost) > 1 else "",
+                    ", ".join(map(str, plan.lost)),
+                )
+                return None
+            if not plan.moves:
+                break
+            self._log_plan(iteration, plan, "part(s) from peers")
+            failed = self._fetch(iteration, plan, group)
+            bad += failed  # sources that failed stay excluded
+            source = next((s for s, d, o in plan.moves if d == self.rank == o), None)
+            if loaded is None and source is not None and [source, self.rank] not in failed:
+                # Every checksum was verified on receipt: no second pass over the bytes.
+                loaded, reason, kind = self._read_own(iteration, allow_pickle, verify=False)
+                if loaded is not None:
+                    logger.warning(  # the reason names the file
+                        "local part of iteration %d replaced by the copy held by rank %d: %s",
+                        iteration,
+                        source,
+                        first_reason,
+                    )
+                else:
+                    bad.append([source, self.rank])
+        with tpdist.agree(what):
+            if loaded is None:
+                raise CheckpointingError(reason)
+        header, tensors = loaded
+        flat = FlatState(header.skeleton, tensors, [r.name for r in header.records])
+        ta = BasicTensorAwareStateDict.from_flat(
+            flat, [r.device for r in header.records], allow_pickle=allow_pickle
+        )
+        ta.restore_tensor_device()
+        seconds = time.perf_counter() - start
+        logger.log(
+            tpdist.progress_level(self.rank),
+            "loaded local checkpoint iteration %d (rank %d): %.1f MiB in %.3f s, %.2f GB/s",
+            iteration,
+            self.rank,
+            header.file_size / 2**20,
+            seconds,
+            header.file_size / seconds / 1e9,
+        )
+        self._latest = iteration
+        self._restore_replicas(iteration)
+        return ta, CkptID(iteration, self.rank, self.session_id)
+
+    def _restore_replicas(self, iteration: int) -> None:
+        """Give back the replicas of ``iteration`` that ranks should hold but lack (a replaced node).
+
+        The plan is agreed now (collective, small); the bytes move on a background thread over the
+        strategy's restore group while training resumes. :meth:`wait_for_restore` joins it, and so
+        does every later collective call of this manager.
+        """
+        strategy = self.repl_strategy
+        if strategy is None or strategy.replication_factor < 2:
+            return
+        what = f"restoring the replicas of local checkpoint iteration {iteration}"
+        status = HolderStatus(True, self._held_origins(iteration), [])
+        _, plan = self._agree_on_plan(status, strategy.holders, what)
+        for holder, origin in plan.unreplicated:
+            if holder == self.rank:
+                _warn_unrestored(iteration, origin, "no rank holds a good copy")
+        if not plan.moves:
+            return
+        self._log_plan(iteration, plan, "replica(s) in the background")
+        group = strategy.restore_group
+        self._restore = threading.Thread(
+            target=self._restore_in_background,
+            args=(iteration, plan, group),
+            name="tierpoint-restore",
+        )
+        self._restore.start()
+
+    def _agree_on_plan(
+        self, status: HolderStatus, holders: Any, what: str, **extra: str
+    ) -> tuple[list[dict[str, Any]], RetrievalPlan]:
+        """Every rank's status (with ``extra``) and the retrieval plan rank 0 made from them.
+        Collective."""
+        statuses = tpdist.all_gather_json(
+            {**vars(status), **extra}, f"{what}: gathering what is held"
+        )
+        plan = None
+        if self.rank == 0:
+            plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], holders).to_json()
+        shared = tpdist.broadcast_json(plan, 0, f"{what}: sharing the retrieval plan")
+        return statuses, RetrievalPlan.from_json(shared)
+
+    def _log_plan(self, iteration: int, plan: RetrievalPlan, what: str) -> None:
+        if self.rank == 0:
+            logger.info(
+                "local iteration %d: restoring %d %s: %s",
+                iteration,
+                len(plan.moves),
+                what,
+                ", ".join(f"rank {s} -> {d} (part of {o})" for s, d, o in plan.moves),
+            )
+
+    def _restore_in_background(self, iteration: int, plan: RetrievalPlan, group: Any) -> None:
+        try:
+            missing = self._fetch(iteration, plan, group)
+        except Exception as e:  # noqa: BLE001 - a background thread: logged, the next save repairs
+            logger.warning(
+                "restoring replicas of iteration %d failed (the next save replicates anew; call "
+                "wait_for_restore() before destroying the process group after a load): %s",
+                iteration,
+                e,
+            )
+            return
+        for _, origin in missing:
+            _warn_unrestored(iteration, origin, "the transfer failed")
+
+    def wait_for_restore(self, timeout: float | None = None) -> None:
+        """Wait until the replicas the last :meth:`load` restores in the background are in place
+        (failures are logged as warnings; the next save replicates anew). Not collective.
+
+        Call it before destroying the process group right after a load. Raises
+        :class:`CheckpointingError` after ``timeout`` seconds (default: the coordination timeout
+        plus a minute; the transfers themselves time out before that).
+        """
+        limit = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds() + 60)
+        thread = self._restore
+        if thread is None:
+            return
+        thread.join(limit)
+        if thread.is_alive():
+            raise CheckpointingError(f"restoring replicas did not finish within {limit:g} s")
+        self._restore = None
+
+    def _part_moves(
+        self, iteration: int, triples: list[tuple[int, int, int]]
+    ) -> list[transfer.FileMove]:
+        """``(source, destination, origin)`` -> moves of origin's part between the two directories."""
+        name = naming.part_name
+        return [
+            transfer.FileMove(
+                src,
+                dst,
+                str(self._dir_of(src) / name(iteration, o)),
+                str(self._dir_of(dst) / name(iteration, o)),
+            )
+            for src, dst, o in triples
+        ]
+
+    def _held_origins(self, iteration: int) -> list[int]:
+        return sorted({origin for it, origin, _ in self._scan() if it == iteration})
+
+    def _fetch(self, iteration: int, plan: RetrievalPlan, group: Any) -> list[list[int]]:
+        """Carry out ``plan``'s moves; return ``[source, origin]`` of the moves to here that failed.
+
+        A move succeeded only if a new file took the destination's name: a corrupt part that a
+        failed transfer left in place is not a fetched one.
+        """
+        moves = self._part_moves(iteration, plan.moves)
+        before = {m.dst_path: naming.version_of(m.dst_path) for m in moves if m.dst == self.rank}
+        self._ensure_dir()
+        try:
+            transfer.move_files(
+                moves,
+                group,
+                timeout=tpdist.default_timeout().total_seconds(),
+                digest=False,
+                verify=ReceivedPart,
+                mappings=self._mappings,
+            )
+        except CheckpointingError as e:
+            logger.warning("retrieving parts of iteration %d: %s", iteration, e)
+        self._scan_cache.clear()
+        return [
+            [m.src, o]
+            for m, (_, _, o) in zip(moves, plan.moves)
+            if m.dst == self.rank and naming.version_of(m.dst_path) in (None, before[m.dst_path])
+        ]
+
+
+class ReceivedPart(fileformat.PartVerifier):
+    """A part arriving from a peer: every checksum holds (checked as it lands) and it is the part
+    its name says."""
+
+    def __init__(self, move: transfer.FileMove, data: memoryview) -> None:
+        super().__init__(move.dst_path, data)
+        self.move = move
+
+    def finish(self) -> fileformat.PartHeader:
+        header = super().finish()
+        expected = naming.parse_part_name(Path(self.move.dst_path).name)
+        meta = header.extra
+        if expected is None or (meta.get("iteration"), meta.get("rank")) != expected:
+            raise CorruptCheckpointError(
+                self.move.dst_path,
+                f"rank {self.move.src} sent a part whose metadata does not match its name",
+            )
+        return header
+
+
+def _warn_unrestored(iteration: int, origin: int, why: str) -> None:
+    logger.warning(
+        "iteration %d: could not restore the replica of rank %d's part here (%s; the next save "
+        "replicates anew)",
+        iteration,
+        origin,
+        why,
+    )
