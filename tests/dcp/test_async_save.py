@@ -119,6 +119,9 @@ def _async_saves(rank: int, world: int, root: str) -> dict:
             results["failure"] = "no error"
         except CheckpointingError as e:
             results["failure"] = str(e)
+        # The worker outlives the failure: the next save (another layout, so the failed save's
+        # staging buffer leaves the worker) succeeds.
+        async_save(_state(world, 7), step_path(root, 7), queue=queue).result(timeout=120)
     finally:
         queue.close()
     results["buffers"] = len(results["buffers"])
@@ -135,14 +138,14 @@ def test_async_saves_write_the_snapshot_reuse_staging_and_fail_together(tmp_path
         # One buffer for steps 1-3, a second one when the layout grew at step 4, reused at 5.
         assert r["allocations"] == [1, 1, 1, 2, 2]
         assert r["buffers"] == 2
-    # Step 6 failed on rank 1: the same error on every rank, step 5 is still the latest.
+    # Step 6 failed on rank 1: the same error on every rank; step 7 saved after it.
     assert len({r["failure"] for r in results}) == 1, results
     message = results[0]["failure"]
     assert "rank 1" in message and "__1_0.distcp" in message and "ENOSPC" in message
     # Each failing rank and each error class is named once.
     assert message.count("rank 1") == 1 and "CheckpointingError: CheckpointingError" not in message
-    assert {r["latest"] for r in results} == {step_path(tmp_path, 5)}
     assert not os.path.exists(step_path(tmp_path, 6))  # aborted: files, markers, directory removed
+    assert {r["latest"] for r in results} == {step_path(tmp_path, 7)}
 
 
 def _large_async_save(rank: int, world: int, root: str) -> bool:

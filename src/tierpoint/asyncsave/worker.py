@@ -13,6 +13,7 @@ no worker outlives its rank.
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
 import signal
@@ -79,6 +80,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def _close_mapping(m: mmap.mmap) -> None:
+    """Unmap a dropped staging buffer. Views of it may outlive a failed call (its traceback holds
+    them until collected): collect once, and if some are still alive leave the unmapping to them."""
+    try:
+        m.close()
+        return
+    except BufferError:
+        gc.collect()
+    try:
+        m.close()
+    except BufferError:
+        pass  # unmapped when its last view goes
+
+
 def worker_main(conn: Any, parent_pid: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     _die_with_parent()
@@ -107,7 +122,7 @@ def worker_main(conn: Any, parent_pid: int | None = None) -> None:
             _buffers.pop(msg[1], None)
             m = maps.pop(msg[1], None)
             if m is not None:
-                m.close()
+                _close_mapping(m)
         elif kind == "call":
             _, call_id, fn, args, kwargs = msg
             try:
