@@ -90,14 +90,14 @@ def is_distributed() -> bool:
 def get_rank() -> int:
     if is_distributed():
         return dist.get_rank()
-    _refuse_uninitialised_launch()
+    refuse_uninitialised_launch()
     return 0
 
 
 def get_world_size() -> int:
     if is_distributed():
         return dist.get_world_size()
-    _refuse_uninitialised_launch()
+    refuse_uninitialised_launch()
     return 1
 
 
@@ -106,7 +106,7 @@ def progress_level(rank: int) -> int:
     return logging.INFO if rank == 0 else logging.DEBUG
 
 
-def _refuse_uninitialised_launch() -> None:
+def refuse_uninitialised_launch() -> None:
     """A launcher (torchrun, ...) started several processes but ``torch.distributed`` is not
     initialised: as "rank 0 of 1" every process would write the same files, so refuse."""
     launched = os.environ.get("WORLD_SIZE", "1")

@@ -329,3 +329,15 @@ def test_wrong_arguments_are_named(tmp_path):
     with pytest.raises(CheckpointingError, match="base must be a path or URL string"):
         get_latest_complete_checkpoint(None)
     assert not os.path.exists(step_path(tmp_path, 1))
+
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_a_launch_without_a_process_group_is_refused_before_writing(tmp_path, monkeypatch, how):
+    """Several processes started by a launcher but no init_process_group(): each would save as
+    "rank 0 of 1" into the same files; refused, as the local tier and the loader refuse it."""
+    from tierpoint import dcp as tp_dcp
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(CheckpointingError, match="WORLD_SIZE=2 is set but torch.distributed"):
+        getattr(tp_dcp, how)({"w": torch.ones(4)}, step_path(tmp_path, 1))
+    assert not os.path.exists(step_path(tmp_path, 1))

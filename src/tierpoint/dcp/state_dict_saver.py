@@ -187,6 +187,8 @@ def save_state_dict_async_plan(
     """Plan a save; returns ``(storage_writer, global_metadata or None, dist_wrapper)`` for
     :func:`save_state_dict_async_finalize` (``global_metadata`` only on the coordinator)."""
     use_dist = tpdist.is_distributed()
+    if not use_dist:
+        tpdist.refuse_uninitialised_launch()
     group = (process_group or tpdist.coordination_group()) if use_dist else None
     dist_wrapper = _DistWrapper(group, use_dist, coordinator_rank)
     planner = planner if planner is not None else DefaultSavePlanner()
