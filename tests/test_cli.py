@@ -77,5 +77,30 @@ def test_verify_a_directory_of_parts(tmp_path: Path, capsys: pytest.CaptureFixtu
         _part(tmp_path / "0" / part_name(4, rank), 4, rank, 2)
     assert main(["verify", str(tmp_path / "0")]) == 0
     assert capsys.readouterr().out.count("ok   ") == 2
-    assert main(["verify", str(tmp_path)]) == 1
+    assert main(["verify", str(tmp_path)]) == 0  # a session's directory: every rank's parts
+    assert capsys.readouterr().out.count("ok   ") == 2
+    (tmp_path / "empty").mkdir()
+    assert main(["verify", str(tmp_path / "empty")]) == 1
     assert "neither a DCP checkpoint" in capsys.readouterr().out
+    # A part renamed to another iteration is refused, as the manager refuses it.
+    (tmp_path / "0" / part_name(4, 0)).rename(tmp_path / "0" / part_name(8, 0))
+    assert main(["verify", str(tmp_path / "0" / part_name(8, 0))]) == 1
+    assert "disagrees with its metadata" in capsys.readouterr().out
+
+
+def test_ls_a_root_of_the_empty_session_and_a_session_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """With session_id="" (NVRx's default) the rank directories sit right under the root."""
+    for rank in (0, 1):
+        _part(tmp_path / "root" / str(rank) / part_name(7, rank), 7, rank, 2)
+        _part(tmp_path / "root" / "job" / str(rank) / part_name(3, rank), 3, rank, 2)
+    assert main(["ls", str(tmp_path / "root")]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"rank directories under {tmp_path / 'root'}\n  iteration 7: world size 2, complete" in out
+    )
+    assert "session 'job'" in out and "iteration 3: world size 2, complete" in out
+    assert "session '0'" not in out
+    assert main(["ls", str(tmp_path / "root" / "job")]) == 0  # one session's directory
+    assert "iteration 3: world size 2, complete" in capsys.readouterr().out

@@ -2,12 +2,13 @@
 
 Subcommands (each reads only; none runs code from a file):
 
-- ``tierpoint ls [ROOT]``: the local tier under ROOT (default ``/dev/shm/tierpoint-<uid>``): per
-  session, every iteration with the ranks whose parts exist somewhere (own or replica) and whether it
+- ``tierpoint ls [ROOT]``: the local tier under ROOT (default ``/dev/shm/tierpoint-<uid>``; ROOT
+  may also be one session's directory, as with the empty session id): per session, every iteration with the ranks whose parts exist somewhere (own or replica) and whether it
   is complete; for a DCP base directory (holding ``step-<N>`` directories), every step, committed or
   which ranks never finished it, and the latest complete one;
-- ``tierpoint verify PATH...``: check part files completely (header and every tensor checksum), every
-  part file in a directory, or a DCP checkpoint directory (metadata and every item read and decoded;
+- ``tierpoint verify PATH...``: check part files completely (header, every tensor checksum, and that
+  a part's name agrees with its metadata), every part file under a rank's, session's or root's
+  directory, or a DCP checkpoint directory (metadata and every item read and decoded;
   DCP files carry no checksums, so damage inside tensor bytes cannot be seen); exit status 1 if any
   fails;
 - ``tierpoint inspect FILE``: a part file's metadata and tensors (name, dtype, shape, checksum);
@@ -37,34 +38,48 @@ def _ls(root: Path) -> int:
         return 1
     if any(layout.step_of(p.name) is not None for p in root.iterdir() if p.is_dir()):
         return _ls_dcp(root)
-    for session in sorted(p for p in root.iterdir() if p.is_dir()):
-        origins: dict[int, set[int]] = {}
-        worlds: dict[int, set[int]] = {}
-        for holder in sorted(p for p in session.iterdir() if p.is_dir()):
-            for name in os.listdir(holder):
-                parsed = parse_part_name(name)
-                if parsed is None:
-                    continue
-                iteration, origin = parsed
-                try:
-                    world = part_world_size(holder / name, iteration, origin)
-                except (OSError, CheckpointingError) as e:
-                    print(f"  unreadable: {holder / name}: {e}")
-                    continue
-                origins.setdefault(iteration, set()).add(origin)
-                worlds.setdefault(iteration, set()).add(world)
+    subdirs = sorted(p for p in root.iterdir() if p.is_dir())
+    holders = [p for p in subdirs if _holds_parts(p)]
+    if holders:  # ROOT is one session's directory (the empty session id, or ROOT/<session>)
+        print(f"rank directories under {root}")
+        _ls_iterations(holders)
+    for session in (p for p in subdirs if p not in holders):
         print(f"session {session.name!r} ({session})")
-        if not origins:
-            print("  no checkpoints")
-        for iteration in sorted(origins, reverse=True):
-            sizes = worlds[iteration]
-            world = next(iter(sizes)) if len(sizes) == 1 else None
-            have = origins[iteration]
-            complete = isinstance(world, int) and have >= set(range(world))
-            missing = sorted(set(range(world)) - have) if isinstance(world, int) else []
-            state = "complete" if complete else f"INCOMPLETE (missing ranks {missing or '?'})"
-            print(f"  iteration {iteration}: world size {world}, {state}")
+        _ls_iterations(sorted(p for p in session.iterdir() if p.is_dir()))
     return 0
+
+
+def _holds_parts(directory: Path) -> bool:
+    return any(parse_part_name(name) is not None for name in os.listdir(directory))
+
+
+def _ls_iterations(holders: Sequence[Path]) -> None:
+    """Every iteration whose parts the holder directories of one session hold, newest first."""
+    origins: dict[int, set[int]] = {}
+    worlds: dict[int, set[int]] = {}
+    for holder in holders:
+        for name in os.listdir(holder):
+            parsed = parse_part_name(name)
+            if parsed is None:
+                continue
+            iteration, origin = parsed
+            try:
+                world = part_world_size(holder / name, iteration, origin)
+            except (OSError, CheckpointingError) as e:
+                print(f"  unreadable: {holder / name}: {e}")
+                continue
+            origins.setdefault(iteration, set()).add(origin)
+            worlds.setdefault(iteration, set()).add(world)
+    if not origins:
+        print("  no checkpoints")
+    for iteration in sorted(origins, reverse=True):
+        sizes = worlds[iteration]
+        world = next(iter(sizes)) if len(sizes) == 1 else None
+        have = origins[iteration]
+        complete = isinstance(world, int) and have >= set(range(world))
+        missing = sorted(set(range(world)) - have) if isinstance(world, int) else []
+        state = "complete" if complete else f"INCOMPLETE (missing ranks {missing or '?'})"
+        print(f"  iteration {iteration}: world size {world}, {state}")
 
 
 def _ls_dcp(base: Path) -> int:
@@ -101,7 +116,12 @@ def _verifications(path: Path) -> list[tuple[Path, Any]]:
     if path.is_dir() and (path / layout.METADATA_NAME).exists():
         return [(path, lambda: _verify_dcp(path))]
     if path.is_dir():
-        parts = sorted(p for p in path.iterdir() if parse_part_name(p.name) is not None)
+        parts = sorted(  # a rank's directory, a session's or a root's
+            p
+            for pattern in ("*", "*/*", "*/*/*")
+            for p in path.glob(pattern)
+            if parse_part_name(p.name) is not None and p.is_file()
+        )
         return [(p, lambda p=p: _verify_part(p)) for p in parts] or [
             (
                 path,
@@ -117,6 +137,9 @@ def _verifications(path: Path) -> list[tuple[Path, Any]]:
 
 def _verify_part(path: Path) -> str:
     header = fileformat.verify(path)
+    parsed = parse_part_name(path.name)
+    if parsed is not None:  # a part file's name must agree with its metadata, as the manager checks
+        part_world_size(path, *parsed)
     return f"{len(header.records)} tensors, {header.file_size} bytes"
 
 
