@@ -138,6 +138,54 @@ def test_killed_worker_fails_the_save_on_every_rank_and_the_next_save_works(tier
         assert r["final_ok"]
 
 
+def _stop_worker_mid_save(rank: int, world: int, root: str) -> dict:
+    manager = LocalCheckpointManager(root, session_id="j")
+    queue = AsyncCallsQueue(timeout=3)
+    queue.schedule_async_request(
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 1)), 1, is_async=True)
+    )
+    queue.maybe_finalize_async_calls(blocking=True)
+    if rank == 1:  # a worker that stops answering (SIGSTOP): it neither finishes nor exits
+        os.kill(queue._worker.process.pid, signal.SIGSTOP)
+    queue.schedule_async_request(
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 2)), 2, is_async=True)
+    )
+    outcomes = []
+    for attempt in ("finalize", "next save"):
+        start = time.monotonic()
+        try:
+            if attempt == "finalize":
+                queue.maybe_finalize_async_calls(blocking=True)
+            else:
+                queue.schedule_async_request(
+                    manager.save(BasicTensorAwareStateDict(make_state(rank, 3)), 3, is_async=True)
+                )
+            outcomes.append(("no error", 0.0))
+        except CheckpointingError as e:
+            outcomes.append((f"{type(e).__name__}: {e}", time.monotonic() - start))
+    worker_gone = queue._worker.exitcode is not None
+    queue.close()
+    return {"outcomes": outcomes, "worker_gone": worker_gone}
+
+
+def _resume(rank: int, world: int, root: str) -> bool:
+    ta, ckpt = LocalCheckpointManager(root, session_id="j").load()
+    return ckpt.iteration == 1 and flat_bytes(ta.state_dict) == flat_bytes(make_state(rank, 1))
+
+
+def test_a_stopped_worker_times_out_once_on_every_rank_then_the_queue_refuses(tmp_path):
+    """The ranks do not drift apart by a timeout per call: after one timeout every rank's queue
+    refuses further saves at once, the stopped worker is killed, and a restart resumes."""
+    results = run_ranks(_stop_worker_mid_save, 2, str(tmp_path), timeout=120)
+    for r in results:
+        (timed_out, waited), (refused, refused_after) = r["outcomes"]
+        assert timed_out.startswith("CoordinationTimeoutError") and "within 3 s" in timed_out
+        assert waited < 30
+        assert "gave up" in refused and "Restart the job" in refused and refused_after < 1
+    assert results[1]["worker_gone"] and not results[0]["worker_gone"]
+    assert run_ranks(_resume, 2, str(tmp_path), timeout=120) == [True, True]
+
+
 def _abort_in_flight(rank: int, world: int, root: str) -> list[str]:
     manager = LocalCheckpointManager(root, session_id="j")
     queue = AsyncCallsQueue()

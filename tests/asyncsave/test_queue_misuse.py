@@ -141,7 +141,7 @@ def test_waits_check_their_timeout(
     queue.wait_for_snapshot(30)
 
 
-def test_the_worker_start_up_does_not_count_against_the_timeout():
+def test_the_worker_start_up_does_not_count_against_the_timeout_and_a_timeout_gives_up():
     """The worker imports torch (seconds) after the queue is created; a 1 s timeout still lets the
     first save finish, and a call slower than the timeout still fails, at about the timeout."""
     queue = AsyncCallsQueue(timeout=1.0)
@@ -150,14 +150,27 @@ def test_the_worker_start_up_does_not_count_against_the_timeout():
     assert queue.maybe_finalize_async_calls(blocking=True) == [0]
     assert time.monotonic() - started > 1.0, "the worker started faster than this test assumes"
 
-    queue.schedule_async_request(AsyncRequest(time.sleep, (30.0,), description="slow save"))
+    aborted: list[bool] = []
+    queue.schedule_async_request(
+        AsyncRequest(
+            time.sleep, (30.0,), abort_fns=[lambda: aborted.append(True)], description="slow save"
+        )
+    )
     started = time.monotonic()
     with pytest.raises(
         CoordinationTimeoutError, match="slow save: not finished on every rank within 1 s"
     ):
         queue.maybe_finalize_async_calls(blocking=True)
     assert time.monotonic() - started < 10
-    queue.close(abort=True)
+    # Given up: the worker that never answered is stopped, the call is dropped but not undone
+    # (another rank may have committed it), and the queue refuses more work at once.
+    assert queue._worker is not None and queue._worker.exitcode is not None
+    assert queue.get_num_unfinalized_calls() == 0 and aborted == []
+    started = time.monotonic()
+    with pytest.raises(CheckpointingError, match="gave up .*slow save.*Restart the job"):
+        queue.schedule_async_request(AsyncRequest(time.sleep, (0.0,), description="next save"))
+    assert time.monotonic() - started < 1
+    queue.close()
 
 
 def _dropped(caplog: pytest.LogCaptureFixture, description: str) -> list[str]:

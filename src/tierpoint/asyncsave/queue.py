@@ -18,7 +18,10 @@ Invariants:
   rank posts exactly one gather per call, in call order, so they always match.
 - A failure anywhere makes every rank run the call's ``abort_fns`` and raise the same
   :class:`CheckpointingError`; finalize functions run only when every rank succeeded.
-- Every blocking wait has a deadline (``timeout``, default ``TIERPOINT_TIMEOUT``). Time the worker
+- Every blocking wait has a deadline (``timeout``, default ``TIERPOINT_TIMEOUT``). A call that
+  times out is given up: its worker is killed if it never answered, pending calls are dropped (not
+  undone: another rank may have committed them just in time) and the queue refuses further calls
+  with the same error, so ranks do not drift apart waiting a full timeout each. Time the worker
   spends starting (importing torch) does not count against it; the start itself is bounded by
   ``max(timeout, WORKER_START_TIMEOUT)``.
 - A dead worker is detected by its exit status and replaced at the next schedule.
@@ -61,6 +64,12 @@ from .worker import Worker
 logger = logging.getLogger("tierpoint")
 
 _STATUS_BYTES = 2048
+
+_GAVE_UP_HINT = (
+    "the queue accepts no more calls, as on every rank that timed out: the ranks may be out of "
+    "step (a rank or its worker stopped). Restart the job (or make a new AsyncCallsQueue and "
+    "checkpoint manager on every rank); it resumes from the last complete checkpoint"
+)
 
 WORKER_START_TIMEOUT = 120.0
 """Seconds a worker process may take to start (import torch) on a loaded machine."""
@@ -120,6 +129,7 @@ class AsyncCallsQueue:
         self._ids = itertools.count()
         self._group: Any = None
         self._closed = False
+        self._gave_up: str | None = None  # why, once a call timed out
         self._pump_lock = threading.Lock()
         self._results: dict[int, tuple[bool, Any, str | None]] = {}  # by call id, not yet claimed
         _live_queues.add(self)
@@ -149,6 +159,10 @@ class AsyncCallsQueue:
             )
         if self._closed:
             raise CheckpointingError("the AsyncCallsQueue is closed")
+        if self._gave_up is not None:
+            raise CheckpointingError(
+                f"this AsyncCallsQueue gave up ({self._gave_up}); {_GAVE_UP_HINT}"
+            )
         if len(self._calls) >= self.max_in_flight:
             self._finalize(
                 blocking=True, no_dist=False, limit=len(self._calls) - self.max_in_flight + 1
@@ -262,15 +276,25 @@ class AsyncCallsQueue:
                 if not blocking:
                     break
                 if time.monotonic() > self._deadline(start):
-                    raise CoordinationTimeoutError(
-                        f"{call.request.description}: not finished on every rank within {self.timeout:g} s"
-                    )
+                    raise CoordinationTimeoutError(self._give_up(call))
                 self._pump(0.02)
                 continue
             self._calls.popleft()
             self._conclude(call, statuses)
             done.append(call.id)
         return done
+
+    def _give_up(self, call: _Call) -> str:
+        """After a call timed out: refuse further calls, stop a worker that never answered, and
+        drop the pending calls without undoing them (a rank that saw the outcome just in time may
+        have committed the save). Returns the error message."""
+        why = f"{call.request.description}: not finished on every rank within {self.timeout:g} s"
+        self._gave_up = why
+        worker = self._worker
+        if worker is not None and call.worker_result is None:
+            worker.kill()  # stopped or stuck: the files it was writing stay leftovers
+        self._drop_pending("the queue gave up after a coordination timeout", hint=False)
+        return f"{why}; {_GAVE_UP_HINT}"
 
     def _pump(self, wait: float) -> None:
         """Collect finished calls from the worker; note a dead worker against the oldest pending call."""
@@ -376,17 +400,19 @@ class AsyncCallsQueue:
                 self._worker.stop()
                 self._worker = None
 
-    def _drop_pending(self, why: str) -> None:
+    def _drop_pending(self, why: str, hint: bool = True) -> None:
         """Forget the unfinalized calls, naming each in a WARNING: they are lost silently otherwise."""
         while self._calls:
             call = self._calls.popleft()
             logger.warning(
-                "%s (call %d) was dropped before it was finalized: %s. To keep an async save, call "
-                "maybe_finalize_async_calls(blocking=True) or close() on its AsyncCallsQueue "
-                "before exiting.",
+                "%s (call %d) was dropped before it was finalized: %s.%s",
                 call.request.description,
                 call.id,
                 why,
+                " To keep an async save, call maybe_finalize_async_calls(blocking=True) or close() "
+                "on its AsyncCallsQueue before exiting."
+                if hint
+                else "",
             )
 
     def __enter__(self) -> AsyncCallsQueue:
