@@ -150,40 +150,35 @@ def _stop_worker_mid_save(rank: int, world: int, root: str) -> dict:
     queue.schedule_async_request(
         manager.save(BasicTensorAwareStateDict(make_state(rank, 2)), 2, is_async=True)
     )
-    outcomes = []
-    for attempt in ("finalize", "next save"):
-        start = time.monotonic()
-        try:
-            if attempt == "finalize":
-                queue.maybe_finalize_async_calls(blocking=True)
-            else:
-                queue.schedule_async_request(
-                    manager.save(BasicTensorAwareStateDict(make_state(rank, 3)), 3, is_async=True)
-                )
-            outcomes.append(("no error", 0.0))
-        except CheckpointingError as e:
-            outcomes.append((f"{type(e).__name__}: {e}", time.monotonic() - start))
-    worker_gone = queue._worker.exitcode is not None
+    start = time.monotonic()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        error = "no error"
+    except CheckpointingError as e:
+        error = f"{type(e).__name__}: {e}"
+    waited = time.monotonic() - start
+    queue.schedule_async_request(  # the queue goes on, with a new worker
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 3)), 3, is_async=True)
+    )
     queue.close()
-    return {"outcomes": outcomes, "worker_gone": worker_gone}
+    return {"error": error, "waited": waited}
 
 
-def _resume(rank: int, world: int, root: str) -> bool:
+def _resume(rank: int, world: int, root: str) -> int:
     ta, ckpt = LocalCheckpointManager(root, session_id="j").load()
-    return ckpt.iteration == 1 and flat_bytes(ta.state_dict) == flat_bytes(make_state(rank, 1))
+    assert flat_bytes(ta.state_dict) == flat_bytes(make_state(rank, ckpt.iteration))
+    return ckpt.iteration
 
 
-def test_a_stopped_worker_times_out_once_on_every_rank_then_the_queue_refuses(tmp_path):
-    """The ranks do not drift apart by a timeout per call: after one timeout every rank's queue
-    refuses further saves at once, the stopped worker is killed, and a restart resumes."""
+def test_a_stopped_worker_times_out_on_every_rank_together_and_the_queue_goes_on(tmp_path):
+    """One rank's worker stops: every rank times out in the same finalize round (no rank drifts a
+    timeout behind), the save is undone everywhere, and the next save works with a new worker."""
     results = run_ranks(_stop_worker_mid_save, 2, str(tmp_path), timeout=120)
-    for r in results:
-        (timed_out, waited), (refused, refused_after) = r["outcomes"]
-        assert timed_out.startswith("CoordinationTimeoutError") and "within 3 s" in timed_out
-        assert waited < 30
-        assert "gave up" in refused and "Restart the job" in refused and refused_after < 1
-    assert results[1]["worker_gone"] and not results[0]["worker_gone"]
-    assert run_ranks(_resume, 2, str(tmp_path), timeout=120) == [True, True]
+    assert len({r["error"] for r in results}) == 1, results
+    assert results[0]["error"].startswith("CoordinationTimeoutError")
+    assert "iteration 2: not finished on every rank within 3 s" in results[0]["error"]
+    assert all(r["waited"] < 30 for r in results)
+    assert run_ranks(_resume, 2, str(tmp_path), timeout=120) == [3, 3]
 
 
 def _abort_in_flight(rank: int, world: int, root: str) -> list[str]:

@@ -141,7 +141,7 @@ def test_waits_check_their_timeout(
     queue.wait_for_snapshot(30)
 
 
-def test_the_worker_start_up_does_not_count_against_the_timeout_and_a_timeout_gives_up():
+def test_the_worker_start_up_does_not_count_against_the_timeout_and_a_timeout_undoes_the_call():
     """The worker imports torch (seconds) after the queue is created; a 1 s timeout still lets the
     first save finish, and a call slower than the timeout still fails, at about the timeout."""
     queue = AsyncCallsQueue(timeout=1.0)
@@ -162,14 +162,12 @@ def test_the_worker_start_up_does_not_count_against_the_timeout_and_a_timeout_gi
     ):
         queue.maybe_finalize_async_calls(blocking=True)
     assert time.monotonic() - started < 10
-    # Given up: the worker that never answered is stopped, the call is dropped but not undone
-    # (another rank may have committed it), and the queue refuses more work at once.
+    # Every rank timed out together: the worker is killed, the call undone (abort_fns) and
+    # dropped, and the queue goes on with a new worker.
     assert queue._worker is not None and queue._worker.exitcode is not None
-    assert queue.get_num_unfinalized_calls() == 0 and aborted == []
-    started = time.monotonic()
-    with pytest.raises(CheckpointingError, match="gave up .*slow save.*Restart the job"):
-        queue.schedule_async_request(AsyncRequest(time.sleep, (0.0,), description="next save"))
-    assert time.monotonic() - started < 1
+    assert queue.get_num_unfinalized_calls() == 0 and aborted == [True]
+    queue.schedule_async_request(AsyncRequest(time.sleep, (0.0,), description="next save"))
+    assert queue.maybe_finalize_async_calls(blocking=True) == [2]
     queue.close()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 import warnings
 
 import pytest
@@ -220,3 +221,32 @@ def test_a_directory_with_a_save_in_flight_is_not_saved_into_again(tmp_path):
         async_save({"w": torch.full((1000,), 4.0)}, path, queue=queue, overwrite=True).result(120)
     dcp.load(out, checkpoint_id=path)
     assert torch.equal(out["w"], torch.full((1000,), 4.0))
+
+
+def _poll_between_training_collectives(rank: int, world: int, root: str) -> list[str | None]:
+    """The README's loop: a training collective and a non-blocking poll every step, an async
+    save every 4th; rank 1's saves take longer, so the ranks see them finish at different polls."""
+    state = {f"w{rank}": torch.randn((8 if rank == 1 else 1) << 20), "trainer": {"step": 0}}
+    queue = AsyncCallsQueue()
+    queue.wait_ready()
+    try:
+        for step in range(1, 61):
+            state[f"w{rank}"].add_(1.0)
+            time.sleep(0.01)
+            dist.all_reduce(torch.ones(1))  # the gradient all-reduce, on the training group
+            queue.maybe_finalize_async_calls(blocking=False)
+            if step % 4 == 0:
+                state["trainer"]["step"] = step
+                async_save(state, step_path(root, step), queue=queue)
+    finally:
+        queue.close()
+    return [get_latest_complete_checkpoint(root)] + sorted(os.listdir(root))
+
+
+def test_non_blocking_polls_finalize_on_every_rank_in_the_same_round(tmp_path, monkeypatch):
+    """Finalizing a DCP save runs collectives (the commit): every rank must finalize at the same
+    poll, or one rank waits in the commit while the other waits in the training all-reduce."""
+    monkeypatch.setenv("TIERPOINT_TIMEOUT", "20")
+    results = run_ranks(_poll_between_training_collectives, 2, str(tmp_path), timeout=200)
+    steps = [os.path.basename(step_path(tmp_path, s)) for s in range(4, 61, 4)]
+    assert results == [[step_path(tmp_path, 60), *sorted(steps)]] * 2

@@ -5,25 +5,26 @@ Call order (every rank at the same points, as with NVRx)::
     queue = AsyncCallsQueue()
     queue.schedule_async_request(manager.save(state, it, is_async=True))   # snapshot, then dispatch
     ...
-    queue.maybe_finalize_async_calls(blocking=False)   # each step: cheap until something finished
+    queue.maybe_finalize_async_calls(blocking=False)   # each step: free when nothing is pending
     ...
     queue.close()
 
 Invariants:
 - Back-pressure: at most ``max_in_flight`` (default 1) unfinalized calls; scheduling another first
   finalizes the oldest (blocking, bounded by the timeout) instead of allocating more memory.
-- Agreement: when a call finished locally (or failed, or its worker died), this rank posts one
-  non-blocking all-gather of its outcome on the queue's own gloo group; polls only test whether it
-  completed, so no poll blocks and no poll runs a collective while nothing finished locally. Every
-  rank posts exactly one gather per call, in call order, so they always match.
+- Agreement: while calls are pending, each finalize round (one per non-blocking poll; repeated
+  while blocking) is one small all-gather on the queue's own gloo group of how many leading calls
+  each rank finished; the calls finished everywhere are then concluded, each after an all-gather of
+  every rank's outcome. Every rank thus concludes the same calls in the same round, so finalize
+  functions may run collectives (as NVRx's do). With nothing pending a poll runs no collective.
 - A failure anywhere makes every rank run the call's ``abort_fns`` and raise the same
   :class:`CheckpointingError`; finalize functions run only when every rank succeeded.
-- Every blocking wait has a deadline (``timeout``, default ``TIERPOINT_TIMEOUT``). A call that
-  times out is given up: its worker is killed if it never answered, pending calls are dropped (not
-  undone: another rank may have committed them just in time) and the queue refuses further calls
-  with the same error, so ranks do not drift apart waiting a full timeout each. Time the worker
-  spends starting (importing torch) does not count against it; the start itself is bounded by
-  ``max(timeout, WORKER_START_TIMEOUT)``.
+- Every blocking wait has a deadline (``timeout``, default ``TIERPOINT_TIMEOUT``); whether it has
+  passed is agreed in the same round, so every rank times out together: the workers are killed (one
+  is stuck), every pending call is undone on every rank (``abort_fns``) and the queue goes on with a
+  new worker. Time a worker spends starting (importing torch) does not count; the start itself is
+  bounded by ``max(timeout, WORKER_START_TIMEOUT)``. If a round itself fails (a peer is gone), the
+  queue drops its calls without undoing them (a rank may have concluded them) and refuses more.
 - A dead worker is detected by its exit status and replaced at the next schedule.
 - Misuse is refused before anything changes: a wrong argument raises ``TypeError`` or
   ``ValueError`` naming it, and a request already scheduled raises :class:`CheckpointingError`.
@@ -66,9 +67,8 @@ logger = logging.getLogger("tierpoint")
 _STATUS_BYTES = 2048
 
 _GAVE_UP_HINT = (
-    "the queue accepts no more calls, as on every rank that timed out: the ranks may be out of "
-    "step (a rank or its worker stopped). Restart the job (or make a new AsyncCallsQueue and "
-    "checkpoint manager on every rank); it resumes from the last complete checkpoint"
+    "the queue accepts no more calls: its ranks cannot agree any more (a rank is gone or stopped). "
+    "Restart the job; it resumes from the last complete checkpoint"
 )
 
 WORKER_START_TIMEOUT = 120.0
@@ -88,8 +88,6 @@ class _Call:
     worker_result: tuple[bool, Any, str | None] | None = None  # (ok, result or message, error type)
     background: threading.Thread | None = None
     local: tuple[bool, Any, str | None] | None = None  # this rank's final outcome
-    work: Any = None
-    gathered: list[torch.Tensor] = field(default_factory=list)
     buffers: set[str] = field(default_factory=set)  # staging buffers the call's arguments use
 
 
@@ -267,33 +265,87 @@ class AsyncCallsQueue:
         return self._finalize(blocking=blocking, no_dist=no_dist, limit=None)
 
     def _finalize(self, *, blocking: bool, no_dist: bool, limit: int | None) -> list[int]:
+        """Conclude the leading calls that every rank finished. Each round is one agreement (a
+        16-byte all-gather on the queue's group), so every rank concludes the same calls in the same
+        round and finalize functions may run collectives; rounds repeat while ``blocking``."""
         done: list[int] = []
         start = time.monotonic()
         while self._calls and (limit is None or len(done) < limit):
-            call = self._calls[0]
-            statuses = self._outcome(call, no_dist)
-            if statuses is None:
+            ready = self._ready_count()
+            late = blocking and time.monotonic() > self._deadline(start)
+            if not (no_dist or self._group is None):
+                ready, late = self._agree_progress(ready, late)
+            if ready == 0:
+                if late:
+                    raise CoordinationTimeoutError(self._time_out())
                 if not blocking:
                     break
-                if time.monotonic() > self._deadline(start):
-                    raise CoordinationTimeoutError(self._give_up(call))
                 self._pump(0.02)
                 continue
-            self._calls.popleft()
-            self._conclude(call, statuses)
-            done.append(call.id)
+            for _ in range(ready if limit is None else min(ready, limit - len(done))):
+                call = self._calls.popleft()
+                self._conclude(call, self._statuses(call, no_dist))
+                done.append(call.id)
         return done
 
-    def _give_up(self, call: _Call) -> str:
-        """After a call timed out: refuse further calls, stop a worker that never answered, and
-        drop the pending calls without undoing them (a rank that saw the outcome just in time may
-        have committed the save). Returns the error message."""
-        why = f"{call.request.description}: not finished on every rank within {self.timeout:g} s"
+    def _ready_count(self) -> int:
+        """How many leading calls finished on this rank (worker, snapshot and background step)."""
+        self._pump(0.0)
+        count = 0
+        for call in self._calls:
+            threads = (call.snapshot, call.background)
+            if call.local is None or any(t is not None and t.is_alive() for t in threads):
+                break
+            count += 1
+        return count
+
+    def _agree_progress(self, ready: int, late: bool) -> tuple[int, bool]:
+        """Calls finished on every rank, and whether any rank's wait is over. Collective."""
+        world = dist.get_world_size(self._group)
+        mine = torch.tensor([ready, int(late)], dtype=torch.int64)
+        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+        try:
+            dist.all_gather(gathered, mine, group=self._group)
+        except RuntimeError as e:
+            raise CheckpointingError(
+                self._give_up(f"ranks could not agree on progress ({e})")
+            ) from e
+        both = torch.stack(gathered)
+        return int(both[:, 0].min()), bool(both[:, 1].max())
+
+    def _statuses(self, call: _Call, no_dist: bool) -> dict[int, tuple[bool, str, str | None]]:
+        """Every rank's outcome of ``call``, which every rank finished. Collective."""
+        assert call.local is not None
+        ok, payload, kind = call.local
+        mine = (ok, "" if ok else str(payload), kind)
+        if no_dist or self._group is None:
+            return {tpdist.get_rank(): mine}
+        world = dist.get_world_size(self._group)
+        gathered = [torch.zeros(_STATUS_BYTES, dtype=torch.uint8) for _ in range(world)]
+        try:
+            dist.all_gather(gathered, _encode(mine), group=self._group)
+        except RuntimeError as e:
+            self._calls.appendleft(call)  # dropped (named) with the others
+            why = f"{call.request.description}: ranks could not agree on the outcome ({e})"
+            raise CheckpointingError(self._give_up(why)) from e
+        return {rank: _decode(t) for rank, t in enumerate(gathered)}
+
+    def _time_out(self) -> str:
+        """Every rank agreed that the oldest call did not finish in time: stop the workers (one is
+        stuck, and the others may still write files of the calls undone now), undo every pending
+        call on every rank, and go on (a new worker starts at the next schedule)."""
+        description = self._calls[0].request.description
+        self._abort_pending("undone on every rank after a timeout", hint=False)
+        return f"{description}: not finished on every rank within {self.timeout:g} s"
+
+    def _give_up(self, why: str) -> str:
+        """The queue's group failed (a peer is gone, or a collective timed out): the ranks cannot
+        agree any more. Refuse further calls, stop the worker, drop the pending calls without undoing
+        them (a rank may have concluded them before the failure). Returns the error message."""
         self._gave_up = why
-        worker = self._worker
-        if worker is not None and call.worker_result is None:
-            worker.kill()  # stopped or stuck: the files it was writing stay leftovers
-        self._drop_pending("the queue gave up after a coordination timeout", hint=False)
+        if self._worker is not None:
+            self._worker.kill()
+        self._drop_pending("the queue's ranks could not agree any more", hint=False)
         return f"{why}; {_GAVE_UP_HINT}"
 
     def _pump(self, wait: float) -> None:
@@ -319,38 +371,6 @@ class AsyncCallsQueue:
         call.worker_result = result
         if call.request.background_fn is None:
             call.local = result
-
-    def _outcome(
-        self, call: _Call, no_dist: bool
-    ) -> dict[int, tuple[bool, str, str | None]] | None:
-        """Every rank's outcome of ``call`` once known everywhere; ``None`` while still pending."""
-        if call.local is None:
-            self._pump(0.0)
-        if call.local is None or (call.snapshot is not None and call.snapshot.is_alive()):
-            return None
-        if call.background is not None and call.background.is_alive():
-            return None
-        ok, payload, kind = call.local
-        mine = (ok, "" if ok else str(payload), kind)
-        if no_dist or self._group is None:
-            return {tpdist.get_rank(): mine}
-        if call.work is None:
-            self._post_gather(call, mine)
-        if not call.work.is_completed():
-            return None
-        try:
-            call.work.wait()
-        except RuntimeError as e:
-            raise CheckpointingError(
-                f"{call.request.description}: ranks could not agree on the outcome ({e})"
-            ) from e
-        return {rank: _decode(t) for rank, t in enumerate(call.gathered)}
-
-    def _post_gather(self, call: _Call, mine: tuple[bool, str, str | None]) -> None:
-        world = dist.get_world_size(self._group)
-        mine_tensor = _encode(mine)
-        call.gathered = [torch.zeros(_STATUS_BYTES, dtype=torch.uint8) for _ in range(world)]
-        call.work = dist.all_gather(call.gathered, mine_tensor, group=self._group, async_op=True)
 
     def _conclude(self, call: _Call, statuses: dict[int, tuple[bool, str, str | None]]) -> None:
         failures = {rank: msg for rank, (ok, msg, _) in statuses.items() if not ok}
@@ -383,14 +403,7 @@ class AsyncCallsQueue:
             return
         try:
             if abort:
-                if self._worker is not None:
-                    self._worker.kill()
-                for call in self._calls:
-                    for thread in (call.snapshot, call.background):
-                        if thread is not None:
-                            thread.join(self.timeout)
-                    _run_all(call.request.abort_fns)
-                self._drop_pending("the queue was closed with abort=True")
+                self._abort_pending("the queue was closed with abort=True")
             else:
                 self.maybe_finalize_async_calls(blocking=True)
         finally:
@@ -399,6 +412,18 @@ class AsyncCallsQueue:
             if self._worker is not None:
                 self._worker.stop()
                 self._worker = None
+
+    def _abort_pending(self, why: str, hint: bool = True) -> None:
+        """Kill the worker, let the calls' threads end, run every pending call's ``abort_fns``, and
+        drop the calls (named in a WARNING)."""
+        if self._worker is not None:
+            self._worker.kill()
+        for call in self._calls:
+            for thread in (call.snapshot, call.background):
+                if thread is not None:
+                    thread.join(self.timeout)
+            _run_all(call.request.abort_fns)
+        self._drop_pending(why, hint)
 
     def _drop_pending(self, why: str, hint: bool = True) -> None:
         """Forget the unfinalized calls, naming each in a WARNING: they are lost silently otherwise."""
