@@ -250,3 +250,27 @@ def test_ranks_saving_into_different_steps_commit_nothing(tmp_path):
     assert "'step-10'" in results[0] and "'step-11'" in results[0]
     assert get_latest_complete_checkpoint(tmp_path) is None
     assert not any(tmp_path.rglob(".metadata"))
+
+
+def _peer_gone_at_the_cached_vote(rank: int, world: int, root: str) -> list[str]:
+    cache = CheckpointMetadataCache()
+    for step in (1, 2):
+        save(_state(rank, step, False), step_path(root, step), metadata_cache=cache)
+    if rank == 1:
+        os._exit(0)  # gone before the third save's vote
+    try:
+        save(_state(rank, 3, False), step_path(root, 3), metadata_cache=cache)
+    except CheckpointingError:
+        pass
+    target = step_path(root, 3)
+    return sorted(os.listdir(target)) if os.path.isdir(target) else []
+
+
+def test_a_peer_lost_at_the_planning_vote_leaves_no_marker(tmp_path, monkeypatch):
+    """The vote of cached planning fails when a peer is gone: the surviving rank removes its
+    unfinished marker (and files) like for any other failure, instead of leaving them behind."""
+    monkeypatch.setenv("TIERPOINT_TIMEOUT", "20")
+    results = run_ranks(
+        _peer_gone_at_the_cached_vote, 2, str(tmp_path), allow_crash={1}, timeout=120
+    )
+    assert results[0] == []

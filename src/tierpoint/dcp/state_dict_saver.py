@@ -222,19 +222,13 @@ def save_state_dict_async_plan(
             not is_coordinator or cache.cached_global_metadata is not None
         ):
             vote = _REUSE
-        verdict = _min_over_ranks(vote, group, use_dist, what)
-        if verdict == _FAILED:
-            _cleanup_after_failure(storage_writer)
-            _agree(group, use_dist, what, error)
+        verdict = _vote(vote, error, storage_writer, group, use_dist, what)
         if verdict == _REUSE:
             central_plan = cache.cached_central_plan
             global_metadata = cache.cached_global_metadata if is_coordinator else None
     elif cache is not None and cache.loaded_all_plans is not None:
         vote = _FAILED if error is not None else int(_matches_loaded(local_plan, cache, rank))
-        verdict = _min_over_ranks(vote, group, use_dist, what)
-        if verdict == _FAILED:
-            _cleanup_after_failure(storage_writer)
-            _agree(group, use_dist, what, error)
+        verdict = _vote(vote, error, storage_writer, group, use_dist, what)
         if verdict == _REUSE:  # every rank derives the same global plan from the loaded plans
             all_plans, global_metadata = planner.create_global_plan(list(cache.loaded_all_plans))
             all_plans = storage_writer.prepare_global_plan(all_plans)
@@ -285,6 +279,27 @@ def _matches_loaded(local_plan: SavePlan | None, cache: CheckpointMetadataCache,
         for f in fields(local_plan)
         if f.name != "storage_data"
     )
+
+
+def _vote(
+    vote: int,
+    error: BaseException | None,
+    storage_writer: Writer,
+    group: Any,
+    use_dist: bool,
+    what: str,
+) -> int:
+    """The smallest vote of all ranks. When some rank failed, or the vote itself failed (a peer is
+    gone), this rank's files and marker are removed and every rank raises."""
+    try:
+        verdict = _min_over_ranks(vote, group, use_dist, what)
+    except CheckpointingError:
+        _cleanup_after_failure(storage_writer)
+        raise
+    if verdict == _FAILED:
+        _cleanup_after_failure(storage_writer)
+        _agree(group, use_dist, what, error)
+    return verdict
 
 
 def _min_over_ranks(value: int, group: Any, use_dist: bool, what: str) -> int:
