@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -48,13 +49,16 @@ from ..dist import agree, get_rank
 from ..errors import (
     CheckpointingError,
     CorruptCheckpointError,
+    UnsupportedStateError,
     agreed_error,
     error_text,
     failed_on_ranks,
 )
 from .reader import DEFAULT_THREAD_COUNT, PreparedRead, Reader
-from .safe_pickle import CorruptDCPError
 from .state_dict_saver import require_state_dict
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+"""Terminal colour codes torch puts into some messages."""
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -82,10 +86,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             return torch.load(value, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - whatever torch refuses, we refuse
-            raise CorruptDCPError(
-                f"non-tensor value {read_item.dest_index.fqn!r}",
-                "needs code from the checkpoint to load (torch.load weights_only=True refused it:"
-                f" {str(e).splitlines()[0][:200]}); pass planner=DefaultLoadPlanner() to trust it",
+            refusal = _ANSI.sub("", str(e)).splitlines()[0][:200]
+            raise UnsupportedStateError(
+                read_item.dest_index.fqn,
+                "this non-tensor value needs code from the checkpoint to load (torch.load "
+                f"weights_only=True refused it: {refusal}); pass planner=DefaultLoadPlanner() to "
+                "trust the checkpoint",
             ) from None
 
 
@@ -185,7 +191,14 @@ def _from_torch(e: CheckpointException, path: str) -> CheckpointingError:
         exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         errors.append(exc)
         failures[rank] = error_text(exc)
-    kind = "CheckpointingError"
-    if errors and all(isinstance(x, CorruptCheckpointError) for x in errors):
-        kind = "CorruptCheckpointError"
+    kinds = {_kept_class(x) for x in errors}
+    kind = kinds.pop() if len(kinds) == 1 else "CheckpointingError"
     return agreed_error(kind, failed_on_ranks(f"loading {path}", failures), failures)
+
+
+def _kept_class(error: BaseException) -> str:
+    """The tierpoint class an agreed error keeps: corrupt files and refused values stay what they are."""
+    for cls in (CorruptCheckpointError, UnsupportedStateError):
+        if isinstance(error, cls):
+            return cls.__name__
+    return "CheckpointingError"

@@ -248,6 +248,17 @@ class _File:
             self.fd = -1
 
 
+def _missing(location: str, what: str) -> CheckpointingError:
+    """A file that is not there: a data file the metadata names is damage; no metadata at all means
+    the directory holds no committed checkpoint (its save never finished, or it is not one)."""
+    if what == "DCP metadata":
+        return CheckpointingError(
+            f"no committed DCP checkpoint: {location} is missing (its save never finished, or this "
+            "is not a DCP checkpoint directory)"
+        )
+    return CorruptDCPError(location, f"missing {what} file")
+
+
 def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File:
     """Open ``location`` (a path or URL) for reading; it must be a regular file and, when local,
     lie in the checkpoint directory (a symbolic link may point elsewhere in it, not outside)."""
@@ -267,7 +278,7 @@ def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File
                 raise CheckpointingError(
                     f"{os.path.dirname(path)}: no such checkpoint directory"
                 ) from None
-            raise CorruptDCPError(location, f"missing {what} file") from None
+            raise _missing(location, what) from None
         except OSError as e:
             raise CheckpointingError(f"cannot open {what} file {location}: {e}") from e
         st = os.fstat(fd)
@@ -280,7 +291,7 @@ def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File
         info = storage.request(f"inspecting {location}", fs, "info", key)
     except FileNotFoundError:
         storage.check_bucket(fs, key, location)
-        raise CorruptDCPError(location, f"missing {what} file") from None
+        raise _missing(location, what) from None
     except Exception as e:  # noqa: BLE001 - any client failure, reported with the URL
         raise CheckpointingError(f"cannot open {what} file {location}: {e!r:.300}") from e
     if info.get("type") != "file" or not isinstance(info.get("size"), int):
