@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tierpoint import BasicTensorAwareStateDict, CheckpointingError
+from tierpoint.errors import UnsupportedStateError
 from tierpoint.tree import FlatState
 
 
@@ -70,3 +71,28 @@ def test_cuda_round_trip():
     assert all(t.device.type == "cpu" for t in ta.tensors)
     ta.restore_tensor_device(non_blocking=False)
     assert ta.state_dict["gpu"].device.type == "cuda" and ta.state_dict["cpu"].device.type == "cpu"
+
+
+def test_state_dict_is_the_wrapped_dict_and_changes_to_it_are_saved():
+    """As with NVRx: ``ta.state_dict`` is the dict given (the same object every time), it can be
+    assigned, and what is changed through it before a save is what the flattened form holds."""
+    state = _state()
+    ta = BasicTensorAwareStateDict(state)
+    assert ta.state_dict is state and ta.state_dict is ta.state_dict
+    state["step"] = 42  # changed after wrapping, through the caller's own reference
+    ta.state_dict["extra"] = torch.arange(3)
+    flat = ta.to_flat()
+    assert "extra" in flat.paths and len(flat.tensors) == 4
+    assert BasicTensorAwareStateDict.from_flat(flat).state_dict["step"] == 42
+    ta.state_dict = {"only": torch.ones(2)}
+    assert ta.to_flat().paths == ["only"]
+    with pytest.raises(UnsupportedStateError, match="only.fn"):  # refused at once, not at save
+        ta.state_dict = {"only": {"fn": object()}}
+
+
+def test_a_loaded_state_dict_is_built_once():
+    ta = BasicTensorAwareStateDict.from_flat(BasicTensorAwareStateDict(_state()).to_flat())
+    first = ta.state_dict
+    assert ta.state_dict is first
+    first["step"] = 8
+    assert BasicTensorAwareStateDict.from_flat(ta.to_flat()).state_dict["step"] == 8

@@ -2,6 +2,8 @@
 
 ``BasicTensorAwareStateDict(state)`` keeps its own flattened view of ``state`` (see
 :mod:`tierpoint.tree`); the caller's dict is never modified, so a save never leaves it hollow.
+``state_dict`` hands out that same dict; once handed out, the flattened view is refreshed from it
+before it is used (``to_flat``, ``pop_tensors``, device moves), so changes made through it count.
 
 Call order used by checkpoint managers: ``to_flat()`` on save; ``from_flat(flat, devices)`` on load,
 then ``restore_tensor_device()`` to put tensors back where they were saved from. Replication uses
@@ -74,13 +76,20 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     """Wraps any nested dict/list/tuple state of tensors and plain values.
 
     Unlike NVRx's class of the same name, tensors may live on CPU or CUDA, and the wrapped dict is
-    neither mutated nor left hollow.
+    neither mutated nor left hollow. As with NVRx, :attr:`state_dict` is the wrapped dict itself
+    (assignable), and changes made to it before a save are saved.
     """
 
     def __init__(self, state_dict: Any, *, allow_pickle: bool = False) -> None:
-        flat = flatten(state_dict, allow_pickle=allow_pickle)
-        self._init_from(flat, [str(t.device) for t in flat.tensors])
         self.allow_pickle = allow_pickle
+        self._set_state(state_dict)
+
+    def _set_state(self, state_dict: Any) -> None:
+        """Flatten ``state_dict`` (refusing what cannot be stored) and keep it as the state."""
+        flat = flatten(state_dict, allow_pickle=self.allow_pickle)
+        self._init_from(flat, [str(t.device) for t in flat.tensors])
+        self._state = state_dict
+        self._handed_out = False
 
     def _init_from(self, flat: FlatState, devices: Sequence[str]) -> None:
         self._skeleton = flat.skeleton
@@ -88,6 +97,19 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self._tensors: list[torch.Tensor] | None = list(flat.tensors)
         self._devices = list(devices)
         self._meta = [(t.shape, t.dtype) for t in flat.tensors]
+        self._state: Any = None  # the nested state, once built or given
+        self._handed_out = False  # whether :attr:`state_dict` gave it out (it may have changed)
+
+    def _sync(self) -> None:
+        """Take in changes made through the dict :attr:`state_dict` handed out."""
+        if self._handed_out and self._tensors is not None:
+            devices = self._devices
+            self._set_state(self._state)
+            if len(devices) == len(self._devices):  # the devices tensors were saved from stay
+                self._devices = devices
+
+    def _tensors_changed(self) -> None:
+        self._state, self._handed_out = None, False  # rebuilt from the tensors on next access
 
     @classmethod
     def from_flat(
@@ -120,6 +142,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         return self._tensors is None
 
     def pop_tensors(self) -> list[torch.Tensor]:
+        self._sync()
         tensors = self.tensors
         self._tensors = None
         return tensors
@@ -136,19 +159,25 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
                     f"tensor {path!r}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
                 )
         self._tensors = tensors
+        self._tensors_changed()
 
     def init_tensors(self) -> None:
         if not self.is_hollow:
             raise CheckpointingError("init_tensors needs a hollow state dict")
         self._tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in self._meta]
+        self._tensors_changed()
 
     def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        self._sync()
+        self._tensors_changed()
         self._tensors = [
             t if t.device.type == "cpu" else t.to("cpu", non_blocking=non_blocking)
             for t in self.tensors
         ]
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        self._sync()
+        self._tensors_changed()
         restored = []
         for path, t, device in zip(self._paths, self.tensors, self._devices):
             target = torch.device(device)
@@ -166,11 +195,22 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self._tensors = restored
 
     def to_flat(self) -> FlatState:
+        self._sync()
         return FlatState(self._skeleton, self.tensors, list(self._paths))
 
     @property
     def state_dict(self) -> Any:
-        return unflatten(self._skeleton, self.tensors, allow_pickle=self.allow_pickle)
+        """The state: the dict this object was made from (or, after a load, one built once), the
+        same object on every access; changes made to it are saved, as with NVRx."""
+        tensors = self.tensors  # raises when hollow
+        if self._state is None:
+            self._state = unflatten(self._skeleton, tensors, allow_pickle=self.allow_pickle)
+        self._handed_out = True
+        return self._state
+
+    @state_dict.setter
+    def state_dict(self, state_dict: Any) -> None:
+        self._set_state(state_dict)
 
     def __repr__(self) -> str:
         state = "hollow" if self.is_hollow else f"{len(self._meta)} tensors"
