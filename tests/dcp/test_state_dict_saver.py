@@ -23,6 +23,7 @@ from tierpoint.dcp import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
     step_path,
+    verify_global_md_reuse,
 )
 from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
@@ -234,6 +235,27 @@ def test_plans_loaded_with_the_metadata_skip_planning(tmp_path):
     other.set_cached_global_metadata(loaded)
     save({"w": torch.zeros(7), "n": 1}, step_path(tmp_path, 3), metadata_cache=other)
     assert other.planning_rounds == 1
+
+
+def _md_reuse_verdicts(rank: int, world: int, base: str) -> list[bool]:
+    cache = CheckpointMetadataCache()
+    state = {"w": torch.arange(6.0), f"own{rank}": torch.ones(2)}
+    writer, metadata, wrapper = save_state_dict_async_plan(
+        state, Writer(step_path(base, 1)), enable_cache=True, metadata_cache=cache
+    )
+    writer.write_now()
+    save_state_dict_async_finalize(writer, metadata, wrapper)
+    plans: list = [None] * world
+    dist.all_gather_object(plans, cache.cached_local_plan)
+    same = verify_global_md_reuse(plans, cache.cached_local_plan, rank, wrapper)
+    other = plans[0] if rank == 1 else cache.cached_local_plan  # rank 1's layout differs
+    changed = verify_global_md_reuse(plans, other, rank, wrapper)
+    return [same, changed, verify_global_md_reuse(None, other, rank, wrapper)]
+
+
+def test_verify_global_md_reuse_agrees_on_every_rank(tmp_path):
+    """NVRx's public check: true on every rank only when every rank's plan matches its loaded one."""
+    assert run_ranks(_md_reuse_verdicts, 2, str(tmp_path)) == [[True, False, False]] * 2
 
 
 def _save_into_step_of_rank(rank: int, world: int, base: str) -> str:

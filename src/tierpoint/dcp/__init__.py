@@ -12,6 +12,7 @@ from .state_dict_saver import (
     init_checkpoint_metadata_cache,
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
+    verify_global_md_reuse,
 )
 from .verify import CheckpointSummary, verify_checkpoint
 from .writer import Writer
@@ -40,4 +41,5 @@ __all__ = [
     "save_state_dict_async_plan",
     "step_path",
     "verify_checkpoint",
+    "verify_global_md_reuse",
 ]

@@ -271,14 +271,32 @@ def save_state_dict_async_plan(
 
 def _matches_loaded(local_plan: SavePlan | None, cache: CheckpointMetadataCache, rank: int) -> bool:
     plans = cache.loaded_all_plans or []
-    if local_plan is None or rank >= len(plans):
-        return False
-    loaded = plans[rank]
+    return local_plan is not None and rank < len(plans) and _same_plan(local_plan, plans[rank])
+
+
+def _same_plan(local_plan: SavePlan, loaded: SavePlan) -> bool:
+    """Equal but for ``storage_data`` (where the last save put the items)."""
     return all(
         getattr(local_plan, f.name) == getattr(loaded, f.name)
         for f in fields(local_plan)
         if f.name != "storage_data"
     )
+
+
+def verify_global_md_reuse(
+    loaded_all_plans: list[SavePlan] | None,
+    local_plan: SavePlan,
+    rank: int,
+    dist_wrapper: _DistWrapper,
+) -> bool:
+    """NVRx's check whether the global metadata loaded with a checkpoint can serve this save: true
+    on every rank iff there is one loaded plan per rank and every rank's local plan equals its loaded
+    one. One all-reduce of one integer on the wrapper's group (none when there are no plans)."""
+    if not loaded_all_plans or len(loaded_all_plans) != dist_wrapper.get_world_size():
+        return False
+    mine = int(_same_plan(local_plan, loaded_all_plans[rank]))
+    what = "verifying that the loaded global metadata can be reused"
+    return _min_over_ranks(mine, dist_wrapper.group, dist_wrapper.use_dist, what) == 1
 
 
 def _vote(
