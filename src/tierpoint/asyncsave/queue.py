@@ -203,7 +203,12 @@ class AsyncCallsQueue:
                 self._worker.submit(call.id, request.async_fn, args, kwargs)
             call.dispatched = True
         except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
-            logger.exception("%s: snapshot failed", request.description)
+            logger.warning(  # raised on every rank at finalize; the traceback goes to DEBUG
+                "%s: snapshot failed (every rank raises it when finalizing): %s",
+                request.description,
+                error_text(e),
+            )
+            logger.debug("%s: snapshot failure", request.description, exc_info=True)
             failed = (False, f"snapshot failed: {error_text(e)}", type(e).__name__)
             self._set_worker_result(call, failed)
         if request.background_fn is not None:
