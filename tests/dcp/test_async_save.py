@@ -250,3 +250,36 @@ def test_non_blocking_polls_finalize_on_every_rank_in_the_same_round(tmp_path, m
     results = run_ranks(_poll_between_training_collectives, 2, str(tmp_path), timeout=200)
     steps = [os.path.basename(step_path(tmp_path, s)) for s in range(4, 61, 4)]
     assert results == [[step_path(tmp_path, 60), *sorted(steps)]] * 2
+
+
+def _result_with_a_timeout(rank: int, world: int, root: str) -> list[str]:
+    import signal
+
+    from tierpoint.errors import CoordinationTimeoutError
+
+    queue = AsyncCallsQueue()
+    queue.wait_ready()
+    worker = queue._worker.process.pid
+    if rank == 1:
+        os.kill(worker, signal.SIGSTOP)  # rank 1's write is held up
+    future = async_save({"w": torch.ones(1000) * rank}, step_path(root, 1), queue=queue)
+    seen = []
+    try:
+        future.result(timeout=2)
+    except CoordinationTimeoutError as e:
+        seen.append(str(e))
+    if rank == 1:
+        os.kill(worker, signal.SIGCONT)
+    seen.append(future.result(timeout=120))  # still pending, not undone: it commits now
+    queue.close()
+    return seen
+
+
+def test_result_with_a_timeout_raises_on_every_rank_and_the_save_goes_on(tmp_path):
+    """``result(timeout)`` is agreed like the queue's rounds: every rank gives up waiting in the
+    same round (no rank is left alone in a collective), and the save stays pending."""
+    results = run_ranks(_result_with_a_timeout, 2, str(tmp_path), timeout=120)
+    for seen in results:
+        assert len(seen) == 2 and "within 2 s (still pending)" in seen[0], seen
+        assert seen[1] == step_path(tmp_path, 1)
+    assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 1)

@@ -71,6 +71,9 @@ _GAVE_UP_HINT = (
     "Restart the job; it resumes from the last complete checkpoint"
 )
 
+_NOT_LATE, _WAIT_OVER, _TIMED_OUT = 0, 1, 2
+"""How late a blocking finalize round is on a rank (the ranks agree on the largest)."""
+
 WORKER_START_TIMEOUT = 120.0
 """Seconds a worker process may take to start (import torch) on a loaded machine."""
 
@@ -269,20 +272,36 @@ class AsyncCallsQueue:
         """Finalize calls that finished on every rank (all of them, waiting, when ``blocking``)."""
         return self._finalize(blocking=blocking, no_dist=no_dist, limit=None)
 
-    def _finalize(self, *, blocking: bool, no_dist: bool, limit: int | None) -> list[int]:
+    def _finalize(
+        self, *, blocking: bool, no_dist: bool, limit: int | None, wait: float | None = None
+    ) -> list[int]:
         """Conclude the leading calls that every rank finished. Each round is one agreement (a
         16-byte all-gather on the queue's group), so every rank concludes the same calls in the same
-        round and finalize functions may run collectives; rounds repeat while ``blocking``."""
+        round and finalize functions may run collectives; rounds repeat while ``blocking``.
+
+        ``wait``: seconds the caller waits at most (agreed too); when over, every rank raises
+        :class:`CoordinationTimeoutError` and the calls stay pending. Past the queue's own timeout
+        the calls are undone instead (:meth:`_time_out`)."""
         done: list[int] = []
         start = time.monotonic()
         while self._calls and (limit is None or len(done) < limit):
             ready = self._ready_count()
-            late = blocking and time.monotonic() > self._deadline(start)
+            now = time.monotonic()
+            late = _NOT_LATE
+            if blocking and now > self._deadline(start):
+                late = _TIMED_OUT
+            elif blocking and wait is not None and now > start + wait:
+                late = _WAIT_OVER
             if not (no_dist or self._group is None):
                 ready, late = self._agree_progress(ready, late)
             if ready == 0:
-                if late:
+                if late == _TIMED_OUT:
                     raise CoordinationTimeoutError(self._time_out())
+                if late == _WAIT_OVER:
+                    raise CoordinationTimeoutError(
+                        f"{self._calls[0].request.description}: not finished on every rank "
+                        f"within {wait:g} s (still pending)"
+                    )
                 if not blocking:
                     break
                 self._pump(0.02)
@@ -292,6 +311,15 @@ class AsyncCallsQueue:
                 self._conclude(call, self._statuses(call, no_dist))
                 done.append(call.id)
         return done
+
+    def finalize_through(self, call_id: int, timeout: float | None = None) -> None:
+        """Finalize the pending calls up to and including ``call_id`` (blocking, collective);
+        ``timeout``: raise :class:`CoordinationTimeoutError` after that many seconds, on every rank
+        in the same round, leaving the calls pending."""
+        ids = [c.id for c in self._calls]
+        if call_id in ids:
+            limit = ids.index(call_id) + 1
+            self._finalize(blocking=True, no_dist=False, limit=limit, wait=timeout)
 
     def _ready_count(self) -> int:
         """How many leading calls finished on this rank (worker, snapshot and background step)."""
@@ -304,10 +332,10 @@ class AsyncCallsQueue:
             count += 1
         return count
 
-    def _agree_progress(self, ready: int, late: bool) -> tuple[int, bool]:
-        """Calls finished on every rank, and whether any rank's wait is over. Collective."""
+    def _agree_progress(self, ready: int, late: int) -> tuple[int, int]:
+        """Calls finished on every rank, and the latest any rank is. Collective."""
         world = dist.get_world_size(self._group)
-        mine = torch.tensor([ready, int(late)], dtype=torch.int64)
+        mine = torch.tensor([ready, late], dtype=torch.int64)
         gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
         try:
             dist.all_gather(gathered, mine, group=self._group)
@@ -316,7 +344,7 @@ class AsyncCallsQueue:
                 self._give_up(f"ranks could not agree on progress ({e})")
             ) from e
         both = torch.stack(gathered)
-        return int(both[:, 0].min()), bool(both[:, 1].max())
+        return int(both[:, 0].min()), int(both[:, 1].max())
 
     def _statuses(self, call: _Call, no_dist: bool) -> dict[int, tuple[bool, str, str | None]]:
         """Every rank's outcome of ``call``, which every rank finished. Collective."""

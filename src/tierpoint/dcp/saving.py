@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +33,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue, AsyncRequest
-from ..errors import CheckpointingError, CoordinationTimeoutError
+from ..errors import CheckpointingError
 from ..storage import DEFAULT_UPLOAD, UploadOptions
 from .staging_pool import StagingPool
 from .state_dict_saver import (
@@ -178,14 +177,13 @@ class SaveFuture:
         return self._state != "pending"
 
     def result(self, timeout: float | None = None) -> str:
-        """Wait until committed; returns the checkpoint path."""
-        deadline = None if timeout is None else time.monotonic() + tpdist.check_timeout(timeout)
-        while self._state == "pending":
-            if deadline is not None and time.monotonic() > deadline:
-                raise CoordinationTimeoutError(f"{self.path}: not committed within {timeout} s")
-            self.queue.maybe_finalize_async_calls(blocking=deadline is None)
-            if deadline is not None and self._state == "pending":
-                time.sleep(0.01)
+        """Wait until committed; returns the checkpoint path. After ``timeout`` seconds every rank
+        raises :class:`~tierpoint.errors.CoordinationTimeoutError` (the save stays pending)."""
+        wait = None if timeout is None else tpdist.check_timeout(timeout)
+        if self._state == "pending" and self.call_id is not None:
+            self.queue.finalize_through(self.call_id, wait)
+        if self._state == "pending":
+            raise CheckpointingError(f"the save to {self.path} was dropped before it was finalized")
         if self._state != "committed":
             raise CheckpointingError(f"the save to {self.path} failed")
         return self.path
