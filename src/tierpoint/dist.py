@@ -25,6 +25,7 @@ import numbers
 import os
 import re
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ _MAX_MESSAGE = 2000
 _groups: dict[int, Any] = {}
 _layouts: dict[int, NodeLayout] = {}
 _broken: dict[int, tuple[Any, str]] = {}  # id(group) -> (the group, kept alive; what failed)
+
+_logger = logging.getLogger("tierpoint")
 
 
 def default_timeout() -> timedelta:
@@ -101,9 +104,19 @@ def get_world_size() -> int:
     return 1
 
 
-def progress_level(rank: int) -> int:
-    """Log level of per-rank progress lines: INFO on rank 0 (one line per operation), DEBUG elsewhere."""
-    return logging.INFO if rank == 0 else logging.DEBUG
+def log_progress(what: str, nbytes: int, start: float) -> None:
+    """One progress line for an operation that moved ``nbytes`` since ``time.perf_counter()`` was
+    ``start``: INFO on rank 0, DEBUG on the others (one line per operation, not per rank)."""
+    seconds = max(time.perf_counter() - start, 1e-9)
+    level = logging.INFO if get_rank() == 0 else logging.DEBUG
+    _logger.log(
+        level,
+        "%s: %.1f MiB in %.3f s, %.2f GB/s",
+        what,
+        nbytes / 2**20,
+        seconds,
+        nbytes / seconds / 1e9,
+    )
 
 
 def refuse_uninitialised_launch() -> None:

@@ -440,15 +440,8 @@ class LocalCheckpointManager(PartRecovery):
         self._latest = iteration
         self._retire(keep | {iteration})
         self._remember_own_part(iteration)
-        seconds = time.perf_counter() - start
-        logger.log(
-            tpdist.progress_level(self.rank),
-            "saved local checkpoint iteration %d (rank %d): %.1f MiB in %.3f s, %.2f GB/s",
-            iteration,
-            self.rank,
-            nbytes / 2**20,
-            seconds,
-            nbytes / seconds / 1e9,
+        tpdist.log_progress(
+            f"saved local checkpoint iteration {iteration} (rank {self.rank})", nbytes, start
         )
 
     def _abort_iteration(self, iteration: int) -> None:

@@ -178,15 +178,10 @@ class PartRecovery:
             flat, [r.device for r in header.records], allow_pickle=allow_pickle
         )
         ta.restore_tensor_device()
-        seconds = time.perf_counter() - start
-        logger.log(
-            tpdist.progress_level(self.rank),
-            "loaded local checkpoint iteration %d (rank %d): %.1f MiB in %.3f s, %.2f GB/s",
-            iteration,
-            self.rank,
-            header.file_size / 2**20,
-            seconds,
-            header.file_size / seconds / 1e9,
+        tpdist.log_progress(
+            f"loaded local checkpoint iteration {iteration} (rank {self.rank})",
+            header.file_size,
+            start,
         )
         self._latest = iteration
         self._restore_replicas(iteration)
