@@ -181,6 +181,40 @@ def test_a_stopped_worker_times_out_on_every_rank_together_and_the_queue_goes_on
     assert run_ranks(_resume, 2, str(tmp_path), timeout=120) == [3, 3]
 
 
+def _two_in_flight(rank: int, world: int, root: str) -> dict:
+    manager = LocalCheckpointManager(root, session_id="j")
+    queue = AsyncCallsQueue(max_in_flight=2)
+    for it in (1, 2):
+        queue.schedule_async_request(
+            manager.save(BasicTensorAwareStateDict(make_state(rank, it)), it, is_async=True)
+        )
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        error = "no error"
+    except CheckpointingError as e:
+        error = str(e)
+    queue.schedule_async_request(  # one at a time works on
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 3)), 3, is_async=True)
+    )
+    queue.close()
+    ta, ckpt = LocalCheckpointManager(root, session_id="j").load()
+    equal = flat_bytes(ta.state_dict) == flat_bytes(make_state(rank, ckpt.iteration))
+    return {"error": error, "loaded": ckpt.iteration, "equal": equal}
+
+
+def test_a_second_local_save_in_flight_is_refused_and_the_first_commits(tier_root):
+    """The local tier keeps one async save in flight (its snapshot reuses the previous save's
+    staging memory): with max_in_flight=2 the second is refused on every rank, nothing written,
+    instead of recycling the dirty file the worker is still writing."""
+    results = run_ranks(_two_in_flight, 2, str(tier_root), timeout=180)
+    assert len({r["error"] for r in results}) == 1, results
+    assert (
+        "iteration 2 was scheduled while the one of iteration 1 is still in flight"
+        in (results[0]["error"])
+    )
+    assert all(r["loaded"] == 3 and r["equal"] for r in results)
+
+
 def _abort_in_flight(rank: int, world: int, root: str) -> list[str]:
     manager = LocalCheckpointManager(root, session_id="j")
     queue = AsyncCallsQueue()

@@ -445,7 +445,8 @@ class LocalCheckpointManager(PartRecovery):
         )
 
     def _abort_iteration(self, iteration: int) -> None:
-        self._pending = None
+        if self._pending == iteration:
+            self._pending = None
         self._requested.discard(iteration)
         self._remove_iteration(iteration)
         self._latest = None
@@ -465,7 +466,15 @@ class LocalCheckpointManager(PartRecovery):
 
         def snapshot() -> dict[str, Any]:
             # Runs when the queue schedules the request: after the previous save was finalized, so
-            # the staging buffer and the spare file are free.
+            # the staging buffer and the spare file are free (refused otherwise, alike on every rank).
+            if self._pending is not None:
+                self._requested.discard(iteration)
+                raise CheckpointingError(
+                    f"the async save of local iteration {iteration} was scheduled while the one of "
+                    f"iteration {self._pending} is still in flight: nothing written (the local tier "
+                    "keeps one async save in flight; use AsyncCallsQueue(max_in_flight=1), the "
+                    "default)"
+                )
             if self._latest is not None and self._latest >= iteration:  # alike on every rank
                 self._requested.discard(iteration)
                 raise CheckpointingError(
