@@ -236,6 +236,15 @@ class AsyncCallsQueue:
         start = time.monotonic()
         while call.worker_result is None and time.monotonic() < self._deadline(start):
             self._pump(0.05)
+        if call.worker_result is None and self._worker is not None:
+            # Stuck (or stopped): replaced at the next schedule instead of failing every save.
+            logger.warning(
+                "%s: the background worker did not finish within %g s: killing it (a new one "
+                "starts with the next save)",
+                call.request.description,
+                self.timeout,
+            )
+            self._worker.kill()
         worker = call.worker_result or (False, "the background worker did not finish in time", None)
         try:
             assert call.request.background_fn is not None

@@ -214,7 +214,7 @@ class Worker:
                 )
             self._early.extend(self.results(0.05))
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
         try:
             with self._lock:
                 self._conn.send(("stop",))
