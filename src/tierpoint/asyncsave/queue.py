@@ -130,7 +130,7 @@ class AsyncCallsQueue:
         self._ids = itertools.count()
         self._group: Any = None
         self._closed = False
-        self._gave_up: str | None = None  # why, once a call timed out
+        self._gave_up: str | None = None  # why, once the ranks could not agree any more
         self._pump_lock = threading.Lock()
         self._results: dict[int, tuple[bool, Any, str | None]] = {}  # by call id, not yet claimed
         _live_queues.add(self)
