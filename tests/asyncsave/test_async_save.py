@@ -238,6 +238,46 @@ def test_a_second_local_save_in_flight_is_refused_and_the_first_commits(tier_roo
     assert all(r["loaded"] == 3 and r["equal"] for r in results)
 
 
+def _peer_dies_mid_save(rank: int, world: int, root: str) -> dict:
+    manager = LocalCheckpointManager(root, session_id="j")
+    queue = AsyncCallsQueue()
+    for it in (1, 2):
+        queue.schedule_async_request(
+            manager.save(BasicTensorAwareStateDict(make_state(rank, it)), it, is_async=True)
+        )
+        if it == 1:
+            queue.maybe_finalize_async_calls(blocking=True)
+    if rank == 1:
+        os._exit(0)  # the whole rank is gone while save 2 is in flight
+    start = time.monotonic()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        first = "no error"
+    except CheckpointingError as e:
+        first = str(e)
+    seconds = time.monotonic() - start
+    try:  # (a manager's save would fail earlier, agreeing on its iteration with the gone peer)
+        queue.schedule_async_request(AsyncRequest(time.sleep, (0.0,), description="next call"))
+        second = "no error"
+    except CheckpointingError as e:
+        second = str(e)
+    queue.close()
+    return {"first": first, "second": second, "seconds": seconds}
+
+
+def test_a_peer_gone_mid_save_makes_the_queue_give_up_and_a_restart_resumes(tmp_path, monkeypatch):
+    """The agreement round fails when a rank is gone: the survivor raises at once, refuses more
+    saves (its ranks cannot agree any more), and a restarted job resumes from the last complete
+    checkpoint."""
+    monkeypatch.setenv("TIERPOINT_TIMEOUT", "20")
+    results = run_ranks(_peer_dies_mid_save, 2, str(tmp_path), allow_crash={1}, timeout=120)
+    survivor = results[0]
+    assert "could not agree" in survivor["first"] and "Restart the job" in survivor["first"]
+    assert survivor["seconds"] < 30
+    assert "gave up" in survivor["second"]
+    assert run_ranks(_resume, 2, str(tmp_path), timeout=120) == [1, 1]
+
+
 def _abort_in_flight(rank: int, world: int, root: str) -> list[str]:
     manager = LocalCheckpointManager(root, session_id="j")
     queue = AsyncCallsQueue()
