@@ -96,6 +96,17 @@ def test_hundred_async_saves_each_hold_their_snapshot(tier_root):
     assert run_ranks(_hundred_saves, WORLD, str(tier_root), timeout=300) == [100] * WORLD
 
 
+def _finalize_timed(queue: AsyncCallsQueue) -> tuple[str, float]:
+    """A blocking finalize: the error it raised (or "no error") and the seconds it took."""
+    start = time.monotonic()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        error = "no error"
+    except CheckpointingError as e:
+        error = str(e)
+    return error, time.monotonic() - start
+
+
 def _kill_worker_mid_save(rank: int, world: int, root: str) -> dict:
     manager = LocalCheckpointManager(root, session_id="j")
     queue = AsyncCallsQueue(timeout=60)
@@ -109,13 +120,7 @@ def _kill_worker_mid_save(rank: int, world: int, root: str) -> dict:
     )
     if rank == 1:
         os.kill(queue._worker.process.pid, signal.SIGKILL)
-    start = time.monotonic()
-    try:
-        queue.maybe_finalize_async_calls(blocking=True)
-        error = "no error"
-    except CheckpointingError as e:
-        error = str(e)
-    seconds = time.monotonic() - start
+    error, seconds = _finalize_timed(queue)
     latest = LocalCheckpointManager(root, session_id="j").find_latest()
     # The next save works: a new worker is started.
     queue.schedule_async_request(
@@ -249,13 +254,7 @@ def _peer_dies_mid_save(rank: int, world: int, root: str) -> dict:
             queue.maybe_finalize_async_calls(blocking=True)
     if rank == 1:
         os._exit(0)  # the whole rank is gone while save 2 is in flight
-    start = time.monotonic()
-    try:
-        queue.maybe_finalize_async_calls(blocking=True)
-        first = "no error"
-    except CheckpointingError as e:
-        first = str(e)
-    seconds = time.monotonic() - start
+    first, seconds = _finalize_timed(queue)
     try:  # (a manager's save would fail earlier, agreeing on its iteration with the gone peer)
         queue.schedule_async_request(AsyncRequest(time.sleep, (0.0,), description="next call"))
         second = "no error"

@@ -236,7 +236,8 @@ class AsyncCallsQueue:
         start = time.monotonic()
         while call.worker_result is None and time.monotonic() < self._deadline(start):
             self._pump(0.05)
-        if call.worker_result is None and self._worker is not None:
+        worker = call.worker_result
+        if worker is None and self._worker is not None:
             # Stuck (or stopped): replaced at the next schedule instead of failing every save.
             logger.warning(
                 "%s: the background worker did not finish within %g s: killing it (a new one "
@@ -245,7 +246,7 @@ class AsyncCallsQueue:
                 self.timeout,
             )
             self._worker.kill()
-        worker = call.worker_result or (False, "the background worker did not finish in time", None)
+        worker = worker or (False, "the background worker did not finish in time", None)
         try:
             assert call.request.background_fn is not None
             call.request.background_fn(worker[0])
