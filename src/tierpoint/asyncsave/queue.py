@@ -344,16 +344,8 @@ class AsyncCallsQueue:
 
     def _agree_progress(self, ready: int, late: int) -> tuple[int, int]:
         """Calls finished on every rank, and the latest any rank is. Collective."""
-        world = dist.get_world_size(self._group)
         mine = torch.tensor([ready, late], dtype=torch.int64)
-        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
-        try:
-            dist.all_gather(gathered, mine, group=self._group)
-        except RuntimeError as e:
-            raise CheckpointingError(
-                self._give_up(f"ranks could not agree on progress ({e})")
-            ) from e
-        both = torch.stack(gathered)
+        both = torch.stack(self._all_gather(mine, "ranks could not agree on progress"))
         return int(both[:, 0].min()), int(both[:, 1].max())
 
     def _statuses(self, call: _Call, no_dist: bool) -> dict[int, tuple[bool, str, str | None]]:
@@ -363,15 +355,21 @@ class AsyncCallsQueue:
         mine = (ok, "" if ok else str(payload), kind)
         if no_dist or self._group is None:
             return {tpdist.get_rank(): mine}
-        world = dist.get_world_size(self._group)
-        gathered = [torch.zeros(_STATUS_BYTES, dtype=torch.uint8) for _ in range(world)]
-        try:
-            dist.all_gather(gathered, _encode(mine), group=self._group)
-        except RuntimeError as e:
-            self._calls.appendleft(call)  # dropped (named) with the others
-            why = f"{call.request.description}: ranks could not agree on the outcome ({e})"
-            raise CheckpointingError(self._give_up(why)) from e
+        self._calls.appendleft(call)  # dropped (named) with the others if the gather fails
+        why = f"{call.request.description}: ranks could not agree on the outcome"
+        gathered = self._all_gather(_encode(mine), why)
+        self._calls.popleft()
         return {rank: _decode(t) for rank, t in enumerate(gathered)}
+
+    def _all_gather(self, mine: torch.Tensor, why: str) -> list[torch.Tensor]:
+        """Every rank's ``mine`` on the queue's group; a failed gather gives the queue up."""
+        world = dist.get_world_size(self._group)
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        try:
+            dist.all_gather(gathered, mine, group=self._group)
+        except RuntimeError as e:
+            raise CheckpointingError(self._give_up(f"{why} ({e})")) from e
+        return gathered
 
     def _time_out(self) -> str:
         """Every rank agreed that the oldest call did not finish in time: stop the workers (one is
