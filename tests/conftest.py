@@ -15,6 +15,16 @@ from tierpoint import fileformat
 logging.getLogger("tierpoint").setLevel(logging.DEBUG)
 
 
+@pytest.fixture
+def shm_dir():
+    """A fresh directory on the /dev/shm tmpfs, removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="tierpoint-test-", dir="/dev/shm"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(params=["disk", "ram"])
 def tier_root(request, tmp_path):
     """A node-local tier root on a disk file system (tmp_path) or on the /dev/shm tmpfs (removed
@@ -22,11 +32,7 @@ def tier_root(request, tmp_path):
     if request.param == "disk":
         yield tmp_path
         return
-    root = Path(tempfile.mkdtemp(prefix="tierpoint-test-", dir="/dev/shm"))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    yield request.getfixturevalue("shm_dir")
 
 
 def good_state() -> dict:

@@ -15,8 +15,9 @@ Invariants:
 - A buffer is allocated once per layout (dtypes, shapes, offsets) and reused while the layout is
   unchanged; host memory stays flat across saves. A new layout allocates a new buffer and frees the
   old one (callers guarantee, through back-pressure, that no save still reads it).
-- The memory is an anonymous ``memfd``: nothing to clean up in /dev/shm, freed when the last process
-  holding it exits, crashed or not.
+- The memory is an anonymous ``memfd``, or (for DCP saves onto a RAM file system) an unnamed
+  ``O_TMPFILE`` there: nothing to clean up in /dev/shm, freed when the last process holding it exits,
+  crashed or not, unless it was given a name on purpose (:meth:`StagingBuffer.link`).
 - CUDA tensors are copied with ``non_blocking=True`` on a side stream into page-locked staging memory
   and synchronised before the buffer is handed on.
 """
@@ -42,15 +43,31 @@ _HASH_PIECE = 512 << 10
 
 
 class StagingBuffer:
-    """``nbytes`` of shared memory, visible as a uint8 tensor and to other processes through ``fd``."""
+    """``nbytes`` of shared memory, visible as a uint8 tensor and to other processes through ``fd``.
 
-    def __init__(self, nbytes: int) -> None:
+    With ``directory`` (on a RAM file system) the memory is an unnamed file of that file system
+    (``O_TMPFILE``), allocated and mapped in full up front, which :meth:`link` later turns into a
+    named file there without copying; it vanishes like a memfd if the process dies unlinked.
+    """
+
+    def __init__(self, nbytes: int, directory: str | os.PathLike | None = None) -> None:
         self.id = f"{os.getpid()}-{next(_ids)}"
         self.nbytes = nbytes
-        self.fd = os.memfd_create(f"tierpoint-staging-{self.id}", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, max(nbytes, 1))
+        self.file_backed = directory is not None
+        if directory is None:
+            self.fd = os.memfd_create(f"tierpoint-staging-{self.id}", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, max(nbytes, 1))
+        else:
+            self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            try:
+                os.posix_fallocate(self.fd, 0, max(nbytes, 1))  # ENOSPC here, not as SIGBUS later
+            except OSError:
+                os.close(self.fd)
+                raise
         self._map = mmap.mmap(self.fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
+        if directory is not None and nbytes:
+            _populate(self._map, self.tensor.data_ptr())
         self._pinned = False
         self.offsets: list[tuple[int, int]] | None = None
         self.dtypes: list[str] | None = None
@@ -66,6 +83,25 @@ class StagingBuffer:
         """One tensor per planned tensor, viewing its place in the buffer."""
         return planned_views(self.tensor, plan)
 
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    def link(self, path: str | os.PathLike) -> None:
+        """Give a file-backed buffer the name ``path`` (same file system; an existing file there is
+        replaced). The buffer's memory is then that file's content."""
+        if not self.file_backed:
+            raise ValueError("only a file-backed staging buffer can be linked")
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.linkat(self.fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) == 0:
+            return
+        # Unprivileged on older kernels: through /proc (which fails across stacked mounts).
+        os.link(f"/proc/self/fd/{self.fd}", path, follow_symlinks=True)
+
     def close(self) -> None:
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
@@ -76,6 +112,24 @@ class StagingBuffer:
         except BufferError:  # views still alive somewhere: the mapping goes when they do
             pass
         os.close(self.fd)
+
+
+_AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not named by Python 3.11's mmap module
+
+
+def _populate(m: mmap.mmap, address: int) -> None:
+    """Fault every page of a fresh shared file mapping in, writable, now (the kernel zeroes them
+    here, not during the snapshot copy); by touching each page where the kernel is too old. Through
+    ctypes, which lets other threads run meanwhile (``mmap.madvise`` holds the GIL)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(address, len(m), _MADV_POPULATE_WRITE) == 0:
+        return
+    view = memoryview(m)
+    for at in range(0, len(m), mmap.PAGESIZE):
+        view[at] = 0
+    view.release()
 
 
 def in_memory_filesystem(path: str | os.PathLike) -> bool:

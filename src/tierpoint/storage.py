@@ -100,7 +100,8 @@ def is_local(url: str | os.PathLike) -> bool:
     return "://" not in text or text.startswith("file://")
 
 
-def _local_path(url: str | os.PathLike) -> str:
+def local_path(url: str | os.PathLike) -> str:
+    """The file system path of a local ``url`` (``file://`` removed)."""
     text = os.fspath(url)
     return text[len("file://") :] if text.startswith("file://") else text
 
@@ -222,7 +223,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
     """Make a directory's entries durable (local paths only; a no-op for URLs)."""
     if not is_local(path):
         return
-    fd = os.open(_local_path(path), os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(local_path(path), os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
@@ -465,7 +466,7 @@ def makedirs(url: str | os.PathLike, storage_options: Mapping[str, Any] | None =
     """Create a directory and its parents (durably, for local paths); a no-op on object stores."""
     try:
         if is_local(url):
-            path = os.path.abspath(_local_path(url))
+            path = os.path.abspath(local_path(url))
             missing = []
             while path and not os.path.isdir(path):
                 missing.append(path)
@@ -500,7 +501,7 @@ def write_file(
     """
     try:
         if is_local(url):
-            return _write_local(_local_path(url), views, fsync)
+            return _write_local(local_path(url), views, fsync)
         return _write_remote(os.fspath(url), views, storage_options, upload)
     except Exception as e:  # noqa: BLE001 - reported with the path
         raise _fail("writing", url, e) from e
@@ -516,7 +517,7 @@ def publish(
     """Atomically make ``url`` hold ``data`` (local: tmp, fsync, rename, fsync dir; else one PUT)."""
     try:
         if is_local(url):
-            path = _local_path(url)
+            path = local_path(url)
             tmp = f"{path}.tmp"
             _write_local(tmp, [data], fsync=True)
             os.replace(tmp, path)
@@ -538,7 +539,7 @@ def touch(
     """Create an empty file (a marker), durably."""
     try:
         if is_local(url):
-            path = _local_path(url)
+            path = local_path(url)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             os.close(fd)
             fsync_dir(os.path.dirname(os.path.abspath(path)))
@@ -562,7 +563,7 @@ def remove(
     ``sync_dir`` is false; remote ones are retried as ``upload`` says."""
     try:
         if is_local(url):
-            path = _local_path(url)
+            path = local_path(url)
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -593,8 +594,8 @@ def remove_dir_if_empty(
     if not is_local(url):
         return
     try:
-        os.rmdir(_local_path(url))
-        fsync_dir(os.path.dirname(os.path.abspath(_local_path(url))))
+        os.rmdir(local_path(url))
+        fsync_dir(os.path.dirname(os.path.abspath(local_path(url))))
     except OSError:
         pass
 
@@ -621,7 +622,7 @@ def listdir(
     try:
         if is_local(url):
             try:
-                return sorted(os.listdir(_local_path(url)))
+                return sorted(os.listdir(local_path(url)))
             except (FileNotFoundError, NotADirectoryError):
                 return []
         fs, path = filesystem(os.fspath(url), storage_options)
@@ -648,7 +649,7 @@ def listdir(
 def isdir(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bool:
     try:
         if is_local(url):
-            return os.path.isdir(_local_path(url))
+            return os.path.isdir(local_path(url))
         fs, path = filesystem(os.fspath(url), storage_options)
         fs.invalidate_cache(path)
         return bool(request(f"inspecting {url}", fs, "isdir", path))
@@ -664,7 +665,7 @@ def exists(
     """Whether ``url`` exists (remote checks are retried as ``upload`` says)."""
     try:
         if is_local(url):
-            return os.path.exists(_local_path(url))
+            return os.path.exists(local_path(url))
         fs, path = filesystem(os.fspath(url), storage_options)
         fs.invalidate_cache(posixpath.dirname(path))
         return bool(request(f"inspecting {url}", fs, "exists", path, upload=upload))
@@ -675,7 +676,7 @@ def exists(
 def read_bytes(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bytes:
     try:
         if is_local(url):
-            with open(_local_path(url), "rb") as f:
+            with open(local_path(url), "rb") as f:
                 return f.read()
         fs, path = filesystem(os.fspath(url), storage_options)
         return bytes(request(f"reading {url}", fs, "cat_file", path))
@@ -733,7 +734,7 @@ def write_files_parallel(
     if errors:
         raise errors[0]
     if fsync:
-        for d in sorted({os.path.dirname(_local_path(u)) for u, _ in jobs if is_local(u)}):
+        for d in sorted({os.path.dirname(local_path(u)) for u, _ in jobs if is_local(u)}):
             try:
                 fsync_dir(d or ".")
             except OSError as e:

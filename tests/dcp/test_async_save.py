@@ -283,3 +283,62 @@ def test_result_with_a_timeout_raises_on_every_rank_and_the_save_goes_on(tmp_pat
         assert len(seen) == 2 and "within 2 s (still pending)" in seen[0], seen
         assert seen[1] == step_path(tmp_path, 1)
     assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 1)
+
+
+# ------------------------------------------------------------------ staged in place (/dev/shm)
+
+
+def _async_saves_in_place(rank: int, world: int, root: str) -> dict:
+    from tierpoint.dcp.writer import stages_in_place
+
+    pool = StagingPool()
+    results: dict = {"in_place": stages_in_place(root), "equal": [], "files": [], "spare": []}
+    with AsyncCallsQueue() as queue:
+        for step in range(1, 5):
+            state = _state(world, step, bigger=step >= 3)
+            expected = _snapshot(state)
+            path = step_path(root, step)
+            future = async_save(state, path, queue=queue, staging_pool=pool)
+            with torch.no_grad():  # training goes on: the file must still hold the snapshot
+                state["model"]["w"].add_(1.0)
+                state["model"]["b"].mul_(-3.0)
+            state["step"] = -step
+            assert future.result(timeout=120) == path
+            dist.barrier()
+            results["equal"].append(_load_and_compare(path, world, expected))
+            results["files"].append(sorted(os.listdir(path)))
+            pool._join_preparing()
+            results["spare"].append(pool.bytes_held > 0)
+        if rank == 1:  # killed once its files are named, before the save is committed
+            async_save(_state(world, 5, True), step_path(root, 5), queue=queue, staging_pool=pool)
+            os.kill(os.getpid(), 9)
+        future = async_save(_state(world, 5, True), step_path(root, 5), queue=queue)
+        try:
+            future.result(timeout=60)
+            results["killed"] = "no error"
+        except CheckpointingError as e:
+            results["killed"] = str(e)
+    pool.close()
+    return results
+
+
+def test_async_saves_to_a_ram_disk_snapshot_into_the_files_themselves(shm_dir):
+    """On /dev/shm the snapshot fills each rank's data file directly (one per rank); the next save's
+    file is prepared in the background; a rank killed after the snapshot commits nothing."""
+    results = run_ranks(
+        _async_saves_in_place,
+        2,
+        str(shm_dir),
+        timeout=240,
+        allow_crash={1},
+        env={"TIERPOINT_TIMEOUT": "20"},
+    )
+    r = results[0]
+    assert r["in_place"] and r["equal"] == [True] * 4
+    assert r["files"] == [[".metadata", "__0_0.distcp", "__1_0.distcp"]] * 4
+    assert r["spare"] == [True] * 4  # ready for the next save, also after the layout grew
+    assert results[1] is None and "could not agree" in r["killed"], r["killed"]
+    assert get_latest_complete_checkpoint(shm_dir) == step_path(shm_dir, 4)
+    left = sorted(os.listdir(step_path(shm_dir, 5)))
+    assert ".metadata" not in left and ".unfinished-1" in left, left
+    assert sorted(os.listdir(shm_dir)) == [f"step-{s}" for s in range(1, 6)]

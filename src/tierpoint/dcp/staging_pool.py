@@ -4,6 +4,13 @@ Call order: ``buf = pool.acquire(files)`` when a save snapshots (the buffer alre
 record's head, tail and padding; only tensor data is copied in), the worker writes from it,
 ``pool.release(buf)`` once the save is finalized or aborted.
 
+On a RAM file system (tmpfs, /dev/shm) the staging memory can be the checkpoint file itself:
+``buf = pool.acquire(files, in_place_dir=step_dir)`` returns a file-backed buffer (an unnamed file of
+that file system, see :class:`tierpoint.staging.StagingBuffer`); the snapshot fills it and names it
+(:meth:`~tierpoint.staging.StagingBuffer.link`), then ``pool.consumed(buf)`` hands it over and starts
+preparing the next one (allocated, faulted in and templated) in a background thread, so that the
+next save finds it ready and nothing is left for the worker to write.
+
 Invariants:
 - A buffer is allocated once per layout (:attr:`RankFiles.key`) and reused by later saves of the
   same layout: host memory stays flat. A save never gets a buffer another unfinished save still uses
@@ -11,16 +18,26 @@ Invariants:
 - A free buffer of another layout is freed when a new layout is acquired (the layout changed).
 - The buffers are :class:`tierpoint.staging.StagingBuffer` (memfd shared memory), so the background
   worker maps them by file descriptor without copying.
+- In-place buffers are never reused (they became checkpoint files); at most one spare is held, for
+  the layout and file system of the last one consumed. If the file system has no room for one,
+  ``acquire`` falls back to a memfd buffer and the save is written as usual.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 
 import torch
 
 from ..staging import StagingBuffer
 from .file_plan import RankFiles
+
+logger = logging.getLogger("tierpoint")
+
+_SPARE_WAIT = 120.0
+"""Seconds ``acquire`` waits for a spare still being prepared before it makes its own."""
 
 
 class StagingPool:
@@ -30,10 +47,18 @@ class StagingPool:
         self._free: list[tuple[tuple, StagingBuffer]] = []
         self._busy: dict[str, tuple] = {}
         self._lock = threading.Lock()
+        self._spare: tuple[tuple, int, StagingBuffer] | None = None  # (layout key, st_dev, buffer)
+        self._preparing: threading.Thread | None = None
         self.allocations = 0
         """How many buffers were ever allocated (tests check reuse with it)."""
 
-    def acquire(self, files: RankFiles) -> StagingBuffer:
+    def acquire(self, files: RankFiles, in_place_dir: str | None = None) -> StagingBuffer:
+        """A buffer laid out as ``files``; file-backed on ``in_place_dir``'s file system if given
+        (a spare prepared earlier when it fits), else memfd memory."""
+        if in_place_dir is not None:
+            buf = self._in_place_buffer(files, in_place_dir)
+            if buf is not None:
+                return buf
         with self._lock:
             for k, (key, buf) in enumerate(self._free):
                 if key == files.key:
@@ -43,8 +68,7 @@ class StagingPool:
             for _, stale in self._free:  # another layout: it is not coming back
                 stale.close()
             self._free.clear()
-        buf = StagingBuffer(files.staging_bytes)
-        _write_templates(buf, files)
+        buf = _allocate(files)
         with self._lock:
             self.allocations += 1
             self._busy[buf.id] = files.key
@@ -53,19 +77,100 @@ class StagingPool:
     def release(self, buf: StagingBuffer) -> None:
         with self._lock:
             key = self._busy.pop(buf.id, None)
-            if key is not None:
+            if key is not None and not buf.file_backed:
                 self._free.append((key, buf))
+                return
+        if key is not None:  # an in-place buffer whose snapshot failed: its file was never named
+            buf.close()
+
+    def consumed(self, buf: StagingBuffer, files: RankFiles, directory: str) -> None:
+        """``buf`` (file-backed) became a checkpoint file: drop it and prepare the next save's
+        buffer for the same layout in ``directory``'s file system, in the background."""
+        with self._lock:
+            self._busy.pop(buf.id, None)
+        pinned = buf.pinned
+        buf.close()
+        self._join_preparing()
+        thread = threading.Thread(
+            target=self._prepare_spare,
+            args=(files, directory, pinned),
+            name="tierpoint-spare-staging",
+            daemon=True,
+        )
+        self._preparing = thread
+        thread.start()
 
     def close(self) -> None:
+        self._join_preparing()
         with self._lock:
             for _, buf in self._free:
                 buf.close()
             self._free.clear()
+            if self._spare is not None:
+                self._spare[2].close()
+                self._spare = None
 
     @property
     def bytes_held(self) -> int:
         with self._lock:
-            return sum(b.nbytes for _, b in self._free)
+            spare = self._spare[2].nbytes if self._spare is not None else 0
+            return sum(b.nbytes for _, b in self._free) + spare
+
+    # ------------------------------------------------------------------ in-place buffers
+
+    def _in_place_buffer(self, files: RankFiles, directory: str) -> StagingBuffer | None:
+        self._join_preparing(_SPARE_WAIT)
+        device = os.stat(directory).st_dev
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            key, spare_device, buf = spare
+            if key == files.key and spare_device == device:
+                with self._lock:
+                    self._busy[buf.id] = key
+                return buf
+            buf.close()
+        try:
+            buf = _allocate(files, directory)
+        except OSError as e:
+            logger.info("no room to stage in place in %s (%s): staging in memory", directory, e)
+            return None
+        with self._lock:
+            self.allocations += 1
+            self._busy[buf.id] = files.key
+        return buf
+
+    def _prepare_spare(self, files: RankFiles, directory: str, pinned: bool) -> None:
+        try:
+            device = os.stat(directory).st_dev
+            buf = _allocate(files, directory)
+            if pinned:
+                buf.pin()
+        except OSError as e:  # the next save allocates (or falls back) itself
+            logger.debug("could not prepare a spare staging file in %s: %s", directory, e)
+            return
+        with self._lock:
+            self.allocations += 1
+            old, self._spare = self._spare, (files.key, device, buf)
+        if old is not None:
+            old[2].close()
+
+    def _join_preparing(self, timeout: float | None = None) -> None:
+        thread = self._preparing
+        if thread is not None:
+            thread.join(timeout)
+            if not thread.is_alive():
+                self._preparing = None
+
+
+def _allocate(files: RankFiles, directory: str | None = None) -> StagingBuffer:
+    buf = StagingBuffer(files.staging_bytes, directory)
+    try:
+        _write_templates(buf, files)
+    except BaseException:
+        buf.close()
+        raise
+    return buf
 
 
 def _write_templates(buf: StagingBuffer, files: RankFiles) -> None:

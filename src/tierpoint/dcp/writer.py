@@ -14,7 +14,8 @@ Two ways to drive it:
 
 What it writes (see :mod:`tierpoint.dcp.layout` and :mod:`tierpoint.dcp.file_plan`): per rank
 ``thread_count`` files ``__<rank>_<k>.distcp`` written by as many threads, each file fsynced, the
-directory fsynced; then ``.metadata`` (pickled torch ``Metadata``, torch's own classes only) written
+directory fsynced (async saves to a RAM file system: one file, the staging memory itself, named by
+the snapshot); then ``.metadata`` (pickled torch ``Metadata``, torch's own classes only) written
 by the coordinator via tmp + fsync + rename, or one PUT on object stores: the commit point.
 
 Invariants:
@@ -59,7 +60,7 @@ from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text
 from ..fileformat.tensor_bytes import cpu_contiguous
-from ..staging import StagingBuffer
+from ..staging import StagingBuffer, in_memory_filesystem
 from .file_plan import RankFiles, file_views, plan_files
 from .layout import MARKER_PREFIX, METADATA_NAME, marker_name
 from .staging_pool import StagingPool
@@ -107,7 +108,9 @@ class Writer(StorageWriter):
 
     Args:
         path_or_url: the checkpoint directory, e.g. ``layout.step_path(base, step)``.
-        thread_count: files per rank, written in parallel by as many threads.
+        thread_count: files per rank, written in parallel by as many threads (an async save to
+            a RAM file system fills one file per rank during the snapshot, see
+            :mod:`tierpoint.dcp.staging_pool`).
         sync_files: fsync files and directories (turn off only for throw-away checkpoints).
         storage_options: fsspec options for URLs (e.g. ``{"endpoint_url": ...}`` for s3fs).
         upload: multipart/retry settings for object stores.
@@ -152,6 +155,8 @@ class Writer(StorageWriter):
         self._results: list[WriteResult] | None = None
         self.write_error: str | None = None
         self._buffer: StagingBuffer | None = None
+        self._prefix = ""
+        self._in_place = False  # the async save's staging memory is the checkpoint file itself
         self._busy_key: str | None = None  # this writer's entry in _busy_directories
 
     # ---------------------------------------------------------------------- StorageWriter
@@ -232,7 +237,7 @@ class Writer(StorageWriter):
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Remember the final local plan and lay out this rank's files (cached per plan)."""
         prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
-        self._plan, self._planner = plan, planner
+        self._plan, self._planner, self._prefix = plan, planner, prefix
         self._files = _files_for(plan, prefix, self.thread_count)
         self._results = None
         self.write_error = None
@@ -268,8 +273,11 @@ class Writer(StorageWriter):
         ``preload_fn`` snapshots the state into a staging buffer (blocking, in the trainer) and
         returns the keyword arguments that complete ``async_fn``'s call in the worker.
         """
-        _, files = self._require_plan()
+        plan, files = self._require_plan()
         self._claim()
+        self._in_place = stages_in_place(self.path)
+        if self._in_place:  # one file per rank: there is no writing left to share among threads
+            self._files = files = _files_for(plan, self._prefix, 1)
         args = (
             self.path,
             [(f.name, f.staging_base, f.tensor_bytes) for f in files.files],
@@ -282,10 +290,28 @@ class Writer(StorageWriter):
         return write_staged, self.snapshot, args
 
     def snapshot(self) -> dict[str, Any]:
-        """Copy the state's tensors into a (reused) staging buffer; serialize non-tensor values."""
+        """Copy the state's tensors into a (reused) staging buffer; serialize non-tensor values.
+        When staging in place, also name the filled file: the worker then only makes it durable."""
         plan, files = self._require_plan()
-        buf = self.pool.acquire(files)
+        directory = storage.local_path(self.path) if self._in_place else None
+        buf = self.pool.acquire(files, directory)
         self._buffer = buf
+        _copy(*self._copy_pairs(plan, files, buf), buf)
+        byte_records = self._resolve_bytes()
+        self._results = files.write_results(plan, self._byte_sizes(byte_records))
+        if directory is None or not buf.file_backed:
+            return {"buffer": buf, "byte_records": byte_records}
+        self._buffer = None
+        try:
+            _name_in_place(buf, files, byte_records, directory)
+        finally:
+            self.pool.consumed(buf, files, directory)
+        return {"buffer": None, "byte_records": []}
+
+    def _copy_pairs(
+        self, plan: SavePlan, files: RankFiles, buf: StagingBuffer
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each planned tensor and the view of its place in ``buf``, checked against the plan."""
         sources, targets = [], []
         for f in files.files:
             for slot in f.tensors:
@@ -300,14 +326,10 @@ class Writer(StorageWriter):
                         f"{item.index.fqn}: planned {dtype} {list(shape)}, found {src.dtype} "
                         f"{list(src.shape)} (the state changed after planning)"
                     )
-                target = raw.view(dtype).view(shape) if raw.numel() else None
-                if target is not None:
+                if raw.numel():
                     sources.append(src)
-                    targets.append(target)
-        _copy(sources, targets, buf)
-        byte_records = self._resolve_bytes()
-        self._results = files.write_results(plan, self._byte_sizes(byte_records))
-        return {"buffer": buf, "byte_records": byte_records}
+                    targets.append(raw.view(dtype).view(shape))
+        return sources, targets
 
     def release_staging(self) -> None:
         """Give the staging buffer back to the pool (the save is finalized or aborted)."""
@@ -447,6 +469,39 @@ class Writer(StorageWriter):
         }
 
 
+def stages_in_place(path: str) -> bool:
+    """Whether an async save to ``path`` snapshots straight into its files (a local RAM file system,
+    see :mod:`tierpoint.dcp.staging_pool`)."""
+    return _links_work and storage.is_local(path) and in_memory_filesystem(storage.local_path(path))
+
+
+_links_work = True  # False once naming a staged file failed (see StagingBuffer.link)
+
+
+def _name_in_place(
+    buf: StagingBuffer, files: RankFiles, byte_records: list[list[bytes]], directory: str
+) -> None:
+    """Turn a filled file-backed buffer into the rank's one data file: the non-tensor values after
+    the tensors, the exact size, then its name in ``directory``."""
+    (spec,) = files.files
+    records = b"".join(byte_records[0])
+    at = spec.tensor_bytes
+    view = memoryview(records)
+    while view:
+        n = os.pwrite(buf.fd, view, at)
+        view, at = view[n:], at + n
+    os.ftruncate(buf.fd, spec.tensor_bytes + len(records))
+    target = os.path.join(directory, spec.name)
+    try:
+        buf.link(target)
+    except OSError as e:
+        global _links_work
+        _links_work = False
+        logger.info("cannot name staged files (%s): async saves stage in memory from now on", e)
+        tensors = memoryview(buf.tensor.numpy())[: spec.tensor_bytes]
+        storage.write_file(target, [tensors, records], fsync=False)  # the worker fsyncs it
+
+
 _COPY_CHUNK = 8 << 20
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
@@ -530,9 +585,12 @@ def write_staged(
     byte_records: list[list[bytes]],
 ) -> int:
     """Write staged files (runs in the background worker): file ``k`` is the staging range
-    ``[base, base + length)`` followed by its serialized non-tensor values."""
+    ``[base, base + length)`` followed by its serialized non-tensor values. With no ``buffer`` the
+    snapshot staged them in place: they only need to become durable."""
     from ..asyncsave.worker import resolve_buffer
 
+    if buffer is None:
+        return _sync_in_place(path, [name for name, _, _ in files], sync_files)
     data = resolve_buffer(buffer)
     jobs = [
         (storage.join(path, name), [data[base : base + length], *records])
@@ -549,4 +607,23 @@ def write_staged(
     return sum(written)
 
 
-__all__ = ["DEFAULT_POOL", "Writer", "write_staged"]
+def _sync_in_place(path: str, names: list[str], sync_files: bool) -> int:
+    directory = storage.local_path(path)
+    total = 0
+    for name in names:
+        try:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                total += os.fstat(fd).st_size
+                if sync_files:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise CheckpointingError(f"{directory}/{name}: {error_text(e)}") from e
+    if sync_files:
+        storage.fsync_dir(directory)
+    return total
+
+
+__all__ = ["DEFAULT_POOL", "Writer", "stages_in_place", "write_staged"]

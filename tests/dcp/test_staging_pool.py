@@ -1,0 +1,104 @@
+"""Staging for async DCP saves onto a RAM file system: the snapshot fills the checkpoint file itself
+(one per rank), and when that cannot be done the save still commits, staged in memory."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tierpoint.asyncsave import AsyncCallsQueue
+from tierpoint.dcp import StagingPool, async_save, async_save_request, step_path, writer
+from tierpoint.errors import CheckpointingError
+from tierpoint.staging import StagingBuffer
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(300, 70, generator=g), "b": torch.randn(9, generator=g), "n": seed}
+
+
+def _loaded(path: str) -> dict:
+    out = {"w": torch.zeros(300, 70), "b": torch.zeros(9), "n": -1}
+    dcp.load(out, checkpoint_id=path)
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["n"] == b["n"] and torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"])
+
+
+def _save(state: dict, path: str, queue: AsyncCallsQueue, pool: StagingPool) -> dict:
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    future = async_save(state, path, queue=queue, staging_pool=pool)
+    state["w"].add_(1)  # training goes on at once
+    future.result(timeout=120)
+    return expected
+
+
+def test_a_ram_disk_with_no_room_for_the_staging_file_stages_in_memory(
+    shm_dir, monkeypatch, caplog
+):
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    pool = StagingPool()
+    with AsyncCallsQueue() as queue, caplog.at_level(logging.INFO, logger="tierpoint"):
+        for step in (1, 2):
+            state = _state(step)
+            expected = _save(state, step_path(shm_dir, step), queue, pool)
+            assert _same(_loaded(step_path(shm_dir, step)), expected)
+    assert "no room to stage in place" in caplog.text
+    assert pool.allocations == 1 and not pool._free[0][1].file_backed  # one memfd, reused
+    assert sorted(os.listdir(step_path(shm_dir, 2))) == [".metadata", "__0_0.distcp"]
+    pool.close()
+
+
+def test_when_a_staged_file_cannot_be_named_it_is_copied_and_later_saves_stage_in_memory(
+    shm_dir, monkeypatch, caplog
+):
+    def cannot_link(self: StagingBuffer, path: str) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(StagingBuffer, "link", cannot_link)
+    monkeypatch.setattr(writer, "_links_work", True)
+    pool = StagingPool()
+    assert writer.stages_in_place(str(shm_dir))
+    with AsyncCallsQueue() as queue, caplog.at_level(logging.INFO, logger="tierpoint"):
+        expected = _save(_state(1), step_path(shm_dir, 1), queue, pool)
+        assert _same(_loaded(step_path(shm_dir, 1)), expected)
+        assert "cannot name staged files" in caplog.text
+        assert not writer.stages_in_place(str(shm_dir))
+        expected = _save(_state(2), step_path(shm_dir, 2), queue, pool)  # thread_count=2 files
+        assert _same(_loaded(step_path(shm_dir, 2)), expected)
+    names = sorted(os.listdir(step_path(shm_dir, 2)))
+    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp"], names
+    pool.close()
+
+
+def test_a_failed_in_place_snapshot_names_no_file_and_the_next_save_works(shm_dir, monkeypatch):
+    def copy_fails(*args: object) -> None:
+        raise RuntimeError("copy failed")
+
+    pool = StagingPool()
+    with AsyncCallsQueue() as queue:
+        monkeypatch.setattr(writer, "_copy", copy_fails)
+        request = async_save_request(_state(1), step_path(shm_dir, 1), staging_pool=pool)
+        queue.schedule_async_request(request)
+        with pytest.raises(CheckpointingError, match="copy failed"):
+            queue.maybe_finalize_async_calls(blocking=True)
+        assert not os.path.exists(step_path(shm_dir, 1))
+        assert not pool._busy and not pool._free
+        monkeypatch.undo()
+        expected = _save(_state(2), step_path(shm_dir, 2), queue, pool)
+        assert _same(_loaded(step_path(shm_dir, 2)), expected)
+    pool.close()
+    assert pool.bytes_held == 0
