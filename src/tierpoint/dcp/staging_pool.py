@@ -100,6 +100,13 @@ class StagingPool:
         self._preparing = thread
         thread.start()
 
+    def wait_for_spare(self, timeout: float | None = None) -> bool:
+        """Wait until the background preparation of the next in-place buffer (if any) is over;
+        False if it still runs after ``timeout`` seconds. (Nothing needs this: the next save waits
+        itself. It lets a benchmark or a latency-sensitive phase start on a quiet machine.)"""
+        self._join_preparing(timeout)
+        return self._preparing is None
+
     def close(self) -> None:
         self._join_preparing()
         with self._lock:
