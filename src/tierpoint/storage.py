@@ -167,7 +167,9 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _fail(action: str, url: str | os.PathLike, e: BaseException) -> CheckpointingError:
+def failure(action: str, url: str | os.PathLike, e: BaseException) -> CheckpointingError:
+    """The error to raise when ``action`` ("writing", ...) on ``url`` failed with ``e``: names the
+    file and the reason (``ENOSPC`` and the like)."""
     if isinstance(e, CheckpointingError):
         return e
     err = CheckpointingError(f"{action} {os.fspath(url)} failed: {_reason(e)}")
@@ -483,7 +485,7 @@ def makedirs(url: str | os.PathLike, storage_options: Mapping[str, Any] | None =
             if not _is_s3(fs):
                 fs.makedirs(path, exist_ok=True)
     except Exception as e:  # noqa: BLE001 - reported with the path
-        raise _fail("creating directory", url, e) from e
+        raise failure("creating directory", url, e) from e
 
 
 def write_file(
@@ -504,7 +506,7 @@ def write_file(
             return _write_local(local_path(url), views, fsync)
         return _write_remote(os.fspath(url), views, storage_options, upload)
     except Exception as e:  # noqa: BLE001 - reported with the path
-        raise _fail("writing", url, e) from e
+        raise failure("writing", url, e) from e
 
 
 def publish(
@@ -527,7 +529,7 @@ def publish(
             request(f"uploading {url}", fs, "pipe_file", path, bytes(data), upload=upload)
             fs.invalidate_cache(posixpath.dirname(path))
     except Exception as e:  # noqa: BLE001 - reported with the path
-        raise _fail("publishing", url, e) from e
+        raise failure("publishing", url, e) from e
 
 
 def touch(
@@ -548,7 +550,7 @@ def touch(
             request(f"creating {url}", fs, "pipe_file", path, b"", upload=upload)
             fs.invalidate_cache(posixpath.dirname(path))
     except Exception as e:  # noqa: BLE001 - reported with the path
-        raise _fail("creating", url, e) from e
+        raise failure("creating", url, e) from e
 
 
 def remove(
@@ -584,7 +586,7 @@ def remove(
             fs.invalidate_cache(posixpath.dirname(path))
         return True
     except Exception as e:  # noqa: BLE001 - reported with the path
-        raise _fail("removing", url, e) from e
+        raise failure("removing", url, e) from e
 
 
 def remove_dir_if_empty(
@@ -643,7 +645,7 @@ def listdir(
             }
         )
     except Exception as e:  # noqa: BLE001 - reported with the path
-        raise _fail("listing", url, e) from e
+        raise failure("listing", url, e) from e
 
 
 def isdir(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -654,7 +656,7 @@ def isdir(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = No
         fs.invalidate_cache(path)
         return bool(request(f"inspecting {url}", fs, "isdir", path))
     except Exception as e:  # noqa: BLE001 - reported with the path
-        raise _fail("inspecting", url, e) from e
+        raise failure("inspecting", url, e) from e
 
 
 def exists(
@@ -670,7 +672,7 @@ def exists(
         fs.invalidate_cache(posixpath.dirname(path))
         return bool(request(f"inspecting {url}", fs, "exists", path, upload=upload))
     except Exception as e:  # noqa: BLE001 - reported with the path
-        raise _fail("inspecting", url, e) from e
+        raise failure("inspecting", url, e) from e
 
 
 def read_bytes(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bytes:
@@ -681,7 +683,7 @@ def read_bytes(url: str | os.PathLike, storage_options: Mapping[str, Any] | None
         fs, path = filesystem(os.fspath(url), storage_options)
         return bytes(request(f"reading {url}", fs, "cat_file", path))
     except Exception as e:  # noqa: BLE001 - reported with the path
-        raise _fail("reading", url, e) from e
+        raise failure("reading", url, e) from e
 
 
 def write_files_parallel(
@@ -738,5 +740,5 @@ def write_files_parallel(
             try:
                 fsync_dir(d or ".")
             except OSError as e:
-                raise _fail("syncing directory", d, e) from e
+                raise failure("syncing directory", d, e) from e
     return results

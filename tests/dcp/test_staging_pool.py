@@ -1,11 +1,14 @@
 """Staging for async DCP saves onto a RAM file system: the snapshot fills the checkpoint file itself
-(one per rank), and when that cannot be done the save still commits, staged in memory."""
+(one per rank), and when that cannot be done the save still commits, staged in memory; a save into
+a directory again leaves none of the earlier save's files behind."""
 
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import threading
+import time
 import warnings
 
 import pytest
@@ -13,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tierpoint.asyncsave import AsyncCallsQueue
-from tierpoint.dcp import StagingPool, async_save, async_save_request, step_path, writer
+from tierpoint.dcp import StagingPool, async_save, async_save_request, save, step_path, writer
 from tierpoint.errors import CheckpointingError
 from tierpoint.staging import StagingBuffer
 
@@ -102,3 +105,59 @@ def test_a_failed_in_place_snapshot_names_no_file_and_the_next_save_works(shm_di
         assert _same(_loaded(step_path(shm_dir, 2)), expected)
     pool.close()
     assert pool.bytes_held == 0
+
+
+def test_overlapping_in_place_snapshots_both_commit(shm_dir, monkeypatch):
+    """Two snapshots in flight at once (max_in_flight=2, overlapped): each hands its file over
+    and starts preparing a spare; however late a preparing thread starts, neither save fails."""
+    start = threading.Thread.start
+
+    def late_start(self: threading.Thread) -> None:
+        if self.name == "tierpoint-spare-staging":
+            time.sleep(0.3)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", late_start)
+    pool = StagingPool()
+    states = [_state(1), _state(2)]
+    with AsyncCallsQueue(max_in_flight=2, overlap_snapshot=True) as queue:
+        futures = [
+            async_save(s, step_path(shm_dir, k), queue=queue, staging_pool=pool)
+            for k, s in enumerate(states, 1)
+        ]
+        queue.wait_for_snapshot()
+        for f in futures:
+            f.result(timeout=120)
+    for k, s in enumerate(states, 1):
+        assert _same(_loaded(step_path(shm_dir, k)), s)
+    pool.close()
+
+
+def test_no_room_for_the_non_tensor_values_names_the_file(shm_dir, monkeypatch):
+    def no_room(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    pool = StagingPool()
+    with AsyncCallsQueue() as queue:
+        monkeypatch.setattr(os, "pwrite", no_room)
+        future = async_save(_state(1), step_path(shm_dir, 1), queue=queue, staging_pool=pool)
+        with pytest.raises(CheckpointingError, match=r"writing .*step-1/__0_0.distcp.*ENOSPC"):
+            future.result(timeout=120)
+        monkeypatch.undo()
+        assert not os.path.exists(step_path(shm_dir, 1))
+        expected = _save(_state(2), step_path(shm_dir, 2), queue, pool)
+        assert _same(_loaded(step_path(shm_dir, 2)), expected)
+    pool.close()
+
+
+@pytest.mark.parametrize("where", ["disk", "ram"])
+def test_saving_again_with_fewer_files_leaves_none_of_the_earlier_ones(where, tmp_path, shm_dir):
+    root = str(tmp_path if where == "disk" else shm_dir)
+    path = step_path(root, 1)
+    save(_state(1), path, thread_count=2)
+    assert sorted(os.listdir(path))[1:] == ["__0_0.distcp", "__0_1.distcp"]
+    with AsyncCallsQueue() as queue:
+        future = async_save(_state(2), path, queue=queue, thread_count=1, overwrite=True)
+        future.result(timeout=120)
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp"]
+    assert _same(_loaded(path), _state(2))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -48,7 +49,7 @@ class StagingPool:
         self._busy: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._spare: tuple[tuple, int, StagingBuffer] | None = None  # (layout key, st_dev, buffer)
-        self._preparing: threading.Thread | None = None
+        self._preparing: list[threading.Thread] = []  # started threads preparing a spare
         self.allocations = 0
         """How many buffers were ever allocated (tests check reuse with it)."""
 
@@ -88,24 +89,24 @@ class StagingPool:
         buffer for the same layout in ``directory``'s file system, in the background."""
         with self._lock:
             self._busy.pop(buf.id, None)
-        pinned = buf.pinned
-        buf.close()
         self._join_preparing()
         thread = threading.Thread(
             target=self._prepare_spare,
-            args=(files, directory, pinned),
+            args=(buf, files, directory),
             name="tierpoint-spare-staging",
             daemon=True,
         )
-        self._preparing = thread
         thread.start()
+        with self._lock:
+            self._preparing.append(thread)
 
     def wait_for_spare(self, timeout: float | None = None) -> bool:
         """Wait until the background preparation of the next in-place buffer (if any) is over;
         False if it still runs after ``timeout`` seconds. (Nothing needs this: the next save waits
         itself. It lets a benchmark or a latency-sensitive phase start on a quiet machine.)"""
         self._join_preparing(timeout)
-        return self._preparing is None
+        with self._lock:
+            return not self._preparing
 
     def close(self) -> None:
         self._join_preparing()
@@ -147,7 +148,9 @@ class StagingPool:
             self._busy[buf.id] = files.key
         return buf
 
-    def _prepare_spare(self, files: RankFiles, directory: str, pinned: bool) -> None:
+    def _prepare_spare(self, used: StagingBuffer, files: RankFiles, directory: str) -> None:
+        pinned = used.pinned
+        used.close()  # unmapping (and unpinning) a large buffer takes a while: off the trainer
         try:
             device = os.stat(directory).st_dev
             buf = _allocate(files, directory)
@@ -163,11 +166,13 @@ class StagingPool:
             old[2].close()
 
     def _join_preparing(self, timeout: float | None = None) -> None:
-        thread = self._preparing
-        if thread is not None:
-            thread.join(timeout)
-            if not thread.is_alive():
-                self._preparing = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._preparing)
+        for thread in threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._preparing = [t for t in self._preparing if t.is_alive()]
 
 
 def _allocate(files: RankFiles, directory: str | None = None) -> StagingBuffer:

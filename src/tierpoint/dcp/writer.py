@@ -61,7 +61,7 @@ from .. import storage
 from ..errors import CheckpointingError, error_text
 from ..fileformat.tensor_bytes import cpu_contiguous
 from ..staging import StagingBuffer, in_memory_filesystem
-from .file_plan import RankFiles, file_views, plan_files
+from .file_plan import SUFFIX, RankFiles, file_views, plan_files
 from .layout import MARKER_PREFIX, METADATA_NAME, marker_name
 from .staging_pool import StagingPool
 
@@ -247,6 +247,7 @@ class Writer(StorageWriter):
         :attr:`write_error` (agreed at finalize) unless ``raise_errors``."""
         try:
             plan, files = self._require_plan()
+            remove_earlier_files(self.path, files.names, self.storage_options, self.upload)
             byte_records = self._resolve_bytes()
             jobs = []
             for k, f in enumerate(files.files):
@@ -485,13 +486,16 @@ def _name_in_place(
     the tensors, the exact size, then its name in ``directory``."""
     (spec,) = files.files
     records = b"".join(byte_records[0])
+    target = os.path.join(directory, spec.name)
     at = spec.tensor_bytes
     view = memoryview(records)
-    while view:
-        n = os.pwrite(buf.fd, view, at)
-        view, at = view[n:], at + n
-    os.ftruncate(buf.fd, spec.tensor_bytes + len(records))
-    target = os.path.join(directory, spec.name)
+    try:
+        while view:
+            n = os.pwrite(buf.fd, view, at)
+            view, at = view[n:], at + n
+        os.ftruncate(buf.fd, spec.tensor_bytes + len(records))
+    except OSError as e:
+        raise storage.failure("writing", target, e) from e
     try:
         buf.link(target)
     except OSError as e:
@@ -589,6 +593,7 @@ def write_staged(
     snapshot staged them in place: they only need to become durable."""
     from ..asyncsave.worker import resolve_buffer
 
+    remove_earlier_files(path, [name for name, _, _ in files], storage_options, upload)
     if buffer is None:
         return _sync_in_place(path, [name for name, _, _ in files], sync_files)
     data = resolve_buffer(buffer)
@@ -605,6 +610,22 @@ def write_staged(
         timeout=timeout,
     )
     return sum(written)
+
+
+def remove_earlier_files(
+    path: str,
+    names: list[str],
+    storage_options: Mapping[str, Any],
+    upload: storage.UploadOptions,
+) -> None:
+    """Remove the data files of the rank writing ``names`` that an earlier save left in ``path`` and
+    ``names`` does not include (saving into a directory again, the layout may have fewer files:
+    they would stay, unreferenced). Safe while the rank's unfinished marker exists: the directory
+    does not count as complete until the new commit."""
+    prefixes = tuple({name[: name.rindex("_") + 1] for name in names})
+    for name in storage.listdir(path, storage_options, upload):
+        if name.endswith(SUFFIX) and name.startswith(prefixes) and name not in names:
+            storage.remove(storage.join(path, name), storage_options=storage_options, upload=upload)
 
 
 def _sync_in_place(path: str, names: list[str], sync_files: bool) -> int:
