@@ -161,3 +161,28 @@ def test_saving_again_with_fewer_files_leaves_none_of_the_earlier_ones(where, tm
         future.result(timeout=120)
     assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp"]
     assert _same(_loaded(path), _state(2))
+
+
+def test_closing_the_pool_while_a_save_is_in_flight_leaves_no_spare(shm_dir, monkeypatch):
+    copy = writer._copy
+
+    def slow_copy(*args: object) -> None:
+        time.sleep(0.5)  # the pool is closed meanwhile, after the snapshot took its buffer
+        copy(*args)
+
+    monkeypatch.setattr(writer, "_copy", slow_copy)
+    pool = StagingPool()
+    state = _state(1)
+    with AsyncCallsQueue(overlap_snapshot=True) as queue:
+        future = async_save(state, step_path(shm_dir, 1), queue=queue, staging_pool=pool)
+        time.sleep(0.2)
+        pool.close()
+        future.result(timeout=120)
+    assert pool.wait_for_spare(timeout=60) and pool.bytes_held == 0
+    assert _same(_loaded(step_path(shm_dir, 1)), state)
+    with AsyncCallsQueue() as queue:  # the pool works again, with a spare
+        expected = _save(_state(2), step_path(shm_dir, 2), queue, pool)
+    assert _same(_loaded(step_path(shm_dir, 2)), expected)
+    assert pool.wait_for_spare(timeout=60) and pool.bytes_held > 0
+    pool.close()
+    assert pool.bytes_held == 0

@@ -20,7 +20,9 @@ Invariants:
   worker maps them by file descriptor without copying.
 - In-place buffers are never reused (they became checkpoint files); at most one spare is held, for
   the layout and file system of the last one consumed. If the file system has no room for one,
-  ``acquire`` falls back to a memfd buffer and the save is written as usual.
+  ``acquire`` falls back to a memfd buffer and the save is written as usual. After ``close()`` no
+  spare is prepared (a save still in flight gives its used-up buffer back without one) until the
+  pool is used again.
 """
 
 from __future__ import annotations
@@ -50,12 +52,15 @@ class StagingPool:
         self._lock = threading.Lock()
         self._spare: tuple[tuple, int, StagingBuffer] | None = None  # (layout key, st_dev, buffer)
         self._preparing: list[threading.Thread] = []  # started threads preparing a spare
+        self._closed = False  # set by close(), cleared by the next acquire(): no spare meanwhile
         self.allocations = 0
         """How many buffers were ever allocated (tests check reuse with it)."""
 
     def acquire(self, files: RankFiles, in_place_dir: str | None = None) -> StagingBuffer:
         """A buffer laid out as ``files``; file-backed on ``in_place_dir``'s file system if given
         (a spare prepared earlier when it fits), else memfd memory."""
+        with self._lock:
+            self._closed = False
         if in_place_dir is not None:
             buf = self._in_place_buffer(files, in_place_dir)
             if buf is not None:
@@ -96,9 +101,12 @@ class StagingPool:
             name="tierpoint-spare-staging",
             daemon=True,
         )
-        thread.start()
-        with self._lock:
-            self._preparing.append(thread)
+        with self._lock:  # started and listed at once: a join or close() sees it
+            if not self._closed:
+                thread.start()
+                self._preparing.append(thread)
+                return
+        buf.close()
 
     def wait_for_spare(self, timeout: float | None = None) -> bool:
         """Wait until the background preparation of the next in-place buffer (if any) is over;
@@ -109,6 +117,10 @@ class StagingPool:
             return not self._preparing
 
     def close(self) -> None:
+        """Free every buffer held (the spare file too); a save still in flight prepares no spare.
+        The pool can be used again afterwards."""
+        with self._lock:
+            self._closed = True
         self._join_preparing()
         with self._lock:
             for _, buf in self._free:
@@ -161,7 +173,10 @@ class StagingPool:
             return
         with self._lock:
             self.allocations += 1
-            old, self._spare = self._spare, (files.key, device, buf)
+            if self._closed:
+                old: tuple[tuple, int, StagingBuffer] | None = (files.key, device, buf)
+            else:
+                old, self._spare = self._spare, (files.key, device, buf)
         if old is not None:
             old[2].close()
 
