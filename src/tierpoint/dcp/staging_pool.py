@@ -40,7 +40,7 @@ from .file_plan import RankFiles
 logger = logging.getLogger("tierpoint")
 
 _SPARE_WAIT = 120.0
-"""Seconds ``acquire`` waits for a spare still being prepared before it makes its own."""
+"""Seconds a save (or ``close``) waits for a spare still being prepared before going on without it."""
 
 
 class StagingPool:
@@ -94,7 +94,7 @@ class StagingPool:
         buffer for the same layout in ``directory``'s file system, in the background."""
         with self._lock:
             self._busy.pop(buf.id, None)
-        self._join_preparing()
+        self._join_preparing(_SPARE_WAIT)
         thread = threading.Thread(
             target=self._prepare_spare,
             args=(buf, files, directory),
@@ -121,7 +121,7 @@ class StagingPool:
         The pool can be used again afterwards."""
         with self._lock:
             self._closed = True
-        self._join_preparing()
+        self._join_preparing(_SPARE_WAIT)
         with self._lock:
             for _, buf in self._free:
                 buf.close()
@@ -168,7 +168,7 @@ class StagingPool:
             buf = _allocate(files, directory)
             if pinned:
                 buf.pin()
-        except OSError as e:  # the next save allocates (or falls back) itself
+        except Exception as e:  # noqa: BLE001 - the next save allocates (or falls back) itself
             logger.debug("could not prepare a spare staging file in %s: %s", directory, e)
             return
         with self._lock:
