@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import mmap
 import os
@@ -96,8 +97,7 @@ class StagingBuffer:
             os.unlink(path)
         except FileNotFoundError:
             pass
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.linkat(self.fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) == 0:
+        if _libc().linkat(self.fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) == 0:
             return
         # Unprivileged on older kernels: through /proc (which fails across stacked mounts).
         os.link(f"/proc/self/fd/{self.fd}", path, follow_symlinks=True)
@@ -114,6 +114,13 @@ class StagingBuffer:
         os.close(self.fd)
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
 _AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not named by Python 3.11's mmap module
 
@@ -122,9 +129,7 @@ def _populate(m: mmap.mmap, address: int) -> None:
     """Fault every page of a fresh shared file mapping in, writable, now (the kernel zeroes them
     here, not during the snapshot copy); by touching each page where the kernel is too old. Through
     ctypes, which lets other threads run meanwhile (``mmap.madvise`` holds the GIL)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(address, len(m), _MADV_POPULATE_WRITE) == 0:
+    if _libc().madvise(address, len(m), _MADV_POPULATE_WRITE) == 0:
         return
     view = memoryview(m)
     for at in range(0, len(m), mmap.PAGESIZE):
@@ -137,8 +142,7 @@ def in_memory_filesystem(path: str | os.PathLike) -> bool:
     them through a mapping costs no more than filling a memfd). False when it cannot tell."""
     buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.statfs(os.fsencode(path), buf) != 0:
+        if _libc().statfs(os.fsencode(path), buf) != 0:
             return False
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         return False

@@ -20,6 +20,8 @@ from tierpoint.dcp import StagingPool, async_save, async_save_request, save, ste
 from tierpoint.errors import CheckpointingError
 from tierpoint.staging import StagingBuffer
 
+from .test_writer import assert_same, zeros_like_state
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
@@ -28,14 +30,11 @@ def _state(seed: int) -> dict:
     return {"w": torch.randn(300, 70, generator=g), "b": torch.randn(9, generator=g), "n": seed}
 
 
-def _loaded(path: str) -> dict:
-    out = {"w": torch.zeros(300, 70), "b": torch.zeros(9), "n": -1}
+def _assert_loads(path: str, expected: dict) -> None:
+    """torch's own reader loads ``expected`` from ``path``."""
+    out = zeros_like_state(expected)
     dcp.load(out, checkpoint_id=path)
-    return out
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a["n"] == b["n"] and torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"])
+    assert_same(out, expected)
 
 
 def _save(state: dict, path: str, queue: AsyncCallsQueue, pool: StagingPool) -> dict:
@@ -58,7 +57,7 @@ def test_a_ram_disk_with_no_room_for_the_staging_file_stages_in_memory(
         for step in (1, 2):
             state = _state(step)
             expected = _save(state, step_path(shm_dir, step), queue, pool)
-            assert _same(_loaded(step_path(shm_dir, step)), expected)
+            _assert_loads(step_path(shm_dir, step), expected)
     assert "no room to stage in place" in caplog.text
     assert pool.allocations == 1 and not pool._free[0][1].file_backed  # one memfd, reused
     assert sorted(os.listdir(step_path(shm_dir, 2))) == [".metadata", "__0_0.distcp"]
@@ -77,11 +76,11 @@ def test_when_a_staged_file_cannot_be_named_it_is_copied_and_later_saves_stage_i
     assert writer.stages_in_place(str(shm_dir))
     with AsyncCallsQueue() as queue, caplog.at_level(logging.INFO, logger="tierpoint"):
         expected = _save(_state(1), step_path(shm_dir, 1), queue, pool)
-        assert _same(_loaded(step_path(shm_dir, 1)), expected)
+        _assert_loads(step_path(shm_dir, 1), expected)
         assert "cannot name staged files" in caplog.text
         assert not writer.stages_in_place(str(shm_dir))
         expected = _save(_state(2), step_path(shm_dir, 2), queue, pool)  # thread_count=2 files
-        assert _same(_loaded(step_path(shm_dir, 2)), expected)
+        _assert_loads(step_path(shm_dir, 2), expected)
     names = sorted(os.listdir(step_path(shm_dir, 2)))
     assert names == [".metadata", "__0_0.distcp", "__0_1.distcp"], names
     pool.close()
@@ -102,7 +101,7 @@ def test_a_failed_in_place_snapshot_names_no_file_and_the_next_save_works(shm_di
         assert not pool._busy and not pool._free
         monkeypatch.undo()
         expected = _save(_state(2), step_path(shm_dir, 2), queue, pool)
-        assert _same(_loaded(step_path(shm_dir, 2)), expected)
+        _assert_loads(step_path(shm_dir, 2), expected)
     pool.close()
     assert pool.bytes_held == 0
 
@@ -129,7 +128,7 @@ def test_overlapping_in_place_snapshots_both_commit(shm_dir, monkeypatch):
         for f in futures:
             f.result(timeout=120)
     for k, s in enumerate(states, 1):
-        assert _same(_loaded(step_path(shm_dir, k)), s)
+        _assert_loads(step_path(shm_dir, k), s)
     pool.close()
 
 
@@ -146,7 +145,7 @@ def test_no_room_for_the_non_tensor_values_names_the_file(shm_dir, monkeypatch):
         monkeypatch.undo()
         assert not os.path.exists(step_path(shm_dir, 1))
         expected = _save(_state(2), step_path(shm_dir, 2), queue, pool)
-        assert _same(_loaded(step_path(shm_dir, 2)), expected)
+        _assert_loads(step_path(shm_dir, 2), expected)
     pool.close()
 
 
@@ -160,7 +159,7 @@ def test_saving_again_with_fewer_files_leaves_none_of_the_earlier_ones(where, tm
         future = async_save(_state(2), path, queue=queue, thread_count=1, overwrite=True)
         future.result(timeout=120)
     assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp"]
-    assert _same(_loaded(path), _state(2))
+    _assert_loads(path, _state(2))
 
 
 def test_closing_the_pool_while_a_save_is_in_flight_leaves_no_spare(shm_dir, monkeypatch):
@@ -179,10 +178,10 @@ def test_closing_the_pool_while_a_save_is_in_flight_leaves_no_spare(shm_dir, mon
         pool.close()
         future.result(timeout=120)
     assert pool.wait_for_spare(timeout=60) and pool.bytes_held == 0
-    assert _same(_loaded(step_path(shm_dir, 1)), state)
+    _assert_loads(step_path(shm_dir, 1), state)
     with AsyncCallsQueue() as queue:  # the pool works again, with a spare
         expected = _save(_state(2), step_path(shm_dir, 2), queue, pool)
-    assert _same(_loaded(step_path(shm_dir, 2)), expected)
+    _assert_loads(step_path(shm_dir, 2), expected)
     assert pool.wait_for_spare(timeout=60) and pool.bytes_held > 0
     pool.close()
     assert pool.bytes_held == 0

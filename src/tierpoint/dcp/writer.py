@@ -593,9 +593,10 @@ def write_staged(
     snapshot staged them in place: they only need to become durable."""
     from ..asyncsave.worker import resolve_buffer
 
-    remove_earlier_files(path, [name for name, _, _ in files], storage_options, upload)
+    names = [name for name, _, _ in files]
+    remove_earlier_files(path, names, storage_options, upload)
     if buffer is None:
-        return _sync_in_place(path, [name for name, _, _ in files], sync_files)
+        return _sync_in_place(path, names, sync_files)
     data = resolve_buffer(buffer)
     jobs = [
         (storage.join(path, name), [data[base : base + length], *records])
@@ -629,11 +630,12 @@ def remove_earlier_files(
 
 
 def _sync_in_place(path: str, names: list[str], sync_files: bool) -> int:
-    directory = storage.local_path(path)
+    """Make the files the snapshot named in ``path`` durable; returns their total size."""
     total = 0
     for name in names:
+        file = os.path.join(storage.local_path(path), name)
         try:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 total += os.fstat(fd).st_size
                 if sync_files:
@@ -641,9 +643,9 @@ def _sync_in_place(path: str, names: list[str], sync_files: bool) -> int:
             finally:
                 os.close(fd)
         except OSError as e:
-            raise CheckpointingError(f"{directory}/{name}: {error_text(e)}") from e
+            raise storage.failure("syncing", file, e) from e
     if sync_files:
-        storage.fsync_dir(directory)
+        storage.fsync_dir(path)
     return total
 
 
