@@ -4,7 +4,9 @@
 ``fsync``); ``raw_write_direct`` writes the same file past the page cache (``O_DIRECT`` from a
 page-aligned 16 MiB buffer the bytes are copied into; on a disk this is often the faster of the two,
 so a benchmark's write floor is the faster one); ``raw_read`` reads them back with ``readinto`` into
-preallocated tensors.
+preallocated tensors, and ``raw_read_parallel`` with ``preadv`` of 16 MiB pieces on several threads
+(a disk may serve several requests in flight faster than one stream: a benchmark's read floor is the
+faster of the two).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +101,29 @@ def raw_read(path: Path, targets: Sequence[torch.Tensor]) -> None:
     with open(path, "rb", buffering=0) as f:
         for t in targets:
             read_into(f, tensor_bytes(t))
+
+
+def raw_read_parallel(
+    path: Path, targets: Sequence[torch.Tensor], threads: int = 4, piece: int = 16 << 20
+) -> None:
+    views, offset = [], 0
+    for t in targets:
+        view = tensor_bytes(t)
+        for begin in range(0, len(view), piece):
+            views.append((view[begin : begin + piece], offset + begin))
+        offset += len(view)
+
+    def read(job: tuple[memoryview, int]) -> None:
+        view, at = job
+        while len(view):
+            n = os.preadv(fd, [view], at)
+            if not n:
+                raise EOFError("raw file is shorter than the state")
+            view, at = view[n:], at + n
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, views))
+    finally:
+        os.close(fd)
