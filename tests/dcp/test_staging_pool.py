@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import StagingPool, async_save, async_save_request, save, step_path, writer
 from tierpoint.errors import CheckpointingError
+from tierpoint.spawn import run_ranks
 from tierpoint.staging import StagingBuffer
 
 from .test_writer import assert_same, zeros_like_state
@@ -185,3 +186,18 @@ def test_closing_the_pool_while_a_save_is_in_flight_leaves_no_spare(shm_dir, mon
     assert pool.wait_for_spare(timeout=60) and pool.bytes_held > 0
     pool.close()
     assert pool.bytes_held == 0
+
+
+def _save_with(rank: int, world: int, path: str, seed: int) -> bool:
+    save(_state(seed), path, overwrite=True)
+    return True
+
+
+def test_saving_again_with_fewer_ranks_leaves_none_of_the_earlier_files(tmp_path):
+    path = step_path(str(tmp_path), 1)
+    assert run_ranks(_save_with, 3, path, 1) == [True] * 3
+    assert {"__1_0.distcp", "__2_0.distcp"} <= set(os.listdir(path))
+    assert run_ranks(_save_with, 1, path, 2) == [True]
+    names = os.listdir(path)
+    assert ".metadata" in names and not [n for n in names if n.startswith(("__1_", "__2_"))]
+    _assert_loads(path, _state(2))

@@ -354,6 +354,10 @@ class Writer(StorageWriter):
         )
         if CURRENT_DCP_VERSION is not None:
             md.version = CURRENT_DCP_VERSION
+        referenced = [getattr(info, "relative_path", None) for info in storage_data.values()]
+        if all(isinstance(name, str) for name in referenced):
+            # Files of ranks an earlier save into this directory had and this one has not.
+            remove_earlier_files(self.path, referenced, self.storage_options, self.upload, "__")
         storage.publish(
             self._url(METADATA_NAME),
             pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL),
@@ -618,14 +622,18 @@ def remove_earlier_files(
     names: list[str],
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
+    prefix: str | None = None,
 ) -> None:
-    """Remove the data files of the rank writing ``names`` that an earlier save left in ``path`` and
-    ``names`` does not include (saving into a directory again, the layout may have fewer files:
-    they would stay, unreferenced). Safe while the rank's unfinished marker exists: the directory
-    does not count as complete until the new commit."""
-    prefixes = tuple({name[: name.rindex("_") + 1] for name in names})
+    """Remove the data files an earlier save left in ``path`` that ``names`` does not include
+    (saving into a directory again, the layout may have fewer files per rank, or fewer ranks: they
+    would stay, unreferenced). Only the files of the ranks writing ``names`` are considered, or
+    every data file starting with ``prefix`` (the coordinator, before it commits, with the names
+    every rank wrote). Safe while an unfinished marker exists: the directory does not count as
+    complete until the new commit."""
+    prefixes = (prefix,) if prefix is not None else tuple({n[: n.rindex("_") + 1] for n in names})
+    keep = set(names)
     for name in storage.listdir(path, storage_options, upload):
-        if name.endswith(SUFFIX) and name.startswith(prefixes) and name not in names:
+        if name.endswith(SUFFIX) and name.startswith(prefixes) and name not in keep:
             storage.remove(storage.join(path, name), storage_options=storage_options, upload=upload)
 
 
