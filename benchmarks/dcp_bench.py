@@ -21,9 +21,10 @@ is written, then removed, so at most one is on the target at a time):
 4. the raw floor: the same tensor bytes written back to back into a new file with ``os.write`` and
    fsynced; written again past the page cache (``O_DIRECT`` from an aligned buffer, fsynced; on a
    disk often faster, so the write floor is the faster of the two in each repetition), into a
-   second file; then the first file is read back with ``readinto`` into the same preallocated
-   tensors, and the second with ``preadv`` on 4 threads (a disk may serve several reads in flight
-   faster than one stream; the read floor is the faster of the two in each repetition).
+   second file; then the bytes are read back with ``readinto`` into the same preallocated tensors,
+   and with ``preadv`` on 4 threads (a disk may serve several reads in flight faster than one
+   stream; the read floor is the faster of the two in each repetition), both from the second file
+   on a disk (dropped from the page cache before each read), one from each on /dev/shm.
 
 Loads go into the saved DTensors themselves, zeroed first (memory that exists, as the floor's
 ``readinto`` targets), and must restore their exact bytes (xxh3 checked after every load). On the
@@ -261,7 +262,10 @@ def one_repetition(r: Rank, root: Path, rep: int, pool: Any, times: Times) -> No
     except OSError:  # a file system without O_DIRECT: the buffered floor stands
         record("raw_write_direct", math.inf)
         raw_write(raw_direct, r.source)
-    load_with("raw_read", lambda: raw_read(raw, r.source), [raw])
+    # On a disk both read the file written last (its cache dropped before each): a file written
+    # earlier may be placed or cached differently by the virtual disk.
+    first = raw if in_memory else raw_direct
+    load_with("raw_read", lambda: raw_read(first, r.source), [first])
     load_with(
         "raw_read_parallel", lambda: raw_read_parallel(raw_direct, r.source, threads), [raw_direct]
     )
