@@ -92,7 +92,7 @@ _HOP_BY_HOP = {
     "upgrade",
     "expect",
 }
-_CODES = {500: "InternalError", 503: "SlowDown", 400: "InvalidArgument"}
+_CODES = {500: "InternalError", 503: "SlowDown", 400: "InvalidArgument", 403: "AccessDenied"}
 """The S3 error code the proxy answers an injected status with."""
 
 
@@ -167,6 +167,12 @@ def _serve_proxy(upstream: str, port: int, faults: dict[str, Any]) -> None:
                     status = faults.get("status", 503)
                     self._error(status, _CODES[status], f"injected {status}")
                     return
+            if faults.get("refuse_data_deletes") and (
+                (self.command == "DELETE" and url.path.endswith(".distcp"))
+                or (self.command == "POST" and "delete" in url.query and b".distcp" in body)
+            ):
+                self._error(403, _CODES[403], "injected: no permission to delete data objects")
+                return
             if self.command == "PUT" and url.path.endswith("/.metadata"):
                 time.sleep(faults.get("late_metadata", 0))
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -215,6 +221,8 @@ class FaultyEndpoint:
     accept). ``key``: requests signed with another access
     key id are refused (403 InvalidAccessKeyId), as S3 refuses unknown credentials.
     ``late_metadata``: seconds a PUT of a ``.metadata`` object is held before moto applies it.
+    ``refuse_data_deletes``: deleting a ``.distcp`` object (alone or in a bulk delete) is answered
+    with 403 AccessDenied.
     """
 
     def __init__(self, upstream: str, **faults: Any) -> None:

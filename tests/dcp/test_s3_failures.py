@@ -20,7 +20,9 @@
 - wrong credentials, a missing bucket and an endpoint that refuses connections give a
   ``CheckpointingError`` naming the URL within seconds, and lose nothing;
 - a truncated ``.distcp`` object or a garbage ``.metadata`` object is a ``CorruptCheckpointError``
-  naming the object, and leaves the destination state as it was.
+  naming the object, and leaves the destination state as it was;
+- data objects of an earlier save into the same step that cannot be deleted (no permission) are
+  left with a WARNING; the save still commits.
 """
 
 from __future__ import annotations
@@ -450,3 +452,28 @@ def test_a_damaged_checkpoint_on_s3_is_a_corrupt_checkpoint_error(
     with pytest.raises(CorruptCheckpointError, match=f"{path}/{name}.*{reason}"):
         load(out, path, storage_options=direct)
     assert torch.equal(out["w"], before) and out["step"] == 0
+
+
+def test_earlier_data_objects_that_cannot_be_deleted_never_fail_the_save(
+    s3_bucket: tuple[str, dict],
+    faulty_endpoint: Callable[..., FaultyEndpoint],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    base, direct = s3_bucket
+    path = step_path(base, 1)
+    two_tensors = {**_state(1, 1 << 18), "v": torch.ones(1 << 18)}
+    save(two_tensors, path, storage_options=direct, thread_count=2)
+    assert {"__0_0.distcp", "__0_1.distcp"} <= set(storage.listdir(path, direct))
+    options = _through(faulty_endpoint(refuse_data_deletes=True))
+    second = _state(2, 1 << 18)
+    with caplog.at_level(logging.WARNING, logger="tierpoint"):
+        save(second, path, storage_options=options, thread_count=1, upload=UPLOAD, overwrite=True)
+    assert any(
+        "left (__0_1.distcp), unreferenced" in r.getMessage() and "permission" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
+    assert "__0_1.distcp" in storage.listdir(path, direct)  # unreferenced, harmless
+    assert get_latest_complete_checkpoint(base, storage_options=direct) == path
+    out = {"w": torch.zeros_like(second["w"]), "step": -1}
+    load(out, path, storage_options=direct)
+    assert torch.equal(out["w"], second["w"]) and out["step"] == 2

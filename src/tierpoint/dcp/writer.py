@@ -354,16 +354,17 @@ class Writer(StorageWriter):
         )
         if CURRENT_DCP_VERSION is not None:
             md.version = CURRENT_DCP_VERSION
-        referenced = [getattr(info, "relative_path", None) for info in storage_data.values()]
-        if all(isinstance(name, str) for name in referenced):
-            # Files of ranks an earlier save into this directory had and this one has not.
-            remove_earlier_files(self.path, referenced, self.storage_options, self.upload, "__")
         storage.publish(
             self._url(METADATA_NAME),
             pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL),
             storage_options=self.storage_options,
             upload=self.upload,
         )
+        referenced = [getattr(info, "relative_path", None) for info in storage_data.values()]
+        if all(isinstance(name, str) for name in referenced):
+            # Files of ranks an earlier save into this directory had and this one has not (the
+            # markers still keep the step from counting as complete meanwhile).
+            remove_earlier_files(self.path, referenced, self.storage_options, self.upload, "__")
 
     def remove_markers(self, every_visible: bool = False) -> None:
         """Remove this rank's marker (and, with ``every_visible``, every marker listed here)."""
@@ -627,14 +628,23 @@ def remove_earlier_files(
     """Remove the data files an earlier save left in ``path`` that ``names`` does not include
     (saving into a directory again, the layout may have fewer files per rank, or fewer ranks: they
     would stay, unreferenced). Only the files of the ranks writing ``names`` are considered, or
-    every data file starting with ``prefix`` (the coordinator, before it commits, with the names
-    every rank wrote). Safe while an unfinished marker exists: the directory does not count as
-    complete until the new commit."""
+    every data file starting with ``prefix`` (the coordinator, once ``.metadata`` names every file
+    of the save). Safe while an unfinished marker exists: the directory does not count as complete
+    until the markers go. Nothing reads such files, so a failure to list or remove them is only
+    logged: it never fails the save."""
     prefixes = (prefix,) if prefix is not None else tuple({n[: n.rindex("_") + 1] for n in names})
     keep = set(names)
-    for name in storage.listdir(path, storage_options, upload):
-        if name.endswith(SUFFIX) and name.startswith(prefixes) and name not in keep:
-            storage.remove(storage.join(path, name), storage_options=storage_options, upload=upload)
+    earlier: list[str] = []
+    try:
+        earlier = [
+            name
+            for name in storage.listdir(path, storage_options, upload)
+            if name.endswith(SUFFIX) and name.startswith(prefixes) and name not in keep
+        ]
+        storage.remove_files(path, earlier, storage_options=storage_options, upload=upload)
+    except CheckpointingError as e:
+        left = f" ({', '.join(earlier)})" if earlier else ""
+        logger.warning("%s: data files of an earlier save left%s, unreferenced: %s", path, left, e)
 
 
 def _sync_in_place(path: str, names: list[str], sync_files: bool) -> int:
