@@ -8,6 +8,7 @@ nowhere.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -129,3 +130,37 @@ def test_plan_spreads_sources_and_skips_files_a_node_has() -> None:
     # A truncated copy does not count; a file nobody has makes the plan impossible.
     truncated = {**full, "__4_0.distcp": 99}
     assert plan_moves([truncated] * 4 + [{}, {}], required, 10, nodes) is None
+
+
+def _save_placed(rank: int, world: int, tmp: str, step: int, swap: bool, value: float) -> None:
+    node = 1 - rank if swap else rank
+    os.environ["TIERPOINT_NODE_ID"] = f"node{node}"
+    state = {f"rank{rank}": torch.full((1000,), value + rank), "w": torch.full((10,), value)}
+    dcp.save(state, _node_dir(tmp, node, step), overwrite=swap)
+
+
+def _latest_on_own_node(rank: int, world: int, tmp: str) -> tuple[str, float, float, bool]:
+    os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tierpoint").addHandler(handler)
+    latest = dcp.get_latest_complete_checkpoint(os.path.join(tmp, f"node{rank}"), node_local=True)
+    assert latest is not None
+    state = {f"rank{rank}": torch.zeros(1000), "w": torch.zeros(10)}
+    dcp.load(state, latest)
+    named = any("step-5: different .metadata files on node" in m for m in warned)
+    return os.path.basename(latest), state[f"rank{rank}"][0].item(), state["w"][0].item(), named
+
+
+def test_a_step_saved_into_again_on_other_nodes_is_never_mixed_with_the_earlier_save(
+    tmp_path: Path,
+) -> None:
+    """Saved into again with the ranks swapped, each node keeps the earlier save's .metadata and
+    same-named files: the step is skipped with a WARNING, not loaded half from each save."""
+    tmp = str(tmp_path)
+    run_ranks(_save_placed, 2, tmp, 3, False, 30.0)
+    run_ranks(_save_placed, 2, tmp, 5, False, 50.0)
+    run_ranks(_save_placed, 2, tmp, 5, True, 60.0)
+    results = run_ranks(_latest_on_own_node, 2, tmp)
+    assert results == [("step-3", 30.0, 30.0, True), ("step-3", 31.0, 30.0, True)]

@@ -19,7 +19,9 @@ A file counts as present only if it is at least as long as ``.metadata`` says. S
 each file comes from the holder with the fewest transfers assigned so far, never from one rank alone.
 
 Invariants: the plan is made once and broadcast; a checkpoint whose files exist nowhere is reported
-not viable (``False`` on every rank) instead of failing half-way; every wait is bounded.
+not viable (``False`` on every rank) instead of failing half-way, and so is one whose nodes hold
+different ``.metadata`` files (the step was saved into again and a node kept the earlier save's:
+its same-named data files could be read as the new save's); every wait is bounded.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import os
 import re
 from collections import defaultdict
 from typing import Any
+
+import xxhash
 
 from .. import dist as tpdist
 from .. import transfer
@@ -54,6 +58,15 @@ def _listing(step_dir: str) -> dict[str, int]:
     return {
         e.name: e.stat().st_size for e in entries if e.is_file() and not e.name.endswith(".dirty")
     }
+
+
+def _metadata_digest(step_dir: str) -> str | None:
+    """xxh3-64 of this node's ``.metadata`` (``None`` if it has none, or it cannot be read)."""
+    try:
+        with open(os.path.join(step_dir, METADATA_NAME), "rb") as f:
+            return xxhash.xxh3_64_hexdigest(f.read())
+    except OSError:
+        return None
 
 
 def _required_sizes(step_dir: str) -> tuple[dict[str, int], set[str]]:
@@ -124,15 +137,34 @@ def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
     """Fetch the files this node's ranks need for ``step_dir`` from peers. Collective.
 
     Returns ``False`` on every rank when the checkpoint cannot be completed (a file exists nowhere,
-    or nobody has ``.metadata``); raises the same :class:`CheckpointingError` on every rank when a
+    nobody has ``.metadata``, or nodes hold different ``.metadata`` files); raises the same :class:`CheckpointingError` on every rank when a
     transfer fails.
     """
     limit = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds())
     step_dir = str(step_dir)
     layout = tpdist.node_layout()
-    listings = tpdist.all_gather_json(_listing(step_dir), f"listing {step_dir} on every rank")
+    seen = tpdist.all_gather_json(
+        {"files": _listing(step_dir), "metadata": _metadata_digest(step_dir)},
+        f"listing {step_dir} on every rank",
+    )
+    listings = [view["files"] for view in seen]
     holders = [r for r, listing in enumerate(listings) if METADATA_NAME in listing]
     if not holders:
+        return False
+    versions: dict[str | None, list[str]] = defaultdict(list)
+    for r in holders:
+        node = layout.node_of_rank[r]
+        if node not in versions[seen[r]["metadata"]]:
+            versions[seen[r]["metadata"]].append(node)
+    if len(versions) > 1:
+        # The step was saved into again: some node keeps an earlier save's .metadata (and maybe
+        # data files under the same names). Which save is the newer cannot be told.
+        logger.warning(
+            "%s: different .metadata files on %s: the step was saved into again and an earlier "
+            "save's files are left; it is not loaded",
+            step_dir,
+            " and on ".join(", ".join(nodes) for nodes in versions.values()),
+        )
         return False
     decider = holders[0]
     plan: Any = None
