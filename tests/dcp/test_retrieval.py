@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -153,14 +154,31 @@ def _latest_on_own_node(rank: int, world: int, tmp: str) -> tuple[str, float, fl
     return os.path.basename(latest), state[f"rank{rank}"][0].item(), state["w"][0].item(), named
 
 
-def test_a_step_saved_into_again_on_other_nodes_is_never_mixed_with_the_earlier_save(
+def test_a_step_saved_into_again_with_the_ranks_on_other_nodes_loads_the_new_save(
     tmp_path: Path,
 ) -> None:
-    """Saved into again with the ranks swapped, each node keeps the earlier save's .metadata and
-    same-named files: the step is skipped with a WARNING, not loaded half from each save."""
+    """Saved into again with the ranks swapped: every node first removes the earlier save's
+    .metadata and data files (they share names with the new save's files on the other node), so a
+    restart on the first placement loads the new save, not half of each."""
     tmp = str(tmp_path)
     run_ranks(_save_placed, 2, tmp, 3, False, 30.0)
     run_ranks(_save_placed, 2, tmp, 5, False, 50.0)
     run_ranks(_save_placed, 2, tmp, 5, True, 60.0)
+    left = os.listdir(_node_dir(tmp, 0, 5))  # only rank 1's new files
+    assert left and all(name.startswith("__1_") for name in left), left
+    results = run_ranks(_latest_on_own_node, 2, tmp)
+    assert results == [("step-5", 60.0, 60.0, False), ("step-5", 61.0, 60.0, False)]
+
+
+def test_nodes_holding_different_metadata_skip_the_step_with_a_warning(tmp_path: Path) -> None:
+    """A node kept another save's .metadata (e.g. it was away while the step was saved again):
+    which one is newer cannot be told, so the step is not loaded at all."""
+    tmp = str(tmp_path)
+    run_ranks(_save_placed, 2, tmp, 3, False, 30.0)
+    run_ranks(_save_placed, 2, tmp, 5, False, 50.0)
+    shutil.copy(
+        os.path.join(_node_dir(tmp, 0, 3), ".metadata"),
+        os.path.join(_node_dir(tmp, 1, 5), ".metadata"),
+    )
     results = run_ranks(_latest_on_own_node, 2, tmp)
     assert results == [("step-3", 30.0, 30.0, True), ("step-3", 31.0, 30.0, True)]

@@ -213,6 +213,7 @@ def save_state_dict_async_plan(
     central_plan: SavePlan | None = None
     global_metadata: Metadata | None = None
     loaded_reuse = False
+    earlier_anywhere: bool | None = None  # known from the vote, else asked after planning
     what = f"planning the checkpoint {storage_writer.path}"
     if cache is not None and cache.cached_central_plan is not None:
         vote = _CHANGED
@@ -222,13 +223,13 @@ def save_state_dict_async_plan(
             not is_coordinator or cache.cached_global_metadata is not None
         ):
             vote = _REUSE
-        verdict = _vote(vote, error, storage_writer, group, use_dist, what)
+        verdict, earlier_anywhere = _vote(vote, error, storage_writer, group, use_dist, what)
         if verdict == _REUSE:
             central_plan = cache.cached_central_plan
             global_metadata = cache.cached_global_metadata if is_coordinator else None
     elif cache is not None and cache.loaded_all_plans is not None:
         vote = _FAILED if error is not None else int(_matches_loaded(local_plan, cache, rank))
-        verdict = _vote(vote, error, storage_writer, group, use_dist, what)
+        verdict, earlier_anywhere = _vote(vote, error, storage_writer, group, use_dist, what)
         if verdict == _REUSE:  # every rank derives the same global plan from the loaded plans
             all_plans, global_metadata = planner.create_global_plan(list(cache.loaded_all_plans))
             all_plans = storage_writer.prepare_global_plan(all_plans)
@@ -260,6 +261,15 @@ def save_state_dict_async_plan(
             raise CheckpointingError(failed_on_ranks(what, failures), failures) from None
 
     assert central_plan is not None and local_plan is not None
+    if earlier_anywhere is None:
+        mine = 0 if storage_writer.earlier_files else 1
+        try:
+            earlier_anywhere = _min_over_ranks(mine, group, use_dist, what) == 0
+        except CheckpointingError:
+            _cleanup_after_failure(storage_writer)
+            raise
+    if earlier_anywhere:
+        _remove_earlier_saves(storage_writer, group, use_dist)
     final_plan = planner.finish_plan(central_plan)
     storage_writer.prepare_write_data(final_plan, planner)
     ret: tuple = (storage_writer, global_metadata, dist_wrapper)
@@ -306,30 +316,57 @@ def _vote(
     group: Any,
     use_dist: bool,
     what: str,
-) -> int:
-    """The smallest vote of all ranks. When some rank failed, or the vote itself failed (a peer is
-    gone), this rank's files and marker are removed and every rank raises."""
+) -> tuple[int, bool]:
+    """The smallest vote of all ranks, and whether any rank's directory holds an earlier save's
+    files (the same all-reduce). When some rank failed, or the vote itself failed (a peer is gone),
+    this rank's files and marker are removed and every rank raises."""
     try:
-        verdict = _min_over_ranks(vote, group, use_dist, what)
+        verdict, clean = _mins_over_ranks(
+            [vote, 0 if storage_writer.earlier_files else 1], group, use_dist, what
+        )
     except CheckpointingError:
         _cleanup_after_failure(storage_writer)
         raise
     if verdict == _FAILED:
         _cleanup_after_failure(storage_writer)
         _agree(group, use_dist, what, error)
-    return verdict
+    return verdict, not clean
+
+
+def _remove_earlier_saves(storage_writer: Writer, group: Any, use_dist: bool) -> None:
+    """Some rank's directory holds an earlier save's data files or ``.metadata`` (the step is
+    saved into again): every rank removes those it listed at set-up, and no rank writes before all
+    are done (the agreement is the barrier). Otherwise, on node-local disks, a node could keep an
+    earlier file under a name this save writes on another node, and a later retrieval read it.
+    Collective; a failure on any rank fails the save on every rank."""
+    what = f"removing the earlier save's files from {storage_writer.path}"
+    error: BaseException | None = None
+    try:
+        storage_writer.remove_earlier_save()
+    except CheckpointingError as e:
+        error = e
+    try:
+        _agree(group, use_dist, what, error)
+    except CheckpointingError:
+        _cleanup_after_failure(storage_writer)
+        raise
 
 
 def _min_over_ranks(value: int, group: Any, use_dist: bool, what: str) -> int:
     """One all-reduce of one integer: the smallest ``value`` of all ranks."""
+    return _mins_over_ranks([value], group, use_dist, what)[0]
+
+
+def _mins_over_ranks(values: list[int], group: Any, use_dist: bool, what: str) -> list[int]:
+    """One all-reduce of a few integers: the smallest of each over all ranks."""
     if not use_dist:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     except (RuntimeError, dist.DistError) as e:
         raise CheckpointingError(f"{what}: ranks could not agree ({e})") from e
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 def _agree(group: Any, use_dist: bool, what: str, error: BaseException | None) -> None:

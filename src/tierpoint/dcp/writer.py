@@ -158,6 +158,8 @@ class Writer(StorageWriter):
         self._prefix = ""
         self._in_place = False  # the async save's staging memory is the checkpoint file itself
         self._busy_key: str | None = None  # this writer's entry in _busy_directories
+        self.earlier_files: list[str] = []
+        """Data files and ``.metadata`` of an earlier save this rank saw at set-up (local paths)."""
 
     # ---------------------------------------------------------------------- StorageWriter
 
@@ -166,12 +168,14 @@ class Writer(StorageWriter):
             self.path = os.fspath(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._marker_made = False
+        self.earlier_files = []
         self._results = None
         self.write_error = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Create the directory and this rank's unfinished marker (before any data is written)."""
         self.is_coordinator = is_coordinator
+        self.earlier_files = []
         rank = kwargs.get("rank")
         self.rank = int(rank) if rank is not None else tpdist.get_rank()
         if not self.overwrite and storage.exists(
@@ -202,6 +206,21 @@ class Writer(StorageWriter):
             storage.remove(
                 self._url(METADATA_NAME), storage_options=self.storage_options, upload=self.upload
             )
+        if storage.is_local(self.path):  # an object store is one namespace: names are replaced
+            self.earlier_files = _earlier_save_files(storage.local_path(self.path))
+
+    def remove_earlier_save(self) -> None:
+        """Remove the data files and ``.metadata`` an earlier save left in this rank's view of the
+        directory (listed in ``set_up_storage_writer``). Only while no rank of this save can have
+        written yet: :mod:`~tierpoint.dcp.state_dict_saver` calls it between two collectives."""
+        storage.remove_files(
+            self.path, self.earlier_files, storage_options=self.storage_options, upload=self.upload
+        )
+        if self.earlier_files:
+            logger.info(
+                "%s: removed %d file(s) of an earlier save", self.path, len(self.earlier_files)
+            )
+        self.earlier_files = []
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -645,6 +664,23 @@ def remove_earlier_files(
     except CheckpointingError as e:
         left = f" ({', '.join(earlier)})" if earlier else ""
         logger.warning("%s: data files of an earlier save left%s, unreferenced: %s", path, left, e)
+
+
+def _earlier_save_files(directory: str) -> list[str]:
+    """The regular files named like a save's data files or ``.metadata`` in ``directory`` (a
+    symbolic link or anything else there was not written by a save, and stays)."""
+    try:
+        with os.scandir(directory) as entries:
+            return sorted(
+                e.name
+                for e in entries
+                if (
+                    e.name == METADATA_NAME or (e.name.startswith("__") and e.name.endswith(SUFFIX))
+                )
+                and e.is_file(follow_symlinks=False)
+            )
+    except OSError as e:
+        raise storage.failure("listing", directory, e) from e
 
 
 def _sync_in_place(path: str, names: list[str], sync_files: bool) -> int:
