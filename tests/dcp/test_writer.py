@@ -17,6 +17,10 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tierpoint import storage
 from tierpoint.dcp import Writer, get_latest_complete_checkpoint, load, save, step_path
+from tierpoint.dcp.state_dict_saver import (
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
 from tierpoint.dcp.tensor_record import record_template
 from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
@@ -342,3 +346,22 @@ def test_a_launch_without_a_process_group_is_refused_before_writing(tmp_path, mo
     with pytest.raises(CheckpointingError, match="WORLD_SIZE=2 is set but torch.distributed"):
         getattr(tp_dcp, how)({"w": torch.ones(4)}, step_path(tmp_path, 1))
     assert not os.path.exists(step_path(tmp_path, 1))
+
+
+def test_a_refused_save_through_a_reused_writer_keeps_the_checkpoint(tmp_path):
+    """The writer of a complete save is reset and reused for another save into the same step: the
+    save is refused, and the failure's clean-up must not remove the earlier save's files."""
+    path = step_path(tmp_path, 1)
+    state = {"a": torch.arange(1000.0)}
+    writer = Writer(path)
+    planned = save_state_dict_async_plan(state, writer)
+    writer.write_now()
+    save_state_dict_async_finalize(*planned)
+    before = sorted(os.listdir(path))
+    writer.reset(path)
+    with pytest.raises(CheckpointingError, match="already holds a complete checkpoint"):
+        save_state_dict_async_plan({"a": torch.zeros(1000)}, writer)
+    assert sorted(os.listdir(path)) == before
+    out = {"a": torch.zeros(1000)}
+    load(out, path)
+    assert torch.equal(out["a"], state["a"])

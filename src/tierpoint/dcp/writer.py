@@ -169,6 +169,7 @@ class Writer(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self._marker_made = False
         self.earlier_files = []
+        self._forget_plan()
         self._results = None
         self.write_error = None
 
@@ -176,6 +177,7 @@ class Writer(StorageWriter):
         """Create the directory and this rank's unfinished marker (before any data is written)."""
         self.is_coordinator = is_coordinator
         self.earlier_files = []
+        self._forget_plan()  # a refused save must not discard the files of this writer's last one
         rank = kwargs.get("rank")
         self.rank = int(rank) if rank is not None else tpdist.get_rank()
         if not self.overwrite and storage.exists(
@@ -414,6 +416,9 @@ class Writer(StorageWriter):
             storage.remove_dir_if_empty(self.path, self.storage_options)
 
     # ---------------------------------------------------------------------- helpers
+
+    def _forget_plan(self) -> None:
+        self._plan, self._planner, self._files = None, None, None
 
     def _claim(self, check_only: bool = False) -> None:
         """Refuse if another writer's async save is in flight into this directory in this process;
