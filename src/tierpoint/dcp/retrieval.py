@@ -137,8 +137,8 @@ def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
     """Fetch the files this node's ranks need for ``step_dir`` from peers. Collective.
 
     Returns ``False`` on every rank when the checkpoint cannot be completed (a file exists nowhere,
-    nobody has ``.metadata``, or nodes hold different ``.metadata`` files); raises the same :class:`CheckpointingError` on every rank when a
-    transfer fails.
+    nobody has ``.metadata``, or nodes hold different ``.metadata`` files); raises the same
+    :class:`CheckpointingError` on every rank when a transfer fails.
     """
     limit = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds())
     step_dir = str(step_dir)

@@ -163,6 +163,9 @@ class StagingPool:
     def _prepare_spare(self, used: StagingBuffer, files: RankFiles, directory: str) -> None:
         pinned = used.pinned
         used.close()  # unmapping (and unpinning) a large buffer takes a while: off the trainer
+        with self._lock:
+            if self._closed:  # closed meanwhile: no spare to hold
+                return
         try:
             device = os.stat(directory).st_dev
             buf = _allocate(files, directory)

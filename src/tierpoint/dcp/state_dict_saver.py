@@ -262,9 +262,8 @@ def save_state_dict_async_plan(
 
     assert central_plan is not None and local_plan is not None
     if earlier_anywhere is None:
-        mine = 0 if storage_writer.earlier_files else 1
         try:
-            earlier_anywhere = _min_over_ranks(mine, group, use_dist, what) == 0
+            earlier_anywhere = _min_over_ranks(_clean(storage_writer), group, use_dist, what) == 0
         except CheckpointingError:
             _cleanup_after_failure(storage_writer)
             raise
@@ -321,9 +320,7 @@ def _vote(
     files (the same all-reduce). When some rank failed, or the vote itself failed (a peer is gone),
     this rank's files and marker are removed and every rank raises."""
     try:
-        verdict, clean = _mins_over_ranks(
-            [vote, 0 if storage_writer.earlier_files else 1], group, use_dist, what
-        )
+        verdict, clean = _mins_over_ranks([vote, _clean(storage_writer)], group, use_dist, what)
     except CheckpointingError:
         _cleanup_after_failure(storage_writer)
         raise
@@ -331,6 +328,11 @@ def _vote(
         _cleanup_after_failure(storage_writer)
         _agree(group, use_dist, what, error)
     return verdict, not clean
+
+
+def _clean(storage_writer: Writer) -> int:
+    """1 if this rank saw no earlier save's files at set-up, else 0 (the MIN over ranks: any)."""
+    return 0 if storage_writer.earlier_files else 1
 
 
 def _remove_earlier_saves(storage_writer: Writer, group: Any, use_dist: bool) -> None:

@@ -26,6 +26,10 @@ Invariants:
   while the new save runs). A directory whose save was killed between its commit and the removal
   of its markers is not complete (:func:`~tierpoint.dcp.get_latest_complete_checkpoint` skips it)
   and is saved into again like an unfinished one.
+- Saving into a directory again leaves none of the earlier save's files: on local paths each rank
+  lists them at set-up and tierpoint's save flow removes them once every rank agreed, before any
+  rank writes (:meth:`Writer.remove_earlier_save`); whatever ``.metadata`` then does not name (on
+  object stores, or after torch's own save flow) the coordinator removes after its commit.
 - While an async save into a directory is in flight in this process (from
   :meth:`Writer.get_save_function_and_args` until it is finalized or discarded), another save into
   that directory is refused in ``set_up_storage_writer``: it would name the same files and markers.
@@ -268,7 +272,6 @@ class Writer(StorageWriter):
         :attr:`write_error` (agreed at finalize) unless ``raise_errors``."""
         try:
             plan, files = self._require_plan()
-            remove_earlier_files(self.path, files.names, self.storage_options, self.upload)
             byte_records = self._resolve_bytes()
             jobs = []
             for k, f in enumerate(files.files):
@@ -383,9 +386,9 @@ class Writer(StorageWriter):
         )
         referenced = [getattr(info, "relative_path", None) for info in storage_data.values()]
         if all(isinstance(name, str) for name in referenced):
-            # Files of ranks an earlier save into this directory had and this one has not (the
+            # Files of an earlier save into this directory that this one did not replace (the
             # markers still keep the step from counting as complete meanwhile).
-            remove_earlier_files(self.path, referenced, self.storage_options, self.upload, "__")
+            remove_unreferenced_files(self.path, referenced, self.storage_options, self.upload)
 
     def remove_markers(self, every_visible: bool = False) -> None:
         """Remove this rank's marker (and, with ``every_visible``, every marker listed here)."""
@@ -622,10 +625,8 @@ def write_staged(
     snapshot staged them in place: they only need to become durable."""
     from ..asyncsave.worker import resolve_buffer
 
-    names = [name for name, _, _ in files]
-    remove_earlier_files(path, names, storage_options, upload)
     if buffer is None:
-        return _sync_in_place(path, names, sync_files)
+        return _sync_in_place(path, [name for name, _, _ in files], sync_files)
     data = resolve_buffer(buffer)
     jobs = [
         (storage.join(path, name), [data[base : base + length], *records])
@@ -642,33 +643,33 @@ def write_staged(
     return sum(written)
 
 
-def remove_earlier_files(
+def remove_unreferenced_files(
     path: str,
-    names: list[str],
+    referenced: list[str],
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
-    prefix: str | None = None,
 ) -> None:
-    """Remove the data files an earlier save left in ``path`` that ``names`` does not include
-    (saving into a directory again, the layout may have fewer files per rank, or fewer ranks: they
-    would stay, unreferenced). Only the files of the ranks writing ``names`` are considered, or
-    every data file starting with ``prefix`` (the coordinator, once ``.metadata`` names every file
-    of the save). Safe while an unfinished marker exists: the directory does not count as complete
-    until the markers go. Nothing reads such files, so a failure to list or remove them is only
-    logged: it never fails the save."""
-    prefixes = (prefix,) if prefix is not None else tuple({n[: n.rindex("_") + 1] for n in names})
-    keep = set(names)
+    """Remove the data files in ``path`` that the new ``.metadata`` does not name (an earlier save
+    into this directory left them: on an object store, or through torch's own save flow, nothing
+    removed them before). Safe while an unfinished marker exists: the directory does not count as
+    complete until the markers go. Nothing reads such files, so a failure to list or remove them
+    is only logged: it never fails the save."""
+    keep = set(referenced)
     earlier: list[str] = []
     try:
         earlier = [
             name
             for name in storage.listdir(path, storage_options, upload)
-            if name.endswith(SUFFIX) and name.startswith(prefixes) and name not in keep
+            if _is_data_file(name) and name not in keep
         ]
         storage.remove_files(path, earlier, storage_options=storage_options, upload=upload)
     except CheckpointingError as e:
         left = f" ({', '.join(earlier)})" if earlier else ""
         logger.warning("%s: data files of an earlier save left%s, unreferenced: %s", path, left, e)
+
+
+def _is_data_file(name: str) -> bool:
+    return name.startswith("__") and name.endswith(SUFFIX)
 
 
 def _earlier_save_files(directory: str) -> list[str]:
@@ -679,9 +680,7 @@ def _earlier_save_files(directory: str) -> list[str]:
             return sorted(
                 e.name
                 for e in entries
-                if (
-                    e.name == METADATA_NAME or (e.name.startswith("__") and e.name.endswith(SUFFIX))
-                )
+                if (e.name == METADATA_NAME or _is_data_file(e.name))
                 and e.is_file(follow_symlinks=False)
             )
     except OSError as e:
