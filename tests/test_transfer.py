@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -136,10 +137,12 @@ def test_rejected_file_never_becomes_visible(tmp_path: Path, how: str) -> None:
     assert ("checksum" in message) if how == "digest" else ("refused by the test" in message)
 
 
-def _peer_dies(rank: int, world: int, tmp: str) -> str:
+def _peer_dies(rank: int, world: int, tmp: str, late: bool) -> str:
     d = _setup_dir(tmp, rank, 1 << 20)
     if rank == 0:
         os._exit(3)  # the source is gone before sending anything
+    if late:  # gone before the receive is even posted: gloo may refuse to post it
+        time.sleep(1.0)
     moves = [FileMove(0, 1, f"{tmp}/r0/own.bin", f"{tmp}/r1/copy.bin")]
     with pytest.raises(CheckpointingError) as info:
         move_files(moves, timeout=10)
@@ -147,8 +150,9 @@ def _peer_dies(rank: int, world: int, tmp: str) -> str:
     return str(info.value)
 
 
-def test_dead_peer_gives_an_error_not_a_hang(tmp_path: Path) -> None:
-    message = run_ranks(_peer_dies, 2, str(tmp_path), allow_crash={0}, timeout=60)[1]
+@pytest.mark.parametrize("late", [False, True])
+def test_dead_peer_gives_an_error_not_a_hang(tmp_path: Path, late: bool) -> None:
+    message = run_ranks(_peer_dies, 2, str(tmp_path), late, allow_crash={0}, timeout=60)[1]
     assert "copy.bin" in message or "rank 0" in message
 
 

@@ -243,16 +243,31 @@ class MappingCache:
         return len(self._maps)
 
 
+def _failure(e: BaseException, what: str) -> CheckpointingError:
+    """What a gloo error while ``what`` means to the caller (a timeout, or a peer gone)."""
+    text = str(e).strip().splitlines()[0][:300] if str(e).strip() else "no detail"
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return CoordinationTimeoutError(f"{what}: timed out ({text})")
+    return CheckpointingError(f"{what}: failed, the peer is probably gone ({text})")
+
+
+def _post(send: bool, tensor: torch.Tensor, peer: int, group: Any, tag: int, what: str) -> Any:
+    """``isend`` / ``irecv``; a peer already gone may fail it at once, not only at the wait."""
+    try:
+        if send:
+            return dist.isend(tensor, peer, group=group, tag=tag)
+        return dist.irecv(tensor, peer, group=group, tag=tag)
+    except (RuntimeError, dist.DistError) as e:
+        raise _failure(e, what) from e
+
+
 def _wait(works: list[tuple[Any, str]], deadline: float) -> None:
     for work, what in works:
         left = max(0.001, deadline - time.monotonic())
         try:
             ok = work.wait(timeout=timedelta(seconds=left))
         except (RuntimeError, dist.DistError) as e:
-            text = str(e).strip().splitlines()[0][:300] if str(e).strip() else "no detail"
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise CoordinationTimeoutError(f"{what}: timed out ({text})") from e
-            raise CheckpointingError(f"{what}: failed, the peer is probably gone ({text})") from e
+            raise _failure(e, what) from e
         if ok is False:
             raise CoordinationTimeoutError(f"{what}: timed out")
 
@@ -311,23 +326,22 @@ def move_files(
     sources: dict[int, tuple[mmap.mmap | None, torch.Tensor]] = {}
     headers: dict[int, torch.Tensor] = {}
     works: list[tuple[Any, str]] = []
-    for i, m in mine:
-        header = torch.full((1,), -1, dtype=torch.int64)
-        if m.src == rank:
-            if unavailable is None:
-                try:
-                    nbytes = os.path.getsize(m.src_path)
-                    sources[i] = mapper.map(m.src_path, nbytes, writable=False)
-                    header[0] = nbytes
-                except OSError as e:
-                    failures.append(CheckpointingError(f"cannot send {m.src_path}: {e}"))
-            work = dist.isend(header, m.dst, group=group, tag=tags.header(i))
-            works.append((work, f"sending {m.src_path} to rank {m.dst}"))
-        else:
-            work = dist.irecv(header, m.src, group=group, tag=tags.header(i))
-            works.append((work, f"receiving {m.dst_path} from rank {m.src}"))
-        headers[i] = header
     try:
+        for i, m in mine:
+            header = headers[i] = torch.full((1,), -1, dtype=torch.int64)
+            if m.src == rank:
+                if unavailable is None:
+                    try:
+                        nbytes = os.path.getsize(m.src_path)
+                        sources[i] = mapper.map(m.src_path, nbytes, writable=False)
+                        header[0] = nbytes
+                    except OSError as e:
+                        failures.append(CheckpointingError(f"cannot send {m.src_path}: {e}"))
+                what = f"sending {m.src_path} to rank {m.dst}"
+                works.append((_post(True, header, m.dst, group, tags.header(i), what), what))
+            else:
+                what = f"receiving {m.dst_path} from rank {m.src}"
+                works.append((_post(False, header, m.src, group, tags.header(i), what), what))
         _wait(works, deadline)
     except BaseException:
         mapper.abandon(sources.values())
@@ -357,9 +371,7 @@ def move_files(
                 data = sources[i][1]
                 for b, begin in enumerate(buckets):
                     chunk = data[begin : begin + bucket_bytes]
-                    works.append(
-                        (dist.isend(chunk, m.dst, group=group, tag=tags.bucket(i, b)), what)
-                    )
+                    works.append((_post(True, chunk, m.dst, group, tags.bucket(i, b), what), what))
                 sent += nbytes
                 continue
             what = f"receiving {m.dst_path} from rank {m.src}"
@@ -382,11 +394,11 @@ def move_files(
             for b, begin in enumerate(buckets):
                 end = min(nbytes, begin + bucket_bytes)
                 chunk = view[begin:end] if view is not None else scratch[: end - begin]
-                work = dist.irecv(chunk, m.src, group=group, tag=tags.bucket(i, b))
+                work = _post(False, chunk, m.src, group, tags.bucket(i, b), what)
                 arrivals.append((i, work, end, what))
             if digest:
-                work = dist.irecv(trailer, m.src, group=group, tag=tags.trailer(i, len(buckets)))
-                works.append((work, what))
+                tag = tags.trailer(i, len(buckets))
+                works.append((_post(False, trailer, m.src, group, tag, what), what))
             received += nbytes
         if digest:  # hashed while gloo sends the buckets
             for i, m in mine:
@@ -394,10 +406,9 @@ def move_files(
                     m_map = sources[i][0]
                     trailer = torch.tensor([_digest(memoryview(m_map)) if m_map else _digest(b"")])
                     buckets = range(0, int(headers[i][0]), bucket_bytes)
-                    work = dist.isend(
-                        trailer, m.dst, group=group, tag=tags.trailer(i, len(buckets))
-                    )
-                    works.append((work, f"sending {m.src_path} to rank {m.dst}"))
+                    what = f"sending {m.src_path} to rank {m.dst}"
+                    tag = tags.trailer(i, len(buckets))
+                    works.append((_post(True, trailer, m.dst, group, tag, what), what))
         for i, work, end, what in arrivals:
             _wait([(work, what)], deadline)
             for check in checks.get(i, ()):
