@@ -28,6 +28,7 @@ from tierpoint.dcp.writer import Writer, write_staged
 from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
 
+from .file_names import data_file, fix_file_token, untokened
 from .test_writer import assert_same, local_state, zeros_like_state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -112,7 +113,7 @@ def _async_saves(rank: int, world: int, root: str) -> dict:
         target = step_path(root, 6)
         if rank == 1:
             os.makedirs(target, exist_ok=True)
-            os.symlink("/dev/full", os.path.join(target, "__1_0.distcp"))
+            os.symlink("/dev/full", os.path.join(target, data_file(1, token=fix_file_token())))
         dist.barrier()
         future = async_save(_state(world, 6, True), target, queue=queue, thread_count=1)
         try:
@@ -142,7 +143,7 @@ def test_async_saves_write_the_snapshot_reuse_staging_and_fail_together(tmp_path
     # Step 6 failed on rank 1: the same error on every rank; step 7 saved after it.
     assert len({r["failure"] for r in results}) == 1, results
     message = results[0]["failure"]
-    assert "rank 1" in message and "__1_0.distcp" in message and "ENOSPC" in message
+    assert "rank 1" in message and data_file(1) in message and "ENOSPC" in message
     # Each failing rank and each error class is named once.
     assert message.count("rank 1") == 1 and "CheckpointingError: CheckpointingError" not in message
     assert not os.path.exists(step_path(tmp_path, 6))  # aborted: files, markers, directory removed
@@ -306,7 +307,7 @@ def _async_saves_in_place(rank: int, world: int, root: str) -> dict:
             assert future.result(timeout=120) == path
             dist.barrier()
             results["equal"].append(_load_and_compare(path, world, expected))
-            results["files"].append(sorted(os.listdir(path)))
+            results["files"].append(untokened(os.listdir(path)))
             pool._join_preparing()
             results["spare"].append(pool.bytes_held > 0)
         if rank == 1:  # killed once its files are named, before the save is committed

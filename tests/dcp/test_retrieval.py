@@ -133,20 +133,26 @@ def test_plan_spreads_sources_and_skips_files_a_node_has() -> None:
     assert plan_moves([truncated] * 4 + [{}, {}], required, 10, nodes) is None
 
 
-def _save_placed(rank: int, world: int, tmp: str, step: int, swap: bool, value: float) -> None:
-    node = 1 - rank if swap else rank
+def _save_placed(
+    rank: int, world: int, tmp: str, step: int, nodes: list[int], value: float, again: bool
+) -> None:
+    """Rank ``rank`` runs on node ``nodes[rank]``; ``again``: the step is saved into again."""
+    node = nodes[rank]
     os.environ["TIERPOINT_NODE_ID"] = f"node{node}"
     state = {f"rank{rank}": torch.full((1000,), value + rank), "w": torch.full((10,), value)}
-    dcp.save(state, _node_dir(tmp, node, step), overwrite=swap)
+    dcp.save(state, _node_dir(tmp, node, step), overwrite=again)
 
 
-def _latest_on_own_node(rank: int, world: int, tmp: str) -> tuple[str, float, float, bool]:
-    os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"
+def _latest_placed(
+    rank: int, world: int, tmp: str, nodes: list[int]
+) -> tuple[str, float, float, bool]:
+    node = nodes[rank]
+    os.environ["TIERPOINT_NODE_ID"] = f"node{node}"
     warned: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("tierpoint").addHandler(handler)
-    latest = dcp.get_latest_complete_checkpoint(os.path.join(tmp, f"node{rank}"), node_local=True)
+    latest = dcp.get_latest_complete_checkpoint(os.path.join(tmp, f"node{node}"), node_local=True)
     assert latest is not None
     state = {f"rank{rank}": torch.zeros(1000), "w": torch.zeros(10)}
     dcp.load(state, latest)
@@ -161,12 +167,12 @@ def test_a_step_saved_into_again_with_the_ranks_on_other_nodes_loads_the_new_sav
     .metadata and data files (they share names with the new save's files on the other node), so a
     restart on the first placement loads the new save, not half of each."""
     tmp = str(tmp_path)
-    run_ranks(_save_placed, 2, tmp, 3, False, 30.0)
-    run_ranks(_save_placed, 2, tmp, 5, False, 50.0)
-    run_ranks(_save_placed, 2, tmp, 5, True, 60.0)
+    run_ranks(_save_placed, 2, tmp, 3, [0, 1], 30.0, False)
+    run_ranks(_save_placed, 2, tmp, 5, [0, 1], 50.0, False)
+    run_ranks(_save_placed, 2, tmp, 5, [1, 0], 60.0, True)
     left = os.listdir(_node_dir(tmp, 0, 5))  # only rank 1's new files
     assert left and all(name.startswith("__1_") for name in left), left
-    results = run_ranks(_latest_on_own_node, 2, tmp)
+    results = run_ranks(_latest_placed, 2, tmp, [0, 1])
     assert results == [("step-5", 60.0, 60.0, False), ("step-5", 61.0, 60.0, False)]
 
 
@@ -174,11 +180,31 @@ def test_nodes_holding_different_metadata_skip_the_step_with_a_warning(tmp_path:
     """A node kept another save's .metadata (e.g. it was away while the step was saved again):
     which one is newer cannot be told, so the step is not loaded at all."""
     tmp = str(tmp_path)
-    run_ranks(_save_placed, 2, tmp, 3, False, 30.0)
-    run_ranks(_save_placed, 2, tmp, 5, False, 50.0)
+    run_ranks(_save_placed, 2, tmp, 3, [0, 1], 30.0, False)
+    run_ranks(_save_placed, 2, tmp, 5, [0, 1], 50.0, False)
     shutil.copy(
         os.path.join(_node_dir(tmp, 0, 3), ".metadata"),
         os.path.join(_node_dir(tmp, 1, 5), ".metadata"),
     )
-    results = run_ranks(_latest_on_own_node, 2, tmp)
+    results = run_ranks(_latest_placed, 2, tmp, [0, 1])
     assert results == [("step-3", 30.0, 30.0, True), ("step-3", 31.0, 30.0, True)]
+
+
+def test_a_node_away_while_its_step_was_saved_again_keeps_nothing_that_is_read(
+    tmp_path: Path,
+) -> None:
+    """Node 1 is away while step 5 is saved again (rank 1 runs on node 2 instead). Back after the
+    next restart, it still holds rank 1's files of the earlier save; they must not pass for the new
+    save's (each save names its files anew): rank 1 fetches its new files from node 2."""
+    tmp = str(tmp_path)
+    run_ranks(_save_placed, 3, tmp, 5, [0, 1, 2], 50.0, False)
+    run_ranks(_save_placed, 3, tmp, 5, [0, 2, 2], 60.0, True)
+    kept = sorted(os.listdir(_node_dir(tmp, 1, 5)))
+    assert kept and all(n.startswith("__1_") for n in kept), kept  # the earlier save's files
+    results = run_ranks(_latest_placed, 3, tmp, [0, 1, 2])
+    assert results == [
+        ("step-5", 60.0, 60.0, False),
+        ("step-5", 61.0, 60.0, False),
+        ("step-5", 62.0, 60.0, False),
+    ]
+    assert set(kept) <= set(os.listdir(_node_dir(tmp, 1, 5)))  # left there, never read

@@ -25,6 +25,8 @@ from tierpoint.dcp.tensor_record import record_template
 from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
 
+from .file_names import data_file, fix_file_token, untokened
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
@@ -75,7 +77,12 @@ def test_torch_reader_loads_every_dtype_and_value(tmp_path):
     state = local_state()
     path = step_path(tmp_path, 7)
     save(state, path, thread_count=3)
-    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    assert untokened(os.listdir(path)) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__0_1.distcp",
+        "__0_2.distcp",
+    ]
     out = zeros_like_state(state)
     dcp.load(out, storage_reader=FileSystemReader(path))
     assert_same(out, state)
@@ -152,10 +159,10 @@ def test_a_committed_directory_is_kept_unless_overwrite_is_asked_for(tmp_path):
     with pytest.raises(CheckpointingError, match="already holds a complete checkpoint"):
         save({"a": torch.ones(4)}, path)
     assert get_latest_complete_checkpoint(tmp_path) == path  # untouched, still committed
-    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp"]
+    assert untokened(os.listdir(path)) == [".metadata", "__0_0.distcp"]
     w = Writer(path, overwrite=True)
     w.set_up_storage_writer(True, rank=0)  # a new save starts: marker in, old commit out
-    assert sorted(os.listdir(path)) == [".unfinished-0", "__0_0.distcp"]
+    assert untokened(os.listdir(path)) == [".unfinished-0", "__0_0.distcp"]
     assert get_latest_complete_checkpoint(tmp_path) is None
     save({"a": torch.ones(4)}, path, overwrite=True)
     loaded = {"a": torch.zeros(4)}
@@ -194,16 +201,16 @@ def test_only_a_complete_directory_is_kept_from_a_new_save(tmp_path):
     for rank, outcomes in enumerate(results):  # (the replicated tensor is stored once, rank 0's)
         assert outcomes == ["refused", path, "None", f"True {[7.0] * 4}"], (rank, outcomes)
     # Rank 1's file holds no item .metadata refers to: the commit removed it.
-    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp"]
+    assert untokened(os.listdir(path)) == [".metadata", "__0_0.distcp"]
 
 
-def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
+def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, fixed_token):
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
     save({"a": torch.ones(1000)}, step_path(tmp_path, 1))
     os.makedirs(step_path(tmp_path, 2))
-    os.symlink("/dev/full", os.path.join(step_path(tmp_path, 2), "__0_0.distcp"))
-    with pytest.raises(CheckpointingError, match=r"step-2/__0_0.distcp.*ENOSPC") as info:
+    os.symlink("/dev/full", os.path.join(step_path(tmp_path, 2), data_file(0)))
+    with pytest.raises(CheckpointingError, match=r"step-2/__0_0.t0.distcp.*ENOSPC") as info:
         save({"a": torch.ones(1000)}, step_path(tmp_path, 2), thread_count=1)
     assert "failed on rank 0: CheckpointingError: writing" in str(info.value), info.value
     assert not os.path.exists(os.path.join(step_path(tmp_path, 2), ".metadata"))
@@ -226,7 +233,7 @@ def test_file_size_limit_fails_clearly(tmp_path):
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # this process only, briefly
     try:
-        with pytest.raises(CheckpointingError, match=r"step-2/__0_0.distcp.*EFBIG"):
+        with pytest.raises(CheckpointingError, match=r"step-2/__0_0\.[0-9a-f]{12}\.distcp.*EFBIG"):
             save({"a": torch.ones(1 << 20)}, step_path(tmp_path, 2), thread_count=1)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -262,7 +269,7 @@ def _round_trip(rank: int, world: int, root: str, use_torch_save: bool) -> bool:
         save(state, path, thread_count=2)
     names = os.listdir(path)
     assert ".metadata" in names and not [n for n in names if n.startswith(".unfinished")]
-    assert f"__{rank}_0.distcp" in names
+    assert f"__{rank}_0.distcp" in untokened(names)
     mesh = init_device_mesh("cpu", (world,))
     out = {
         "sharded": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]),
@@ -292,7 +299,7 @@ def _one_rank_fails(rank: int, world: int, root: str) -> str:
     target = step_path(root, 2)
     if rank == 1:
         os.makedirs(target, exist_ok=True)
-        os.symlink("/dev/full", os.path.join(target, "__1_0.distcp"))
+        os.symlink("/dev/full", os.path.join(target, data_file(1, token=fix_file_token())))
     state = {f"r{rank}": torch.full((1000,), float(rank))}  # each rank saves its own tensor
     try:
         save(state, target, thread_count=1)
@@ -314,10 +321,10 @@ def test_two_ranks_round_trip_and_a_failing_rank_fails_the_save_everywhere(tmp_p
     messages = {r.split("|")[0] for r in results}
     assert len(messages) == 1, results  # the same error on every rank
     message = messages.pop()
-    assert "rank 1" in message and "__1_0.distcp" in message and "ENOSPC" in message
+    assert "rank 1" in message and data_file(1) in message and "ENOSPC" in message
     assert {r.split("|")[1] for r in results} == {step_path(root, 1)}
     assert not os.path.exists(os.path.join(step_path(root, 2), ".metadata"))
-    assert not os.path.exists(os.path.join(step_path(root, 2), "__0_0.distcp"))  # cleaned up
+    assert not os.path.exists(step_path(root, 2))  # cleaned up: files, markers, the directory
 
 
 def test_wrong_arguments_are_named(tmp_path):

@@ -8,7 +8,8 @@ File format (what torch's ``FileSystemReader`` reads): each tensor is a ``torch.
 :mod:`tierpoint.dcp.tensor_record`) starting at a 64-byte aligned offset, so its data is 64-byte
 aligned in the file; gaps between records are zero bytes. Non-tensor values (``torch.save`` bytes of
 the object, as torch DCP writes them) follow the tensors of the first file, back to back. Files are
-named ``<prefix><k>.distcp`` (torch's names, ``prefix`` is ``__<rank>_``).
+named ``<prefix><k>.<token>.distcp`` (``prefix`` is ``__<rank>_`` as in torch's names; ``token`` is
+new for every save, see :meth:`RankFiles.with_token`).
 
 Invariants:
 - Tensors are spread over at most ``thread_count`` files, largest first onto the least-filled file,
@@ -17,12 +18,15 @@ Invariants:
   dtypes and shapes): :attr:`RankFiles.staging_bytes` bytes hold all files' tensor sections back to
   back, each starting page-aligned (so the staged range of a file can go to the device as it is,
   see :mod:`tierpoint.direct_write`); a staged copy of a file is one contiguous range.
+- A save's data files carry its token in their names, so a file of an earlier save into the same
+  directory never passes for one of this save's: not on a node that missed the save (node-local
+  disks), not under any name ``.metadata`` refers to.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
@@ -96,6 +100,24 @@ class RankFiles:
     @property
     def names(self) -> list[str]:
         return [f.name for f in self.files]
+
+    def with_token(self, token: str) -> RankFiles:
+        """The same files named for the save ``token`` (the layout ``key`` stays the same)."""
+        if not token:
+            return self
+        files = tuple(replace(f, name=add_token(f.name, token)) for f in self.files)
+        return replace(self, files=files)
+
+
+def add_token(name: str, token: str) -> str:
+    """``__0_1.distcp`` -> ``__0_1.<token>.distcp``."""
+    return f"{name.removesuffix(SUFFIX)}.{token}{SUFFIX}" if token else name
+
+
+def remove_token(name: str, token: str) -> str:
+    """The inverse of :func:`add_token` (a name without ``token`` is returned as it is)."""
+    tagged = f".{token}{SUFFIX}"
+    return name.removesuffix(tagged) + SUFFIX if token and name.endswith(tagged) else name
 
 
 def _template(item) -> RecordTemplate:  # noqa: ANN001 - a torch WriteItem

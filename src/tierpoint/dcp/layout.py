@@ -2,9 +2,9 @@
 
 Layout under a base path or URL::
 
-    <base>/step-<N>/__<rank>_<k>.distcp    data, torch's names and format
-    <base>/step-<N>/.metadata              torch DCP metadata; written last: the commit point
-    <base>/step-<N>/.unfinished-<rank>     present while rank <rank> may still write into step N
+    <base>/step-<N>/__<rank>_<k>.<token>.distcp  data in torch's format; a new token every save
+    <base>/step-<N>/.metadata                    torch DCP metadata; written last: the commit point
+    <base>/step-<N>/.unfinished-<rank>           while rank <rank> may still write into step N
 
 Call order of a save (see :mod:`tierpoint.dcp.writer`): every rank creates its marker before writing
 any data; the coordinator writes ``.metadata`` once every rank's data is durable; markers are

@@ -15,13 +15,14 @@ What a node needs: ``.metadata``, and, when the world size is the one the checkp
 the data files its ranks wrote (``__<rank>_*``) plus every file holding an item that is not a shard
 (a whole tensor or a non-tensor value: torch DCP writes a key that several ranks hold once, from
 one rank, and every rank reads it there); with another world size (resharding) every data file.
-A file counts as present only if it is at least as long as ``.metadata`` says. Sources are spread:
+A file counts as present only if it is at least as long as ``.metadata`` says; an earlier save's
+file into the same step never has the name of one of this save's (see :mod:`tierpoint.dcp.file_plan`). Sources are spread:
 each file comes from the holder with the fewest transfers assigned so far, never from one rank alone.
 
 Invariants: the plan is made once and broadcast; a checkpoint whose files exist nowhere is reported
 not viable (``False`` on every rank) instead of failing half-way, and so is one whose nodes hold
 different ``.metadata`` files (the step was saved into again and a node kept the earlier save's:
-its same-named data files could be read as the new save's); every wait is bounded.
+which save is the newer cannot be told); every wait is bounded.
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
         if node not in versions[seen[r]["metadata"]]:
             versions[seen[r]["metadata"]].append(node)
     if len(versions) > 1:
-        # The step was saved into again: some node keeps an earlier save's .metadata (and maybe
-        # data files under the same names). Which save is the newer cannot be told.
+        # The step was saved into again: some node keeps an earlier save's .metadata. Which save
+        # is the newer cannot be told.
         logger.warning(
             "%s: different .metadata files on %s: the step was saved into again and an earlier "
             "save's files are left; it is not loaded",

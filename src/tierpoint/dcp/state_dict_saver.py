@@ -17,7 +17,8 @@ the cached metadata are reused: no gather, no scatter. If any rank's layout chan
 again (a changed layout is never missed).
 
 Finalize: every rank's write results reach every rank (a rank whose results did not change since a
-previous save sends a short digest the coordinator already knows), the coordinator writes
+previous save sends a short digest the coordinator already knows, and its file token: names differ
+from save to save, see :mod:`tierpoint.dcp.file_plan`), the coordinator writes
 ``.metadata`` (the commit), every rank learns the outcome, then unfinished markers are removed.
 Whatever the outcome, the writer's staging buffer then goes back to its pool, so a caller who
 builds its own ``AsyncRequest`` from ``get_save_function_and_args()`` keeps host memory flat too
@@ -56,6 +57,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text, failed_on_ranks
+from .file_plan import add_token, remove_token
 from .writer import Writer
 
 logger = logging.getLogger("tierpoint")
@@ -390,7 +392,9 @@ def _cleanup_after_failure(writer: Writer, keep_marker: bool = False) -> None:
 # --------------------------------------------------------------------------------------- finalize
 
 
-def _encode_results(results: list[WriteResult]) -> list:
+def _encode_results(results: list[WriteResult], token: str) -> list:
+    """JSON-ready results; file names without the save's ``token`` (so that the results of saves of
+    an unchanged layout are equal, see :func:`_results_payload`)."""
     out = []
     for wr in results:
         info = wr.storage_data
@@ -402,7 +406,7 @@ def _encode_results(results: list[WriteResult]) -> list:
                 offset,
                 idx.index,
                 wr.size_in_bytes,
-                info.relative_path,
+                remove_token(info.relative_path, token),
                 info.offset,
                 info.length,
             ]
@@ -410,12 +414,12 @@ def _encode_results(results: list[WriteResult]) -> list:
     return out
 
 
-def _decode_results(encoded: list) -> list[WriteResult]:
+def _decode_results(encoded: list, token: str) -> list[WriteResult]:
     return [
         WriteResult(
             index=MetadataIndex(fqn, offset, index),
             size_in_bytes=size,
-            storage_data=_StorageInfo(path, file_offset, length),
+            storage_data=_StorageInfo(add_token(path, token), file_offset, length),
         )
         for fqn, offset, index, size, path, file_offset, length in encoded
     ]
@@ -448,7 +452,10 @@ def _commit(
     path = storage_writer.path
     try:
         payload = _results_payload(
-            storage_writer.retrieve_write_results(), cache, dist_wrapper.global_coordinator_rank
+            storage_writer.retrieve_write_results(),
+            storage_writer.file_token,
+            cache,
+            dist_wrapper.global_coordinator_rank,
         )
     except Exception as e:  # noqa: BLE001 - agreed below
         payload = {"error": error_text(e)[:2000]}
@@ -497,34 +504,35 @@ def _commit(
 
 
 def _results_payload(
-    results: list[WriteResult], cache: CheckpointMetadataCache | None, coordinator: int
+    results: list[WriteResult], token: str, cache: CheckpointMetadataCache | None, coordinator: int
 ) -> dict:
-    encoded = _encode_results(results)
+    encoded = _encode_results(results, token)
     if cache is None:
-        return {"results": encoded}
+        return {"results": encoded, "token": token}
     if cache._sent_to != coordinator:  # a new coordinator knows none of our earlier results
         cache._sent.clear()
         cache._sent_to = coordinator
     digest = xxhash.xxh3_128_hexdigest(json.dumps(encoded).encode())
     if digest in cache._sent:
         _remember(cache._sent, digest, None)
-        return {"same_as": digest}
+        return {"same_as": digest, "token": token}
     _remember(cache._sent, digest, None)
-    return {"results": encoded, "digest": digest}
+    return {"results": encoded, "digest": digest, "token": token}
 
 
 def _results_of(rank: int, payload: dict, cache: CheckpointMetadataCache | None) -> list:
+    token = payload["token"]
     if cache is None:
-        return _decode_results(payload["results"])
+        return _decode_results(payload["results"], token)
     known = cache._known.setdefault(rank, OrderedDict())
     if "same_as" in payload:
         digest = payload["same_as"]
         if digest not in known:
             raise CheckpointingError(f"rank {rank} referred to write results this rank never saw")
         _remember(known, digest, known[digest])
-        return _decode_results(known[digest])
+        return _decode_results(known[digest], token)
     _remember(known, payload["digest"], payload["results"])
-    return _decode_results(payload["results"])
+    return _decode_results(payload["results"], token)
 
 
 def _fail_everywhere(

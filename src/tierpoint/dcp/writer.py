@@ -13,7 +13,8 @@ Two ways to drive it:
   and finally ``save_state_dict_async_finalize``.
 
 What it writes (see :mod:`tierpoint.dcp.layout` and :mod:`tierpoint.dcp.file_plan`): per rank
-``thread_count`` files ``__<rank>_<k>.distcp`` written by as many threads, each file fsynced, the
+``thread_count`` files ``__<rank>_<k>.<token>.distcp`` (``token``: new for every save of this
+rank, :attr:`Writer.file_token`) written by as many threads, each file fsynced, the
 directory fsynced (async saves to a RAM file system: one file, the staging memory itself, named by
 the snapshot); then ``.metadata`` (pickled torch ``Metadata``, torch's own classes only) written
 by the coordinator via tmp + fsync + rename, or one PUT on object stores: the commit point.
@@ -26,6 +27,8 @@ Invariants:
   while the new save runs). A directory whose save was killed between its commit and the removal
   of its markers is not complete (:func:`~tierpoint.dcp.get_latest_complete_checkpoint` skips it)
   and is saved into again like an unfinished one.
+- No data file of this save has the name of a file an earlier save wrote (the token differs), so
+  ``.metadata`` never refers to an earlier save's bytes, wherever they were left.
 - Saving into a directory again leaves none of the earlier save's files: on local paths each rank
   lists them at set-up and tierpoint's save flow removes them once every rank agreed, before any
   rank writes (:meth:`Writer.remove_earlier_save`); whatever ``.metadata`` then does not name (on
@@ -47,6 +50,7 @@ import io
 import logging
 import os
 import pickle
+import secrets
 import threading
 import uuid
 from collections import OrderedDict
@@ -164,6 +168,8 @@ class Writer(StorageWriter):
         self._busy_key: str | None = None  # this writer's entry in _busy_directories
         self.earlier_files: list[str] = []
         """Data files and ``.metadata`` of an earlier save this rank saw at set-up (local paths)."""
+        self.file_token = ""
+        """Part of this save's data file names, new at every ``set_up_storage_writer``."""
 
     # ---------------------------------------------------------------------- StorageWriter
 
@@ -181,6 +187,7 @@ class Writer(StorageWriter):
         """Create the directory and this rank's unfinished marker (before any data is written)."""
         self.is_coordinator = is_coordinator
         self.earlier_files = []
+        self.file_token = _new_file_token()
         self._forget_plan()  # a refused save must not discard the files of this writer's last one
         rank = kwargs.get("rank")
         self.rank = int(rank) if rank is not None else tpdist.get_rank()
@@ -263,7 +270,7 @@ class Writer(StorageWriter):
         """Remember the final local plan and lay out this rank's files (cached per plan)."""
         prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
         self._plan, self._planner, self._prefix = plan, planner, prefix
-        self._files = _files_for(plan, prefix, self.thread_count)
+        self._files = self._named_files(self.thread_count)
         self._results = None
         self.write_error = None
 
@@ -302,7 +309,7 @@ class Writer(StorageWriter):
         self._claim()
         self._in_place = stages_in_place(self.path)
         if self._in_place:  # one file per rank: there is no writing left to share among threads
-            self._files = files = _files_for(plan, self._prefix, 1)
+            self._files = files = self._named_files(1)
         args = (
             self.path,
             [(f.name, f.staging_base, f.tensor_bytes) for f in files.files],
@@ -420,6 +427,10 @@ class Writer(StorageWriter):
 
     # ---------------------------------------------------------------------- helpers
 
+    def _named_files(self, thread_count: int) -> RankFiles:
+        assert self._plan is not None
+        return _files_for(self._plan, self._prefix, thread_count).with_token(self.file_token)
+
     def _forget_plan(self) -> None:
         self._plan, self._planner, self._files = None, None, None
 
@@ -500,6 +511,10 @@ class Writer(StorageWriter):
             for f, records in zip(files.files, byte_records)
             for i, b in zip(f.byte_items, records)
         }
+
+
+def _new_file_token() -> str:
+    return secrets.token_hex(6)
 
 
 def stages_in_place(path: str) -> bool:
