@@ -20,7 +20,7 @@ def test_lost_node_resumes_bit_equal_and_replicas_return() -> None:
         [sys.executable, "-m", "tierpoint.demo", "--steps=24", "--save-every=8", "--crash-at=19"],
         capture_output=True,
         text=True,
-        timeout=540,
+        timeout=270,  # below pytest's 300 s, so that a stuck run shows the demo's own output
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     out = proc.stdout
@@ -33,3 +33,18 @@ def test_lost_node_resumes_bit_equal_and_replicas_return() -> None:
     assert "rank 2: part of rank 0; rank 3: part of rank 1" in out
     if shm.is_dir():
         assert set(shm.glob("tierpoint-demo-*")) == before  # the demo removes what it wrote
+
+
+def test_a_failed_node_stops_the_other_nodes_job_instead_of_leaving_it_waiting() -> None:
+    """torchrun on a node whose workers all succeeded waits 300 s at its exit barrier for a node
+    that failed; the demo stops it after a grace period and reports the failure."""
+    import time
+
+    from tierpoint.demo import _wait_all
+
+    start = time.monotonic()
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    codes = _wait_all([failed, waiting], grace=1)
+    assert codes[0] == 3 and codes[1] != 0
+    assert time.monotonic() - start < 30

@@ -29,8 +29,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -168,12 +170,43 @@ def torchrun(args: argparse.Namespace, worker_args: list[str], log: Path) -> int
             ]
             out = subprocess.PIPE if node == 0 else subprocess.DEVNULL
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=log_file))
-        assert procs[0].stdout is not None
-        for line in procs[0].stdout:
-            sys.stdout.write(line.decode(errors="replace"))
-            sys.stdout.flush()
-        codes = [p.wait(timeout=600) for p in procs]
+        echo = threading.Thread(target=_echo, args=(procs[0].stdout,), daemon=True)
+        echo.start()
+        codes = _wait_all(procs)
+        echo.join(10)
     return next((c for c in codes if c != 0), 0)
+
+
+def _echo(stream: Any) -> None:
+    for line in stream:
+        sys.stdout.write(line.decode(errors="replace"))
+        sys.stdout.flush()
+
+
+def _wait_all(procs: list[subprocess.Popen], limit: float = 600, grace: float = 30) -> list[int]:
+    """Every process's exit code. Once one failed, the others get ``grace`` seconds to end (a
+    torchrun whose workers all succeeded would otherwise wait 300 s at its exit barrier for the
+    failed node's agent); then, or after ``limit`` seconds in all, they are stopped."""
+    start = time.monotonic()
+    failed_at: float | None = None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = now
+        if now - start > limit or (failed_at is not None and now - failed_at > grace):
+            for p in procs:
+                if p.poll() is None:
+                    print(f"  stopping torchrun (pid {p.pid}): another node's job failed or hung")
+                    p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            break
+        time.sleep(0.2)
+    return [p.returncode for p in procs]
 
 
 def main(argv: list[str] | None = None) -> int:
