@@ -8,11 +8,14 @@ import os
 import warnings
 from collections import Counter
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
+from tierpoint import storage
 from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
 from tierpoint.dcp import (
     CheckpointMetadataCache,
@@ -175,6 +178,62 @@ def test_own_async_requests_reuse_one_staging_buffer(tmp_path):
             dcp.load(out, checkpoint_id=step_path(tmp_path, step))
             assert torch.equal(out["a"], state["a"]) and out["n"] == step
     assert pool.allocations == 1 and len(pool._free) == 1
+
+
+def test_a_writer_whose_async_save_is_not_finalized_refuses_another_save(tmp_path):
+    """Reusing the writer of an async save that is written but not finalized (torch's flow resets
+    it, tierpoint's plans with it) is refused before anything changes: the first save then
+    commits the files it wrote."""
+    step = step_path(tmp_path, 1)
+    writer = Writer(step)
+    state = {"a": torch.arange(1000.0)}
+    planned = save_state_dict_async_plan(state, writer, enable_cache=True)
+    async_fn, preload_fn, args = writer.get_save_function_and_args()
+    async_fn(*args, **preload_fn())  # the snapshot, then the background write
+    for reuse in (
+        lambda: save_state_dict_async_plan(state, writer, enable_cache=True),
+        lambda: dcp.save(state, storage_writer=writer),
+        lambda: writer.set_up_storage_writer(True, rank=0),
+    ):
+        with pytest.raises((CheckpointingError, CheckpointException)) as info:
+            reuse()
+        failures = getattr(info.value, "failures", {})  # torch wraps the writer's error
+        assert "async save is still in flight; finalize" in f"{info.value} {failures}"
+    save_state_dict_async_finalize(*planned)
+    assert get_latest_complete_checkpoint(tmp_path) == step
+    out = {"a": torch.zeros(1000)}
+    dcp.load(out, checkpoint_id=step)
+    assert torch.equal(out["a"], state["a"])
+    save({"a": torch.ones(1000)}, step, overwrite=True)  # finalized: the directory is free again
+
+
+def _fail_then_retry(rank: int, world: int, base: str, rounds: int) -> list[str]:
+    def refused(*args: object, **kwargs: object) -> None:
+        raise CheckpointingError("refused by the test")
+
+    errors = []
+    for i in range(rounds):
+        path = step_path(base, i)
+        original = storage.write_files_parallel
+        if rank == 1:
+            storage.write_files_parallel = refused
+        try:
+            save({f"r{rank}": torch.ones(1000)}, path)
+        except CheckpointingError:
+            pass
+        finally:
+            storage.write_files_parallel = original
+        try:
+            save({f"r{rank}": torch.ones(1000)}, path)  # at once: the other rank may still clean up
+        except CheckpointingError as e:
+            errors.append(str(e).splitlines()[0])
+    return errors
+
+
+def test_a_failed_save_retried_at_once_succeeds(tmp_path):
+    """The failed save's clean-up removes the emptied step directory; the retry's set-up on another
+    rank may just have created it: the retry must not fail for that."""
+    assert run_ranks(_fail_then_retry, 2, str(tmp_path), 40, timeout=240) == [[], []]
 
 
 def test_caching_can_be_disabled(tmp_path):

@@ -188,6 +188,9 @@ def save_state_dict_async_plan(
 ) -> tuple[Writer, Metadata | None, _DistWrapper]:
     """Plan a save; returns ``(storage_writer, global_metadata or None, dist_wrapper)`` for
     :func:`save_state_dict_async_finalize` (``global_metadata`` only on the coordinator)."""
+    # A writer whose async save is not finalized yet: refused on this rank before anything is
+    # touched or agreed (reusing a writer that way is the same mistake on every rank).
+    storage_writer.refuse_if_in_flight()
     use_dist = tpdist.is_distributed()
     if not use_dist:
         tpdist.refuse_uninitialised_launch()
@@ -453,7 +456,7 @@ def _commit(
     try:
         payload = _results_payload(
             storage_writer.retrieve_write_results(),
-            storage_writer.file_token,
+            storage_writer.results_token,
             cache,
             dist_wrapper.global_coordinator_rank,
         )

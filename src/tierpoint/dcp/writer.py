@@ -35,7 +35,9 @@ Invariants:
   object stores, or after torch's own save flow) the coordinator removes after its commit.
 - While an async save into a directory is in flight in this process (from
   :meth:`Writer.get_save_function_and_args` until it is finalized or discarded), another save into
-  that directory is refused in ``set_up_storage_writer``: it would name the same files and markers.
+  that directory is refused in ``set_up_storage_writer``: it would use the same markers. The
+  writer of that save itself refuses to be reset or set up for another save meanwhile (its
+  finalize still needs what it holds), before it changes anything.
 - A failed save leaves no ``.metadata``; :meth:`Writer.discard` removes what this rank wrote. (On
   an object store a ``.metadata`` upload whose reply never came may still land: then the
   coordinator's marker stays, so the step never counts as complete.)
@@ -170,10 +172,13 @@ class Writer(StorageWriter):
         """Data files and ``.metadata`` of an earlier save this rank saw at set-up (local paths)."""
         self.file_token = ""
         """Part of this save's data file names, new at every ``set_up_storage_writer``."""
+        self.results_token = ""
+        """The ``file_token`` of the files :meth:`retrieve_write_results` names."""
 
     # ---------------------------------------------------------------------- StorageWriter
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.refuse_if_in_flight()
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.save_id = uuid.uuid4().hex
@@ -185,6 +190,7 @@ class Writer(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Create the directory and this rank's unfinished marker (before any data is written)."""
+        self.refuse_if_in_flight()
         self.is_coordinator = is_coordinator
         self.earlier_files = []
         self.file_token = _new_file_token()
@@ -212,15 +218,23 @@ class Writer(StorageWriter):
                     ", ".join(stale),
                 )
         self._claim(check_only=True)
-        storage.makedirs(self.path, self.storage_options)
-        storage.touch(self._url(marker_name(self.rank)), storage_options=self.storage_options)
+        self._make_marker()
         self._marker_made = True
         if is_coordinator:  # re-saving into a committed directory un-commits it first
             storage.remove(
                 self._url(METADATA_NAME), storage_options=self.storage_options, upload=self.upload
             )
-        if storage.is_local(self.path):  # an object store is one namespace: names are replaced
+        if storage.is_local(self.path):  # on object stores they go after the commit
             self.earlier_files = _earlier_save_files(storage.local_path(self.path))
+
+    def refuse_if_in_flight(self) -> None:
+        """Raise if this writer's async save is written or being written but not yet finalized."""
+        if self._busy_key is not None:
+            raise CheckpointingError(
+                f"{self.path}: this Writer's async save is still in flight; finalize it first "
+                "(AsyncCallsQueue.maybe_finalize_async_calls(blocking=True), or the result of "
+                "async_save), or save through another Writer"
+            )
 
     def remove_earlier_save(self) -> None:
         """Remove the data files and ``.metadata`` an earlier save left in this rank's view of the
@@ -293,7 +307,7 @@ class Writer(StorageWriter):
                 upload=self.upload,
                 timeout=self.timeout,
             )
-            self._results = files.write_results(plan, self._byte_sizes(byte_records))
+            self._keep_results(files.write_results(plan, self._byte_sizes(byte_records)))
         except Exception as e:  # noqa: BLE001 - agreed by the caller, or raised below
             self.write_error = error_text(e)
             if raise_errors:
@@ -330,7 +344,7 @@ class Writer(StorageWriter):
         self._buffer = buf
         _copy(*self._copy_pairs(plan, files, buf), buf)
         byte_records = self._resolve_bytes()
-        self._results = files.write_results(plan, self._byte_sizes(byte_records))
+        self._keep_results(files.write_results(plan, self._byte_sizes(byte_records)))
         if directory is None or not buf.file_backed:
             return {"buffer": buf, "byte_records": byte_records}
         self._buffer = None
@@ -430,6 +444,24 @@ class Writer(StorageWriter):
     def _named_files(self, thread_count: int) -> RankFiles:
         assert self._plan is not None
         return _files_for(self._plan, self._prefix, thread_count).with_token(self.file_token)
+
+    def _keep_results(self, results: list[WriteResult]) -> None:
+        self._results, self.results_token = results, self.file_token
+
+    def _make_marker(self) -> None:
+        """Create the step directory and this rank's marker in it. Another rank's clean-up after
+        a failed save removes the directory once it is empty, so a save that follows at once may
+        find it gone between the two steps: then both are done again."""
+        for attempt in range(3):
+            storage.makedirs(self.path, self.storage_options)
+            try:
+                storage.touch(
+                    self._url(marker_name(self.rank)), storage_options=self.storage_options
+                )
+                return
+            except CheckpointingError as e:
+                if attempt == 2 or not isinstance(e.__cause__, FileNotFoundError):
+                    raise
 
     def _forget_plan(self) -> None:
         self._plan, self._planner, self._files = None, None, None
