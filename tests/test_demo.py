@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
 def test_lost_node_resumes_bit_equal_and_replicas_return() -> None:
     shm = Path("/dev/shm")
     before = set(shm.glob("tierpoint-demo-*")) if shm.is_dir() else set()
+    logs = Path(tempfile.gettempdir())
+    torchrun_logs = set(logs.glob("torchelastic_*"))
     proc = subprocess.run(
         [sys.executable, "-m", "tierpoint.demo", "--steps=24", "--save-every=8", "--crash-at=19"],
         capture_output=True,
@@ -33,6 +36,7 @@ def test_lost_node_resumes_bit_equal_and_replicas_return() -> None:
     assert "rank 2: part of rank 0; rank 3: part of rank 1" in out
     if shm.is_dir():
         assert set(shm.glob("tierpoint-demo-*")) == before  # the demo removes what it wrote
+    assert set(logs.glob("torchelastic_*")) == torchrun_logs  # torchrun's too
 
 
 def test_a_failed_node_stops_the_other_nodes_job_instead_of_leaving_it_waiting() -> None:

@@ -144,10 +144,13 @@ def worker(args: argparse.Namespace) -> None:
 
 def torchrun(args: argparse.Namespace, worker_args: list[str], log: Path) -> int:
     """One torchrun per simulated node; returns the first non-zero exit code (0 if all succeeded)."""
+    scratch = log.parent / "tmp"  # torchrun's log directories, removed with the demo's files
+    scratch.mkdir(exist_ok=True)
     env = dict(
         os.environ,
         GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         OMP_NUM_THREADS="1",
+        TMPDIR=str(scratch),
     )
     port = free_port()
     procs = []
