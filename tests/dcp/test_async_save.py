@@ -224,6 +224,26 @@ def test_a_directory_with_a_save_in_flight_is_not_saved_into_again(tmp_path):
     assert torch.equal(out["w"], torch.full((1000,), 4.0))
 
 
+def test_a_save_the_queue_cannot_take_releases_its_directory(tmp_path):
+    """Making room for a save finalizes the one before; when that one failed, the new save is not
+    taken and must release what planning took (its step directory, markers, staging): saving
+    that step again then works."""
+    w = torch.arange(1000.0)
+    state = {"w": w}
+    with AsyncCallsQueue(max_in_flight=1) as queue:
+        failing = async_save_request(state, step_path(tmp_path, 2))
+        w.data = torch.zeros(10)  # the state changes between planning and snapshot
+        queue.schedule_async_request(failing)
+        w.data = torch.arange(1000.0)
+        with pytest.raises(CheckpointingError, match="step-2 failed on rank 0: snapshot failed"):
+            async_save(state, step_path(tmp_path, 3), queue=queue)
+        assert not os.path.exists(step_path(tmp_path, 3))  # nothing of it is left
+        async_save(state, step_path(tmp_path, 3), queue=queue).result(timeout=120)
+    out = {"w": torch.zeros(1000)}
+    dcp.load(out, checkpoint_id=step_path(tmp_path, 3))
+    assert torch.equal(out["w"], torch.arange(1000.0))
+
+
 def _poll_between_training_collectives(rank: int, world: int, root: str) -> list[str | None]:
     """The README's loop: a training collective and a non-blocking poll every step, an async
     save every 4th; rank 1's saves take longer, so the ranks see them finish at different polls."""

@@ -148,7 +148,9 @@ class AsyncCallsQueue:
 
         Raises ``TypeError`` for anything but a valid :class:`AsyncRequest`, and
         :class:`CheckpointingError` for a request scheduled before (on any queue) or a closed queue,
-        all before the queue changes.
+        all before the queue changes. When the request cannot be taken (a closed or given-up queue,
+        or finalizing an earlier call to make room raised), its ``abort_fns`` run before the error
+        is raised: a planned save releases what it holds (its directory, staging, markers).
         """
         if not isinstance(request, AsyncRequest):
             raise TypeError(f"request must be an AsyncRequest, got {type(request).__name__}")
@@ -158,6 +160,28 @@ class AsyncCallsQueue:
                 f"{request.description}: this AsyncRequest was scheduled already; a request is "
                 "scheduled once (create a new one for another save)"
             )
+        try:
+            self._make_room()
+        except BaseException:
+            _run_all(request.abort_fns)
+            raise
+        request.scheduled = True
+        call = _Call(next(self._ids), request, time.monotonic())
+        self._calls.append(call)
+        if self.overlap_snapshot and request.preload_fn is not None:
+            call.snapshot = threading.Thread(
+                target=self._preload_and_dispatch, args=(call,), daemon=True
+            )
+            call.snapshot.start()
+        else:
+            # A failed snapshot is this rank's outcome of the call: it is agreed like any other, so
+            # every rank raises it at the next finalize instead of this rank alone raising now.
+            self._preload_and_dispatch(call)
+        return call.id
+
+    def _make_room(self) -> None:
+        """Ready to take one more call: open, earlier calls finalized down to ``max_in_flight - 1``
+        (collective), the group and a live worker there."""
         if self._closed:
             raise CheckpointingError("the AsyncCallsQueue is closed")
         if self._gave_up is not None:
@@ -173,19 +197,6 @@ class AsyncCallsQueue:
         if self._worker is None or self._worker.exitcode is not None:
             logger.warning("starting a new background worker (the previous one exited)")
             self._worker = Worker()
-        request.scheduled = True
-        call = _Call(next(self._ids), request, time.monotonic())
-        self._calls.append(call)
-        if self.overlap_snapshot and request.preload_fn is not None:
-            call.snapshot = threading.Thread(
-                target=self._preload_and_dispatch, args=(call,), daemon=True
-            )
-            call.snapshot.start()
-        else:
-            # A failed snapshot is this rank's outcome of the call: it is agreed like any other, so
-            # every rank raises it at the next finalize instead of this rank alone raising now.
-            self._preload_and_dispatch(call)
-        return call.id
 
     def _preload_and_dispatch(self, call: _Call) -> None:
         request = call.request
