@@ -156,6 +156,36 @@ def test_dead_peer_gives_an_error_not_a_hang(tmp_path: Path, late: bool) -> None
     assert "copy.bin" in message or "rank 0" in message
 
 
+def _one_destination_gone(rank: int, world: int, tmp: str) -> str:
+    _setup_dir(tmp, rank, 1 << 16)
+    if rank == 1:
+        os._exit(3)  # gone before the call
+    time.sleep(1.0)
+    moves = [
+        FileMove(0, 1, f"{tmp}/r0/own.bin", f"{tmp}/r1/copy.bin"),
+        FileMove(0, 2, f"{tmp}/r0/own.bin", f"{tmp}/r2/copy.bin"),
+    ]
+    start = time.monotonic()
+    try:
+        move_files(moves, timeout=60)
+        outcome = "ok"
+    except CheckpointingError as e:
+        outcome = str(e)
+    return f"{time.monotonic() - start:.1f}|{outcome}"
+
+
+def test_a_gone_destination_does_not_hold_up_the_others(tmp_path: Path) -> None:
+    """Rank 0 sends to rank 1 (gone) and to rank 2: rank 2 gets its file at once, rank 0 raises
+    naming the move to rank 1; nobody waits for the timeout."""
+    results = run_ranks(_one_destination_gone, 3, str(tmp_path), allow_crash={1}, timeout=120)
+    seconds = {r: float(results[r].split("|")[0]) for r in (0, 2)}
+    assert results[2].endswith("|ok"), results
+    assert "own.bin to rank 1: failed" in results[0], results
+    assert max(seconds.values()) < 30, results
+    own = (tmp_path / "r0" / "own.bin").read_bytes()
+    assert (tmp_path / "r2" / "copy.bin").read_bytes() == own
+
+
 def _uninvolved(rank: int, world: int) -> int:
     stats = move_files([], timeout=5)
     dist.barrier()

@@ -21,6 +21,8 @@ Invariants:
   sender's digest and/or the caller's check, fsynced, renamed to ``dst``, directory fsynced.
 - Any failure (peer gone, timeout, mismatch, full disk) removes the dirty file and raises a
   :class:`CheckpointingError` naming the file and the peer; it never leaves a partial file visible.
+  It fails that move only: the other moves are still posted and waited for, so a peer gone does
+  not leave the healthy ones waiting for their files until the timeout.
 - Tags never repeat within a process and group (a sequence per group that all ranks advance alike,
   one step per call), so a receive left over from a timed-out call can never match a later call's
   data; its destination mapping is kept alive (never unmapped) for the same reason. Calls on
@@ -322,10 +324,28 @@ def move_files(
     if unavailable is not None:
         failures.append(CheckpointingError(unavailable))
 
+    # A move whose send or receive failed (a peer gone, a timeout) fails alone: the others go on,
+    # so that a healthy peer is not left waiting for its file until the timeout.
+    failed: dict[int, CheckpointingError] = {}
+
+    def post(i: int, send: bool, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        try:
+            return _post(send, tensor, peer, group, tag, what)
+        except CheckpointingError as e:
+            failed.setdefault(i, e)
+            return None
+
+    def wait(pending: list[tuple[int, Any, str]]) -> None:
+        for i, work, what in pending:
+            try:
+                _wait([(work, what)], deadline)
+            except CheckpointingError as e:
+                failed.setdefault(i, e)
+
     # Phase 1: sizes (-1: the source cannot send).
     sources: dict[int, tuple[mmap.mmap | None, torch.Tensor]] = {}
     headers: dict[int, torch.Tensor] = {}
-    works: list[tuple[Any, str]] = []
+    works: list[tuple[int, Any, str]] = []
     try:
         for i, m in mine:
             header = headers[i] = torch.full((1,), -1, dtype=torch.int64)
@@ -338,11 +358,13 @@ def move_files(
                     except OSError as e:
                         failures.append(CheckpointingError(f"cannot send {m.src_path}: {e}"))
                 what = f"sending {m.src_path} to rank {m.dst}"
-                works.append((_post(True, header, m.dst, group, tags.header(i), what), what))
+                work = post(i, True, header, m.dst, tags.header(i), what)
             else:
                 what = f"receiving {m.dst_path} from rank {m.src}"
-                works.append((_post(False, header, m.src, group, tags.header(i), what), what))
-        _wait(works, deadline)
+                work = post(i, False, header, m.src, tags.header(i), what)
+            if work is not None:
+                works.append((i, work, what))
+        wait(works)
     except BaseException:
         mapper.abandon(sources.values())
         raise
@@ -357,6 +379,8 @@ def move_files(
     try:
         for i, m in mine:
             nbytes = int(headers[i][0])
+            if i in failed:
+                continue
             if nbytes < 0:
                 if m.dst == rank:
                     failures.append(
@@ -371,7 +395,10 @@ def move_files(
                 data = sources[i][1]
                 for b, begin in enumerate(buckets):
                     chunk = data[begin : begin + bucket_bytes]
-                    works.append((_post(True, chunk, m.dst, group, tags.bucket(i, b), what), what))
+                    work = post(i, True, chunk, m.dst, tags.bucket(i, b), what)
+                    if work is None:
+                        break
+                    works.append((i, work, what))
                 sent += nbytes
                 continue
             what = f"receiving {m.dst_path} from rank {m.src}"
@@ -394,23 +421,31 @@ def move_files(
             for b, begin in enumerate(buckets):
                 end = min(nbytes, begin + bucket_bytes)
                 chunk = view[begin:end] if view is not None else scratch[: end - begin]
-                work = _post(False, chunk, m.src, group, tags.bucket(i, b), what)
+                work = post(i, False, chunk, m.src, tags.bucket(i, b), what)
+                if work is None:
+                    break
                 arrivals.append((i, work, end, what))
-            if digest:
-                tag = tags.trailer(i, len(buckets))
-                works.append((_post(False, trailer, m.src, group, tag, what), what))
+            if digest and i not in failed:
+                work = post(i, False, trailer, m.src, tags.trailer(i, len(buckets)), what)
+                if work is not None:
+                    works.append((i, work, what))
             received += nbytes
         if digest:  # hashed while gloo sends the buckets
             for i, m in mine:
-                if i in sources and int(headers[i][0]) >= 0:
+                if i in sources and int(headers[i][0]) >= 0 and i not in failed:
                     m_map = sources[i][0]
                     trailer = torch.tensor([_digest(memoryview(m_map)) if m_map else _digest(b"")])
                     buckets = range(0, int(headers[i][0]), bucket_bytes)
                     what = f"sending {m.src_path} to rank {m.dst}"
-                    tag = tags.trailer(i, len(buckets))
-                    works.append((_post(True, trailer, m.dst, group, tag, what), what))
+                    work = post(i, True, trailer, m.dst, tags.trailer(i, len(buckets)), what)
+                    if work is not None:
+                        works.append((i, work, what))
         for i, work, end, what in arrivals:
-            _wait([(work, what)], deadline)
+            if i in failed:
+                continue
+            wait([(i, work, what)])
+            if i in failed:
+                continue
             for check in checks.get(i, ()):
                 try:
                     check.advance(end)
@@ -418,9 +453,9 @@ def move_files(
                     failures.append(e)
                     checks[i] = [_Rejected(e)]
                     break
-        _wait(works, deadline)
+        wait(works)
         for i, m in mine:
-            if i in targets:
+            if i in targets and i not in failed:
                 try:
                     _commit(m, targets.pop(i), checks.get(i, ()), mapper)
                 except (OSError, CheckpointingError) as e:
@@ -434,8 +469,15 @@ def move_files(
         if isinstance(e, OSError):
             raise CheckpointingError(f"file transfer failed: {e}") from e
         raise
-    for entry in sources.values():
-        mapper.done(entry)
+    # What a failed move's sends or receives still hold may yet be read or written by gloo.
+    for target in targets.values():  # only failed moves' targets are left
+        _unlink(target.dirty)
+    mapper.abandon((t.mapping, t.tensor) for t in targets.values())
+    mapper.abandon(entry for i, entry in sources.items() if i in failed)
+    for i, entry in sources.items():
+        if i not in failed:
+            mapper.done(entry)
+    failures.extend(failed[i] for i in sorted(failed))
     if failures:
         first = failures[0]
         if isinstance(first, OSError):
