@@ -3,6 +3,7 @@ on every rank; saves interrupted by SIGKILL are never returned."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import warnings
@@ -123,8 +124,9 @@ def test_views_agree_and_a_rank_killed_mid_write_never_yields_a_checkpoint(tmp_p
     assert get_latest_complete_checkpoint(killed) == step_path(killed, 1)
 
 
-def test_a_crash_after_commit_before_unmarking_is_not_returned(tmp_path, monkeypatch):
-    """Even a committed .metadata does not count while a marker says a rank may still write."""
+def test_a_crash_after_commit_before_unmarking_is_not_returned(tmp_path, monkeypatch, caplog):
+    """Even a committed .metadata does not count while a marker says a rank may still write; a
+    WARNING says why the older step is returned."""
     save({"a": torch.ones(8)}, step_path(tmp_path, 1))
     original = storage.remove
 
@@ -138,4 +140,8 @@ def test_a_crash_after_commit_before_unmarking_is_not_returned(tmp_path, monkeyp
         save({"a": torch.ones(8) * 2}, step_path(tmp_path, 2))
     left = untokened(os.listdir(step_path(tmp_path, 2)))
     assert left == [".metadata", ".unfinished-0", "__0_0.distcp"]
-    assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 1)
+    with caplog.at_level(logging.WARNING, logger="tierpoint"):
+        assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 1)
+    assert f"{step_path(tmp_path, 2)} has a .metadata but unfinished markers of rank(s) 0" in (
+        caplog.text
+    )

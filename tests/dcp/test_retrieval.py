@@ -208,3 +208,26 @@ def test_a_node_away_while_its_step_was_saved_again_keeps_nothing_that_is_read(
         ("step-5", 62.0, 60.0, False),
     ]
     assert set(kept) <= set(os.listdir(_node_dir(tmp, 1, 5)))  # left there, never read
+
+
+def _latest_warned(rank: int, world: int, tmp: str) -> tuple[str | None, list[str]]:
+    os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tierpoint").addHandler(handler)
+    latest = dcp.get_latest_complete_checkpoint(os.path.join(tmp, f"node{rank}"), node_local=True)
+    return latest and os.path.basename(latest), warned
+
+
+def test_a_marker_a_node_kept_skips_the_step_with_a_warning(tmp_path: Path) -> None:
+    """Node 1 kept rank 1's marker of step 5 (a save there did not finish): step 3 is loaded and
+    the decider says which step was skipped and why."""
+    tmp = str(tmp_path)
+    run_ranks(_save_placed, 2, tmp, 3, [0, 1], 30.0, False)
+    run_ranks(_save_placed, 2, tmp, 5, [0, 1], 50.0, False)
+    Path(_node_dir(tmp, 1, 5), ".unfinished-1").touch()
+    (latest0, warned0), (latest1, warned1) = run_ranks(_latest_warned, 2, tmp)
+    assert latest0 == latest1 == "step-3"
+    assert any("step-5 has a .metadata but unfinished markers of rank(s) 1" in m for m in warned0)
+    assert not warned1  # said once, by the deciding rank

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,8 @@ from ..errors import CheckpointingError, error_text, failed_on_ranks
 STEP_PREFIX = "step-"
 METADATA_NAME = ".metadata"
 MARKER_PREFIX = ".unfinished-"
+
+logger = logging.getLogger("tierpoint")
 
 _STEP = re.compile(r"^step-(\d+)$")
 _MARKER = re.compile(r"^\.unfinished-(\d+)$")
@@ -95,6 +98,28 @@ def choose_latest(views: Sequence[Sequence[Sequence]]) -> int | None:
     return next(iter(complete_steps(views)), None)
 
 
+def warn_skipped(base: str, views: Sequence[Sequence[Sequence]], latest: int | None) -> None:
+    """A WARNING for each step newer than ``latest`` that is committed in some view but still
+    marked unfinished (a save into it did not finish its clean-up, or a node kept a marker of an
+    earlier one): an older step loads, and the user should know why."""
+    committed: set[int] = set()
+    markers: dict[int, set[int]] = {}
+    for view in views:
+        for step, has_metadata, ranks in view:
+            if has_metadata:
+                committed.add(int(step))
+            if ranks:
+                markers.setdefault(int(step), set()).update(int(r) for r in ranks)
+    for step in sorted(committed & set(markers), reverse=True):
+        if latest is None or step > latest:
+            logger.warning(
+                "%s has a .metadata but unfinished markers of rank(s) %s (a save into it did not "
+                "finish): it is not loaded. Save it again (overwrite=True), or remove it",
+                step_path(base, step),
+                ", ".join(map(str, sorted(markers[step]))),
+            )
+
+
 def get_latest_complete_checkpoint(
     base: str | os.PathLike,
     *,
@@ -120,6 +145,7 @@ def get_latest_complete_checkpoint(
     decision = None
     if tpdist.get_rank() == _decider(group):
         decision = choose_latest([v["view"] for v in views])
+        warn_skipped(base, [v["view"] for v in views], decision)
     step = tpdist.broadcast_json(
         decision, _decider(group), f"agreeing on the latest checkpoint under {base}", group=group
     )
@@ -155,10 +181,14 @@ def _latest_node_local(
 
     views = _gather_views(base, storage_options, group)
     # Every rank holds every view, so every rank walks the same candidates in the same order.
+    found = None
     for step in complete_steps([v["view"] for v in views]):
         if retrieve_missing(step_path(base, step)):
-            return step_path(base, step)
-    return None
+            found = step
+            break
+    if tpdist.get_rank() == _decider(group):
+        warn_skipped(str(base), [v["view"] for v in views], found)
+    return None if found is None else step_path(base, found)
 
 
 def _decider(group: Any) -> int:
