@@ -263,15 +263,15 @@ def _post(send: bool, tensor: torch.Tensor, peer: int, group: Any, tag: int, wha
         raise _failure(e, what) from e
 
 
-def _wait(works: list[tuple[Any, str]], deadline: float) -> None:
-    for work, what in works:
-        left = max(0.001, deadline - time.monotonic())
-        try:
-            ok = work.wait(timeout=timedelta(seconds=left))
-        except (RuntimeError, dist.DistError) as e:
-            raise _failure(e, what) from e
-        if ok is False:
-            raise CoordinationTimeoutError(f"{what}: timed out")
+def _wait(work: Any, what: str, deadline: float) -> None:
+    """Wait for one posted send or receive, at most until ``deadline``."""
+    left = max(0.001, deadline - time.monotonic())
+    try:
+        ok = work.wait(timeout=timedelta(seconds=left))
+    except (RuntimeError, dist.DistError) as e:
+        raise _failure(e, what) from e
+    if ok is False:
+        raise CoordinationTimeoutError(f"{what}: timed out")
 
 
 def move_files(
@@ -338,7 +338,7 @@ def move_files(
     def wait(pending: list[tuple[int, Any, str]]) -> None:
         for i, work, what in pending:
             try:
-                _wait([(work, what)], deadline)
+                _wait(work, what, deadline)
             except CheckpointingError as e:
                 failed.setdefault(i, e)
 
@@ -378,9 +378,9 @@ def move_files(
     sent = received = 0
     try:
         for i, m in mine:
-            nbytes = int(headers[i][0])
             if i in failed:
                 continue
+            nbytes = int(headers[i][0])
             if nbytes < 0:
                 if m.dst == rank:
                     failures.append(

@@ -143,16 +143,22 @@ def _save_placed(
     dcp.save(state, _node_dir(tmp, node, step), overwrite=again)
 
 
-def _latest_placed(
-    rank: int, world: int, tmp: str, nodes: list[int]
-) -> tuple[str, float, float, bool]:
-    node = nodes[rank]
+def _latest_on_node(node: int, tmp: str) -> tuple[str | None, list[str]]:
+    """This rank runs on ``node``: the latest checkpoint there (node-local), and the WARNINGs
+    logged meanwhile."""
     os.environ["TIERPOINT_NODE_ID"] = f"node{node}"
     warned: list[str] = []
-    handler = logging.Handler()
+    handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("tierpoint").addHandler(handler)
     latest = dcp.get_latest_complete_checkpoint(os.path.join(tmp, f"node{node}"), node_local=True)
+    return latest, warned
+
+
+def _latest_placed(
+    rank: int, world: int, tmp: str, nodes: list[int]
+) -> tuple[str, float, float, bool]:
+    latest, warned = _latest_on_node(nodes[rank], tmp)
     assert latest is not None
     state = {f"rank{rank}": torch.zeros(1000), "w": torch.zeros(10)}
     dcp.load(state, latest)
@@ -164,8 +170,8 @@ def test_a_step_saved_into_again_with_the_ranks_on_other_nodes_loads_the_new_sav
     tmp_path: Path,
 ) -> None:
     """Saved into again with the ranks swapped: every node first removes the earlier save's
-    .metadata and data files (they share names with the new save's files on the other node), so a
-    restart on the first placement loads the new save, not half of each."""
+    .metadata and data files, and a restart on the first placement loads the new save, not half
+    of each."""
     tmp = str(tmp_path)
     run_ranks(_save_placed, 2, tmp, 3, [0, 1], 30.0, False)
     run_ranks(_save_placed, 2, tmp, 5, [0, 1], 50.0, False)
@@ -211,12 +217,7 @@ def test_a_node_away_while_its_step_was_saved_again_keeps_nothing_that_is_read(
 
 
 def _latest_warned(rank: int, world: int, tmp: str) -> tuple[str | None, list[str]]:
-    os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"
-    warned: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("tierpoint").addHandler(handler)
-    latest = dcp.get_latest_complete_checkpoint(os.path.join(tmp, f"node{rank}"), node_local=True)
+    latest, warned = _latest_on_node(rank, tmp)
     return latest and os.path.basename(latest), warned
 
 

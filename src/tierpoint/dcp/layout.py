@@ -79,18 +79,24 @@ def local_view(
     return sorted(out)
 
 
+def _merged(views: Sequence[Sequence[Sequence]]) -> tuple[set[int], dict[int, set[int]]]:
+    """The steps committed in some view, and the marker ranks each step has in any view."""
+    committed: set[int] = set()
+    markers: dict[int, set[int]] = {}
+    for view in views:
+        for step, has_metadata, ranks in view:
+            if has_metadata:
+                committed.add(int(step))
+            if ranks:
+                markers.setdefault(int(step), set()).update(int(r) for r in ranks)
+    return committed, markers
+
+
 def complete_steps(views: Sequence[Sequence[Sequence]]) -> list[int]:
     """Steps committed in some view and marked unfinished in none, newest first (``views``: one
     :func:`local_view` per rank)."""
-    committed: set[int] = set()
-    unfinished: set[int] = set()
-    for view in views:
-        for step, has_metadata, markers in view:
-            if has_metadata:
-                committed.add(int(step))
-            if markers:
-                unfinished.add(int(step))
-    return sorted(committed - unfinished, reverse=True)
+    committed, markers = _merged(views)
+    return sorted(committed - set(markers), reverse=True)
 
 
 def choose_latest(views: Sequence[Sequence[Sequence]]) -> int | None:
@@ -102,14 +108,7 @@ def warn_skipped(base: str, views: Sequence[Sequence[Sequence]], latest: int | N
     """A WARNING for each step newer than ``latest`` that is committed in some view but still
     marked unfinished (a save into it did not finish its clean-up, or a node kept a marker of an
     earlier one): an older step loads, and the user should know why."""
-    committed: set[int] = set()
-    markers: dict[int, set[int]] = {}
-    for view in views:
-        for step, has_metadata, ranks in view:
-            if has_metadata:
-                committed.add(int(step))
-            if ranks:
-                markers.setdefault(int(step), set()).update(int(r) for r in ranks)
+    committed, markers = _merged(views)
     for step in sorted(committed & set(markers), reverse=True):
         if latest is None or step > latest:
             logger.warning(

@@ -343,9 +343,10 @@ def _clean(storage_writer: Writer) -> int:
 def _remove_earlier_saves(storage_writer: Writer, group: Any, use_dist: bool) -> None:
     """Some rank's directory holds an earlier save's data files or ``.metadata`` (the step is
     saved into again): every rank removes those it listed at set-up, and no rank writes before all
-    are done (the agreement is the barrier). Otherwise, on node-local disks, a node could keep an
-    earlier file under a name this save writes on another node, and a later retrieval read it.
-    Collective; a failure on any rank fails the save on every rank."""
+    are done (the agreement is the barrier), so that the earlier save takes no room while this one
+    is written, on every node that takes part. (Reading them for this save's is ruled out anyway:
+    their names carry another token.) Collective; a failure on any rank fails the save on every
+    rank."""
     what = f"removing the earlier save's files from {storage_writer.path}"
     error: BaseException | None = None
     try:
@@ -516,10 +517,10 @@ def _results_payload(
         cache._sent.clear()
         cache._sent_to = coordinator
     digest = xxhash.xxh3_128_hexdigest(json.dumps(encoded).encode())
-    if digest in cache._sent:
-        _remember(cache._sent, digest, None)
-        return {"same_as": digest, "token": token}
+    known = digest in cache._sent
     _remember(cache._sent, digest, None)
+    if known:
+        return {"same_as": digest, "token": token}
     return {"results": encoded, "digest": digest, "token": token}
 
 
