@@ -54,6 +54,10 @@ class UnsupportedStateError(CheckpointingError):
         self.key_path = key_path
 
 
+class StateMismatchError(CheckpointingError):
+    """The state to restore into differs from the checkpoint: keys, shapes, dtypes or sharding."""
+
+
 class CoordinationTimeoutError(CheckpointingError):
     """A collective among ranks did not complete within its timeout."""
 
@@ -98,6 +102,7 @@ _BY_NAME = {
         UnsupportedStateError,
         CoordinationTimeoutError,
         SameMachineReplicationException,
+        StateMismatchError,
     )
 }
 
@@ -107,5 +112,6 @@ __all__ = [
     "CoordinationTimeoutError",
     "CorruptCheckpointError",
     "SameMachineReplicationException",
+    "StateMismatchError",
     "UnsupportedStateError",
 ]

@@ -419,6 +419,17 @@ class LocalCheckpointManager(PartRecovery):
         self._requested.add(iteration)
         return self._async_request(flat, plan, iteration, keep)
 
+    def read_own_part(self, iteration: int) -> Any:
+        """This rank's own committed part of ``iteration``, as saved (tensors map the file's pages,
+        nothing is copied; no collective, no peer fetch). For a caller that saved it in this process
+        (the tiered manager builds its persistent copy from it). Raises :class:`CheckpointingError`
+        when the part is not here."""
+        loaded, reason, _ = self._read_own(iteration, allow_pickle=False, verify=False)
+        if loaded is None:
+            raise CheckpointingError(reason)
+        header, tensors = loaded
+        return fileformat.unflatten_checked(header, tensors)
+
     def _extra(self, iteration: int) -> dict[str, Any]:
         return {
             "iteration": iteration,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,18 @@ from .naming import CkptID
 from .retrieval import HolderStatus, RetrievalPlan, plan_retrieval
 
 logger = logging.getLogger("tierpoint")
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """What the last successful :meth:`PartRecovery.load` did: the iteration, whether any rank's
+    part came from a peer (the same on every rank: the plan is agreed), this rank's bytes and
+    seconds."""
+
+    iteration: int
+    from_peers: bool
+    nbytes: int
+    seconds: float
 
 
 class PartRecovery:
@@ -59,6 +72,7 @@ class PartRecovery:
     _scan_cache: dict[str, Any]
     _mappings: transfer.MappingCache
     _restore: threading.Thread | None
+    last_load: LoadRecord | None = None
 
     def load(self, *, allow_pickle: bool = False) -> tuple[TensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (verified). Collective.
@@ -124,6 +138,7 @@ class PartRecovery:
         start = time.perf_counter()
         loaded, reason, kind = self._read_own(iteration, allow_pickle)
         first_reason = reason
+        from_peers = False
         bad: list[list[int]] = []
         group = self.repl_strategy.group if self.repl_strategy else tpdist.coordination_group()
         what = f"loading local checkpoint iteration {iteration}"
@@ -153,6 +168,7 @@ class PartRecovery:
                 return None
             if not plan.moves:
                 break
+            from_peers = True
             self._log_plan(iteration, plan, "part(s) from peers")
             failed = self._fetch(iteration, plan, group)
             bad += failed  # sources that failed stay excluded
@@ -184,6 +200,9 @@ class PartRecovery:
             start,
         )
         self._latest = iteration
+        self.last_load = LoadRecord(
+            iteration, from_peers, header.file_size, time.perf_counter() - start
+        )
         self._restore_replicas(iteration)
         return ta, CkptID(iteration, self.rank, self.session_id)
 

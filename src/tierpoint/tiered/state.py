@@ -1,0 +1,301 @@
+"""A training state as the tiers see it: taken apart for saving, checked and put back in place on
+restore.
+
+A *state* is what a training loop hands to :class:`~tierpoint.TieredCheckpointManager`: a dict whose
+values are tensors, plain values, nested dicts / lists / tuples of those, objects with
+``state_dict()`` / ``load_state_dict()`` (torch DCP's ``Stateful``: modules, optimizers, LR
+schedulers, data-loader wrappers, RNG holders), and :class:`RankLocal` wrappers for values that
+differ between ranks.
+
+Call order::
+
+    init_optimizers(state)            # restore only: a fresh optimizer gets its (zero) state
+    tree = template(state)            # stateful members replaced by their state_dict(), tensors shared
+    ... a tier fills ``tree`` in place (tensors copied into, plain values replaced) ...
+    apply(state, tree)                # load_state_dict on stateful members, plain values replaced
+
+Saving uses :func:`template` too, then :func:`local_form` (the local tier: DTensors as this rank's
+local shards, rank-local values unwrapped) or :func:`persistent_form` (the persistent tier: DTensors
+kept for resharding, rank-local values under a per-rank key).
+
+Invariants: :func:`check_loaded` and :func:`check_against_metadata` report every difference between
+the live state and a checkpoint (missing or extra keys, other shapes or dtypes, other shardings)
+before anything is copied, so a refused restore leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointingError
+
+RANK_LOCAL_KEY = "__rank_local__"
+"""Where the persistent tier keeps each rank's :class:`RankLocal` values: ``<key>.<rank>.<name>``."""
+
+SHARDING_KEY = "__sharding__"
+"""Where the local tier records, per DTensor path, how it was sharded (checked on restore)."""
+
+_MAX_REPORTED = 12
+
+
+class RankLocal:
+    """Marks a value of the state that differs between ranks (RNG states, a per-rank data position).
+
+    The local tier keeps one part per rank anyway; the persistent tier, which stores replicated
+    values once, stores each rank's copy under its own key and gives each rank its own back (rank 0's
+    when the job restarts with more ranks). Only allowed as a top-level value of the state.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"RankLocal({self.value!r})"
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def init_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+    """Give each optimizer of ``state`` that has no state yet its state, by one step with zero
+    gradients and a zero learning rate (torch DCP's way: the parameters do not change), so that a
+    checkpoint's optimizer state has tensors to load into. Returns the optimizers so initialised."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    done = []
+    for value in _members(state):
+        if isinstance(value, torch.optim.Optimizer) and not value.state:
+            _init_optim_state(value)
+            done.append(value)
+    return done
+
+
+def _members(state: Mapping[str, Any]) -> list[Any]:
+    out = []
+    for value in state.values():
+        value = value.value if isinstance(value, RankLocal) else value
+        if isinstance(value, Mapping) and not is_stateful(value):
+            out += _members(value)
+        else:
+            out.append(value)
+    return out
+
+
+def template(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with each stateful member replaced by its ``state_dict()``; containers are new,
+    tensors are the live ones (module state dicts alias the parameters)."""
+    if not isinstance(state, Mapping):
+        raise CheckpointingError(f"the state must be a dict, got {type(state).__name__}")
+    return {key: _template(value, str(key), top=True) for key, value in state.items()}
+
+
+def _template(value: Any, path: str, top: bool = False) -> Any:
+    if isinstance(value, RankLocal):
+        if not top:
+            raise CheckpointingError(f"{path}: RankLocal is only allowed as a top-level value")
+        return RankLocal(_template(value.value, path))
+    if isinstance(value, torch.Tensor):
+        return value
+    if is_stateful(value):
+        return _template(value.state_dict(), path)
+    if isinstance(value, Mapping):
+        return {k: _template(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_template(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return tuple(_template(v, f"{path}[{i}]") for i, v in enumerate(value))
+    return value
+
+
+def local_form(tree: dict[str, Any]) -> dict[str, Any]:
+    """What the local tier stores: DTensors as this rank's local shard (their mesh and placements
+    under :data:`SHARDING_KEY`), rank-local values unwrapped."""
+    sharding: dict[str, str] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, RankLocal):
+            return walk(value.value, path)
+        if is_dtensor(value):
+            sharding[path] = _sharding_of(value)
+            return value.to_local()
+        if isinstance(value, Mapping):
+            return {k: walk(v, f"{path}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, f"{path}[{i}]") for i, v in enumerate(value))
+        return value
+
+    out = {key: walk(value, str(key)) for key, value in tree.items()}
+    out[SHARDING_KEY] = sharding
+    return out
+
+
+def _sharding_of(t: Any) -> str:
+    mesh = t.device_mesh
+    return f"mesh {tuple(mesh.mesh.shape)} ranks {mesh.mesh.flatten().tolist()} placements {t.placements}"
+
+
+def persistent_form(tree: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What the persistent tier stores: rank-local values under ``__rank_local__.<rank>``."""
+    out = {k: v for k, v in tree.items() if not isinstance(v, RankLocal)}
+    mine = {k: v.value for k, v in tree.items() if isinstance(v, RankLocal)}
+    if mine:
+        out[RANK_LOCAL_KEY] = {str(rank): mine}
+    return out
+
+
+def from_persistent_form(tree: dict[str, Any], loaded: dict[str, Any], rank: int) -> None:
+    """Put the rank-local values of a loaded :func:`persistent_form` back into ``tree``."""
+    mine = loaded.get(RANK_LOCAL_KEY, {}).get(str(rank), {})
+    for key, value in mine.items():
+        tree[key] = RankLocal(value)
+    for key, value in loaded.items():
+        if key != RANK_LOCAL_KEY:
+            tree[key] = value
+
+
+def check_loaded(live: Any, loaded: Any, path: str = "") -> list[str]:
+    """Every difference between ``live`` (a :func:`local_form`) and a loaded local part."""
+    problems: list[str] = []
+    _compare(live, loaded, path, problems)
+    return problems
+
+
+def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
+    if isinstance(live, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            problems.append(
+                f"{path}: a tensor in the state, {type(loaded).__name__} in the checkpoint"
+            )
+        elif live.shape != loaded.shape or live.dtype != loaded.dtype:
+            problems.append(
+                f"{path}: {live.dtype} {tuple(live.shape)} in the state, "
+                f"{loaded.dtype} {tuple(loaded.shape)} in the checkpoint"
+            )
+    elif isinstance(live, Mapping):
+        if not isinstance(loaded, Mapping):
+            problems.append(
+                f"{path}: a dict in the state, {type(loaded).__name__} in the checkpoint"
+            )
+            return
+        missing = [k for k in live if k not in loaded]
+        extra = [k for k in loaded if k not in live]
+        if missing:
+            problems.append(f"{path or '<root>'}: not in the checkpoint: {_names(missing)}")
+        if extra:
+            problems.append(f"{path or '<root>'}: only in the checkpoint: {_names(extra)}")
+        for k in live:
+            if k in loaded:
+                _compare(live[k], loaded[k], f"{path}.{k}" if path else str(k), problems)
+    elif isinstance(live, (list, tuple)) and _holds_tensors(live):
+        if not isinstance(loaded, (list, tuple)) or len(loaded) != len(live):
+            problems.append(f"{path}: {len(live)} entries in the state, other in the checkpoint")
+            return
+        for i, (a, b) in enumerate(zip(live, loaded)):
+            _compare(a, b, f"{path}[{i}]", problems)
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v) for v in value)
+    return False
+
+
+def _names(keys: list[Any]) -> str:
+    shown = ", ".join(map(str, keys[:_MAX_REPORTED]))
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > _MAX_REPORTED else "")
+
+
+def check_against_metadata(flat: Mapping[str, Any], metadata: Any) -> list[str]:
+    """Every difference between a flattened state (torch DCP's fully qualified names) and the
+    ``state_dict_metadata`` of a DCP checkpoint."""
+    stored = metadata.state_dict_metadata
+    problems = []
+    missing = sorted(k for k in flat if k not in stored)
+    extra = sorted(k for k in stored if k not in flat and not k.startswith(RANK_LOCAL_KEY))
+    if missing:
+        problems.append(f"not in the checkpoint: {_names(missing)}")
+    if extra:
+        problems.append(f"only in the checkpoint: {_names(extra)}")
+    for key, value in flat.items():
+        md = stored.get(key)
+        if md is None or not isinstance(value, torch.Tensor):
+            continue
+        size = getattr(md, "size", None)
+        dtype = getattr(getattr(md, "properties", None), "dtype", None)
+        if size is None:
+            problems.append(f"{key}: a tensor in the state, a value in the checkpoint")
+        elif tuple(size) != tuple(value.shape) or dtype != value.dtype:
+            problems.append(
+                f"{key}: {value.dtype} {tuple(value.shape)} in the state, "
+                f"{dtype} {tuple(size)} in the checkpoint"
+            )
+    return problems
+
+
+def copy_into(live: Any, loaded: Any) -> Any:
+    """Copy a checked ``loaded`` tree into ``live`` (a :func:`local_form`'s source tree: DTensors
+    receive into their local shard); returns the value to keep at this place."""
+    if isinstance(live, RankLocal):
+        return RankLocal(copy_into(live.value, loaded))
+    if isinstance(live, torch.Tensor):
+        target = live.to_local() if is_dtensor(live) else live
+        with torch.no_grad():
+            target.copy_(loaded)
+        return live
+    if isinstance(live, dict):
+        for k in list(live):
+            live[k] = copy_into(live[k], loaded[k])
+        return live
+    if isinstance(live, list) and _holds_tensors(live):
+        for i in range(len(live)):
+            live[i] = copy_into(live[i], loaded[i])
+        return live
+    if isinstance(live, tuple) and _holds_tensors(live):
+        return tuple(copy_into(a, b) for a, b in zip(live, loaded))
+    return loaded
+
+
+def apply(state: dict[str, Any], tree: Mapping[str, Any]) -> None:
+    """Put a filled :func:`template` back into ``state``: ``load_state_dict`` on stateful members,
+    plain values replaced, tensors (already filled in place) left as they are."""
+    for key in list(state):
+        state[key] = _apply(state[key], tree[key])
+
+
+def _apply(value: Any, filled: Any) -> Any:
+    if isinstance(value, RankLocal):
+        inner = filled.value if isinstance(filled, RankLocal) else filled
+        value.value = _apply(value.value, inner)
+        return value
+    if isinstance(value, torch.Tensor):
+        if filled is not value:
+            with torch.no_grad():
+                (value.to_local() if is_dtensor(value) else value).copy_(
+                    filled.to_local() if is_dtensor(filled) else filled
+                )
+        return value
+    if is_stateful(value):
+        value.load_state_dict(filled)
+        return value
+    if isinstance(value, dict):
+        for k in list(value):
+            value[k] = _apply(value[k], filled[k])
+        return value
+    return filled
+
+
+__all__ = ["RankLocal"]
