@@ -29,6 +29,7 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'tierpoint' has no attribute {name!r}")
 
+
 __all__ = [
     "BasicTensorAwareStateDict",
     "CheckpointingError",
