@@ -127,7 +127,8 @@ class TieredCheckpointManager:
                 "nothing to save to: local_every is 0 and there is no persistent tier "
                 "(give persistent_dir and persistent_every > 0, or local_every > 0)"
             )
-        tpdist.refuse_uninitialised_launch()
+        if not tpdist.is_distributed():
+            tpdist.refuse_uninitialised_launch()
         self.local_every = local_every
         self.persistent_every = persistent_every
         self.keep_persistent = keep_persistent

@@ -1,0 +1,100 @@
+"""TieredCheckpointManager restores the newest checkpoint complete anywhere: from the local tier,
+from peer replicas after a node lost its directory, from an older local step when the newest is
+damaged in every copy, and from the persistent tier when every local directory is gone; each
+bit for bit, on 4 ranks simulating 2 nodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tierpoint import TieredCheckpointManager
+from tierpoint.spawn import run_ranks
+
+from .helpers import as_node, assert_same, fingerprint, make_state, train_step, wipe
+
+EVERY = {"local_every": 2, "persistent_every": 4, "keep_local": 2, "keep_persistent": 2}
+
+
+def _manager(root: Path, node: int, **kwargs) -> TieredCheckpointManager:
+    return TieredCheckpointManager(
+        str(root / f"node{node}"), str(root / "persistent"), "job", **{**EVERY, **kwargs}
+    )
+
+
+def _restore(root: Path, node: int, rank: int) -> tuple[object, dict, dict]:
+    state = make_state(rank)
+    with _manager(root, node) as manager:
+        step = manager.restore(state)
+        if manager.local is not None:
+            manager.local.wait_for_restore()
+        record = manager.last_restore
+    return step, record, fingerprint(state)
+
+
+def _wipe_node(root: Path, node: int, rank: int, lost: set[int]) -> None:
+    dist.barrier()
+    if node in lost and rank % 2 == 0:
+        wipe(root / f"node{node}")
+    dist.barrier()
+
+
+def _every_tier(rank: int, world: int, root: Path) -> dict:
+    node = as_node(rank)
+    state = make_state(rank)
+    reference = {}
+    with _manager(root, node) as manager:
+        assert manager.restore(state) is None
+        for step in range(1, 15):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+            if step in (12, 14):
+                reference[step] = fingerprint(state)
+        manager.wait()
+        stats = manager.stats()
+    out = {"stats": stats, "persistent": sorted(p.name for p in (root / "persistent").iterdir())}
+
+    step, record, got = _restore(root, node, rank)  # everything in place: the local tier
+    assert_same(got, reference[14])
+    out["local"] = (step, record.tier)
+
+    _wipe_node(root, node, rank, lost={1})  # node 1 replaced: its ranks fetch from node 0
+    step, record, got = _restore(root, node, rank)
+    assert_same(got, reference[14])
+    out["peers"] = (step, record.tier)
+
+    dist.barrier()  # step 14 damaged in every copy (own parts and replicas): step 12 loads
+    for part in (root / f"node{node}" / "job" / str(rank)).glob("*14*"):
+        data = bytearray(part.read_bytes())
+        data[-20] ^= 0xFF
+        part.write_bytes(bytes(data))
+    dist.barrier()
+    step, record, got = _restore(root, node, rank)
+    assert_same(got, reference[12])
+    out["older"] = (step, record.tier)
+
+    _wipe_node(root, node, rank, lost={0, 1})  # every local directory gone
+    step, record, got = _restore(root, node, rank)
+    assert_same(got, reference[12])
+    out["persistent_restore"] = (step, record.tier)
+    return out
+
+
+def test_restore_takes_the_newest_complete_step_from_each_tier_in_turn(tmp_path, shm_dir):
+    persistent = tmp_path / "persistent"
+    root = shm_dir
+    (root / "persistent").symlink_to(persistent, target_is_directory=False)
+    persistent.mkdir()
+    results = run_ranks(_every_tier, 4, root, timeout=280)
+    for out in results:
+        assert out["local"] == (14, "local")
+        assert out["peers"] == (14, "peers")
+        # node 1's parts of step 12 went with its directory: they come from node 0's replicas
+        assert out["older"] == (12, "peers")
+        assert out["persistent_restore"] == (12, "persistent")
+        # keep_persistent=2: of the steps 4, 8 and 12 only the newest two are left
+        assert out["persistent"] == ["step-12", "step-8"]
+        local = out["stats"]["tiers"]["local"]
+        assert local["saves"] == 7 and local["failed"] == 0
+        assert out["stats"]["tiers"]["persistent"]["saves"] == 3
