@@ -18,8 +18,15 @@ Invariants:
 - The memory is an anonymous ``memfd``, or (for DCP saves onto a RAM file system) an unnamed
   ``O_TMPFILE`` there: nothing to clean up in /dev/shm, freed when the last process holding it exits,
   crashed or not, unless it was given a name on purpose (:meth:`StagingBuffer.link`).
-- CUDA tensors are copied with ``non_blocking=True`` on a side stream into page-locked staging memory
-  and synchronised before the buffer is handed on.
+- Page-locked memory has one owner: a buffer for a state with CUDA tensors is pinned once, when it
+  is allocated (not by the snapshot), through :class:`tierpoint.pinning.PinnedRange`, and unpinned
+  before its memory is unmapped on every path: ``close`` (a layout change, a pool freeing it) and
+  garbage collection or interpreter exit (a ``weakref.finalize`` that holds the mapping). A buffer
+  that could not be pinned is used unpinned.
+- CUDA tensors are copied by :func:`copy_from_devices`: on one side stream per device that first
+  waits for the device's current stream, ``non_blocking`` into pinned memory, in one pass of
+  calls, synchronised before the buffer is handed on. Their checksums are left to the worker
+  (nothing of the device copy's memory pass is in the CPU cache to hash from).
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import functools
 import itertools
 import mmap
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
 import xxhash
 
 from .fileformat import DTYPES, PartPlan, byte_view, checksum
+from .pinning import PinnedRange, copy_device
 from .tree import FlatState
 
 _ids = itertools.count(1)
@@ -69,16 +78,18 @@ class StagingBuffer:
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
         if directory is not None and nbytes:
             _populate(self._map, self.tensor.data_ptr())
-        self._pinned = False
+        self._pin = PinnedRange()
+        # Holds the mapping, so the mapping outlives the range's release, whoever drops the buffer.
+        self._free = weakref.finalize(self, _unmap, self._pin, self._map, self.fd)
         self.offsets: list[tuple[int, int]] | None = None
         self.dtypes: list[str] | None = None
 
-    def pin(self) -> None:
-        """Page-lock the buffer for fast asynchronous device-to-host copies (CUDA only)."""
-        if self._pinned or not torch.cuda.is_available() or self.nbytes == 0:
-            return
-        result = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
-        self._pinned = int(result) == 0
+    def pin(self, device: int | None) -> bool:
+        """Page-lock the buffer for copies from ``device`` (a CUDA index; None: nothing to pin for),
+        at most once per buffer; True if it is pinned."""
+        if device is None:
+            return self.pinned
+        return self._pin.register(self.tensor.data_ptr(), self.nbytes, device)
 
     def views(self, plan: PartPlan) -> list[torch.Tensor]:
         """One tensor per planned tensor, viewing its place in the buffer."""
@@ -86,7 +97,12 @@ class StagingBuffer:
 
     @property
     def pinned(self) -> bool:
-        return self._pinned
+        return self._pin.pinned
+
+    @property
+    def pinned_for(self) -> int | None:
+        """The CUDA device the buffer is pinned for (None: not pinned)."""
+        return self._pin.device
 
     def link(self, path: str | os.PathLike) -> None:
         """Give a file-backed buffer the name ``path`` (same file system; an existing file there is
@@ -103,15 +119,18 @@ class StagingBuffer:
         os.link(f"/proc/self/fd/{self.fd}", path, follow_symlinks=True)
 
     def close(self) -> None:
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self._pinned = False
-        del self.tensor
-        try:
-            self._map.close()
-        except BufferError:  # views still alive somewhere: the mapping goes when they do
-            pass
-        os.close(self.fd)
+        """Unpin, unmap and close the buffer (idempotent)."""
+        self.__dict__.pop("tensor", None)
+        self._free()
+
+
+def _unmap(pinned: PinnedRange, mapping: mmap.mmap, fd: int) -> None:
+    pinned.release()  # first: the address range may be mapped again by anything afterwards
+    try:
+        mapping.close()
+    except BufferError:  # views still alive somewhere: the mapping goes when they do
+        pass
+    os.close(fd)
 
 
 @functools.cache
@@ -170,29 +189,34 @@ class Stager:
     def __init__(self) -> None:
         self.buffer: StagingBuffer | None = None
 
-    def buffer_for(self, plan: PartPlan) -> StagingBuffer:
+    def buffer_for(self, plan: PartPlan, device: int | None = None) -> StagingBuffer:
+        """The buffer laid out as ``plan`` (allocated on a layout change, the old one freed),
+        pinned for copies from ``device`` (see :func:`tierpoint.pinning.copy_device`)."""
         buf = self.buffer
         if buf is None or buf.offsets != plan.offsets or buf.dtypes != plan.dtypes:
             if buf is not None:
+                self.buffer = None
                 buf.close()
             buf = StagingBuffer(plan.data_size)
             buf.offsets, buf.dtypes = list(plan.offsets), list(plan.dtypes)
             self.buffer = buf
+        buf.pin(device)
         return buf
 
     def stage(self, flat: FlatState, plan: PartPlan) -> StagingBuffer:
         """Copy every tensor of ``flat`` into the staging buffer for ``plan`` (blocking)."""
-        buf = self.buffer_for(plan)
+        buf = self.buffer_for(plan, copy_device(flat.tensors))
         _copy(flat.tensors, buf.views(plan), buf, hash=False)
         return buf
 
-    def stage_and_hash(self, flat: FlatState, plan: PartPlan) -> tuple[StagingBuffer, list[str]]:
+    def stage_and_hash(
+        self, flat: FlatState, plan: PartPlan
+    ) -> tuple[StagingBuffer, list[str] | None]:
         """:meth:`stage`, also returning each tensor's xxh3-64 checksum (plan order), computed on
-        one thread as the copy goes (no second pass over the memory)."""
-        buf = self.buffer_for(plan)
-        sums = _copy(flat.tensors, buf.views(plan), buf, hash=True)
-        assert sums is not None
-        return buf, sums
+        one thread as the copy goes (no second pass over the memory). None instead of checksums
+        when some tensors come from a device: the worker hashes them (off this process's GIL)."""
+        buf = self.buffer_for(plan, copy_device(flat.tensors))
+        return buf, _copy(flat.tensors, buf.views(plan), buf, hash=True)
 
     @staticmethod
     def stage_into(
@@ -242,7 +266,7 @@ def _copy(
     hash: bool,
 ) -> list[str] | None:
     """Copy each source into its target; ``hash``: return the staged bytes' checksums (CPU tensors
-    hashed piece by piece as they are copied). CUDA sources go on a side stream into ``buf``, pinned."""
+    hashed piece by piece as they are copied; None when some come from a device)."""
     with torch.no_grad():
         if all(s.device.type == "cpu" for s in sources):
             if hash:
@@ -250,15 +274,36 @@ def _copy(
             for src, dst in zip(sources, targets):
                 dst.copy_(src.detach())
             return None
-        if buf is not None and any(s.device.type == "cuda" for s in sources):
-            buf.pin()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for src, dst in zip(sources, targets):
-                    dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
-            stream.synchronize()
-        else:
-            for src, dst in zip(sources, targets):
+    copy_from_devices(sources, targets, buf is not None and buf.pinned)
+    return None
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def copy_from_devices(
+    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], pinned: bool
+) -> None:
+    """Copy ``sources`` (some on CUDA devices) into host ``targets``; returns once every byte is in
+    place. Per device, one side stream (reused) waits for the device's current stream, so the copy
+    sees every kernel queued before the call; ``pinned``: the targets are page-locked, so the
+    copies are queued ``non_blocking`` and waited for once. Other sources are copied on the way."""
+    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for src, dst in zip(sources, targets):
+            if src.device.type == "cuda":
+                by_device.setdefault(src.device, []).append((src, dst))
+            else:
                 dst.copy_(src.detach())
-    return [checksum(byte_view(t)) for t in targets] if hash else None
+        streams = []
+        for device, pairs in by_device.items():
+            stream = _side_streams.get(device)
+            if stream is None:
+                stream = _side_streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for src, dst in pairs:
+                    dst.copy_(src.detach(), non_blocking=pinned)
+            streams.append(stream)
+        for stream in streams:
+            stream.synchronize()

@@ -17,7 +17,8 @@ Invariants:
   (with several saves in flight, the pool holds one buffer per save in flight).
 - A free buffer of another layout is freed when a new layout is acquired (the layout changed).
 - The buffers are :class:`tierpoint.staging.StagingBuffer` (memfd shared memory), so the background
-  worker maps them by file descriptor without copying.
+  worker maps them by file descriptor without copying. Every buffer leaves the pool through its
+  ``close`` (which unpins it before unmapping it), or, dropped, through its finalizer.
 - In-place buffers are never reused (they became checkpoint files); at most one spare is held, for
   the layout and file system of the last one consumed. If the file system has no room for one,
   ``acquire`` falls back to a memfd buffer and the save is written as usual. After ``close()`` no
@@ -161,16 +162,15 @@ class StagingPool:
         return buf
 
     def _prepare_spare(self, used: StagingBuffer, files: RankFiles, directory: str) -> None:
-        pinned = used.pinned
-        used.close()  # unmapping (and unpinning) a large buffer takes a while: off the trainer
+        pin_for = used.pinned_for
+        used.close()  # unpinning and unmapping a large buffer takes a while: off the trainer
         with self._lock:
             if self._closed:  # closed meanwhile: no spare to hold
                 return
         try:
             device = os.stat(directory).st_dev
             buf = _allocate(files, directory)
-            if pinned:
-                buf.pin()
+            buf.pin(pin_for)  # pinned ahead of the save that fills it, as the used one was
         except Exception as e:  # noqa: BLE001 - the next save allocates (or falls back) itself
             logger.debug("could not prepare a spare staging file in %s: %s", directory, e)
             return

@@ -70,7 +70,8 @@ from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text
 from ..fileformat.tensor_bytes import cpu_contiguous
-from ..staging import StagingBuffer, in_memory_filesystem
+from ..pinning import copy_device
+from ..staging import StagingBuffer, copy_from_devices, in_memory_filesystem
 from .file_plan import SUFFIX, RankFiles, file_views, plan_files
 from .layout import MARKER_PREFIX, METADATA_NAME, marker_name
 from .staging_pool import StagingPool
@@ -342,7 +343,9 @@ class Writer(StorageWriter):
         directory = storage.local_path(self.path) if self._in_place else None
         buf = self.pool.acquire(files, directory)
         self._buffer = buf
-        _copy(*self._copy_pairs(plan, files, buf), buf)
+        sources, targets = self._copy_pairs(plan, files, buf)
+        buf.pin(copy_device(sources))  # once per buffer: the pool's buffers are pinned already
+        _copy(sources, targets, buf)
         byte_records = self._resolve_bytes()
         self._keep_results(files.write_results(plan, self._byte_sizes(byte_records)))
         if directory is None or not buf.file_backed:
@@ -618,19 +621,14 @@ def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor], buf: Staging
 
     Contiguous CPU tensors are copied as raw bytes in chunks by a few threads (``memmove`` releases
     the GIL; no intra-op thread barriers, which cost a lot when training keeps the cores busy);
-    anything else goes through ``Tensor.copy_``. CUDA sources go through a side stream into
-    page-locked staging memory.
+    anything else goes through ``Tensor.copy_``. CUDA sources go through
+    :func:`tierpoint.staging.copy_from_devices` (side stream, into ``buf`` pinned when it was
+    allocated).
     """
+    if any(s.device.type == "cuda" for s in sources):
+        copy_from_devices(sources, targets, buf.pinned)
+        return
     with torch.no_grad():
-        if any(s.device.type == "cuda" for s in sources):
-            buf.pin()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for src, dst in zip(sources, targets):
-                    dst.copy_(src, non_blocking=src.device.type == "cuda")
-            stream.synchronize()
-            return
         chunks: list[tuple[int, int, int]] = []
         for src, dst in zip(sources, targets):
             if not _plain_bytes(src, dst):
