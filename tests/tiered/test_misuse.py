@@ -1,0 +1,156 @@
+"""What the tiered manager refuses or survives: a state whose structure changed (refused on every
+rank, nothing loaded), steps going backwards or differing between ranks, a persistent store that
+cannot be written (training and local saves go on; the next persistent save succeeds), wrong
+arguments; and SIGTERM leading to a final persistent save."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierpoint import StateMismatchError, TieredCheckpointManager
+from tierpoint.errors import CheckpointingError
+from tierpoint.spawn import run_ranks
+
+from .helpers import assert_same, fingerprint, make_state, train_step
+
+
+def _manager(root: Path, **kwargs) -> TieredCheckpointManager:
+    options = {"local_every": 2, "persistent_every": 4, **kwargs}
+    return TieredCheckpointManager(str(root / "local"), str(root / "persistent"), "job", **options)
+
+
+def _changed_structure(rank: int, world: int, root: Path) -> list[str]:
+    state = make_state(rank)
+    with _manager(root) as manager:
+        for step in range(1, 5):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+    messages = []
+    for tier_root in ("local", "persistent"):
+        if tier_root == "persistent":  # only the persistent tier left
+            import shutil
+
+            shutil.rmtree(root / "local", ignore_errors=True)
+        other = make_state(rank, width=8)  # other shapes
+        other["extra"] = torch.zeros(3)  # and a key the checkpoint lacks
+        before = fingerprint(other)
+        with _manager(root) as manager, pytest.raises(StateMismatchError) as caught:
+            manager.restore(other)
+        assert_same(fingerprint(other), before)  # nothing was loaded
+        assert not other["optimizer"].state  # the optimizer is as fresh as it was
+        messages.append(str(caught.value))
+    return messages
+
+
+def test_a_changed_state_structure_is_refused_on_every_rank_and_loads_nothing(tmp_path):
+    results = run_ranks(_changed_structure, 2, tmp_path, timeout=200)
+    for local, persistent in results:
+        assert "does not match the checkpoint of step 4" in local
+        assert "extra" in local and "model.0.weight" in local
+        assert "extra" in persistent and "model.0.weight" in persistent
+    assert results[0] == results[1]  # the same error on every rank
+
+
+def _steps_disagree(rank: int, world: int, root: Path) -> str:
+    state = make_state(rank)
+    with _manager(root) as manager:
+        with pytest.raises(CheckpointingError) as caught:
+            manager.save(2 + rank, state)
+        return str(caught.value)
+
+
+def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path):
+    for message in run_ranks(_steps_disagree, 2, tmp_path, timeout=120):
+        assert "ranks disagree on the step to save: {0: 2, 1: 3}" in message
+
+
+def _unwritable_store(rank: int, world: int, root: Path) -> dict:
+    blocker = root / "persistent"
+    if rank == 0:
+        blocker.write_text("a file where the persistent directory should be")
+    torch.distributed.barrier()
+    events: list[dict] = []
+    state = make_state(rank)
+    with _manager(root, on_event=events.append) as manager:
+        for step in range(1, 9):
+            train_step(state, world)
+            if step == 5:
+                manager.wait()
+                torch.distributed.barrier()
+                if rank == 0:
+                    blocker.unlink()  # the store is back
+                torch.distributed.barrier()
+            manager.maybe_save(step, state)
+        manager.wait()
+        return {
+            "events": [(e["tier"], e["step"], e["ok"]) for e in events if e["kind"] == "save"],
+            "stats": manager.stats()["tiers"],
+        }
+
+
+def test_an_unwritable_persistent_store_fails_its_saves_while_training_goes_on(tmp_path):
+    for out in run_ranks(_unwritable_store, 2, tmp_path, timeout=200):
+        assert ("persistent", 4, False) in out["events"]
+        assert ("persistent", 8, True) in out["events"]  # the next persistent save succeeds
+        assert [e for e in out["events"] if e[0] == "local"] == [
+            ("local", s, True) for s in (2, 4, 6, 8)
+        ]
+        assert out["stats"]["persistent"]["failed"] == 1
+
+
+def test_wrong_arguments_and_steps_going_backwards_are_refused(tmp_path):
+    with pytest.raises(CheckpointingError, match="keep_local"):
+        TieredCheckpointManager(str(tmp_path), None, keep_local=0)
+    with pytest.raises(CheckpointingError, match="nothing to save to"):
+        TieredCheckpointManager(str(tmp_path), None, local_every=0)
+    with pytest.raises(TypeError, match="on_event"):
+        TieredCheckpointManager(str(tmp_path), None, on_event="print")
+    state = make_state(0)
+    with _manager(tmp_path) as manager:
+        manager.maybe_save(2, state)
+        with pytest.raises(CheckpointingError, match="steps must increase"):
+            manager.maybe_save(1, state)
+        with pytest.raises(CheckpointingError, match="tiers must name"):
+            manager.save(6, state, tiers="disk")
+        with pytest.raises(CheckpointingError, match="non-negative integer"):
+            manager.maybe_save("7", state)
+        manager.maybe_save(torch.tensor(8).numpy()[()], state)  # numpy integers are steps too
+    with pytest.raises(CheckpointingError, match="closed"):
+        manager.save(10, state)
+
+
+def _preempted(rank: int, world: int, root: Path) -> object:
+    state = make_state(rank)
+    manager = _manager(root, persistent_every=100)
+    manager.install_signal_handler(signal.SIGTERM)
+    try:
+        for step in range(1, 20):
+            train_step(state, world)
+            if step == 7 and rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # one rank is told first
+            manager.maybe_save(step, state)
+    except SystemExit as e:
+        reference = fingerprint(state)
+        restored = make_state(rank)
+        import shutil
+
+        torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(root / "local")
+        torch.distributed.barrier()
+        with _manager(root) as again:
+            step = again.restore(restored)
+            tier = again.last_restore.tier
+        assert_same(fingerprint(restored), reference)
+        return [e.code, step, tier]
+    return "not stopped"
+
+
+def test_sigterm_makes_the_next_step_save_to_the_persistent_tier_and_exit(tmp_path):
+    for out in run_ranks(_preempted, 2, tmp_path, timeout=200):
+        assert out == [0, 7, "persistent"]
