@@ -1,0 +1,49 @@
+"""The persistent tier with CUDA states: ``tierpoint.dcp.async_save`` snapshots (training changes the
+state right after), and the checkpoint loads bit for bit with tierpoint and with plain torch DCP,
+into CUDA tensors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as torch_dcp
+
+from tierpoint import dcp
+from tierpoint.asyncsave import AsyncCallsQueue
+
+from .helpers import assert_same, clone, cuda_still_works, model_state, needs_gpu, scribble
+
+pytestmark = needs_gpu
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _zeros_like(state: object) -> object:
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: _zeros_like(v) for k, v in state.items()}
+    return -1
+
+
+@pytest.mark.parametrize("where", ["disk", "ram"])
+def test_async_save_of_cuda_tensors_loads_with_tierpoint_and_torch(tmp_path, shm_dir, where):
+    base = tmp_path if where == "disk" else shm_dir
+    pool = dcp.StagingPool()
+    with AsyncCallsQueue() as queue:
+        for step in (1, 2, 3):
+            state = model_state(step)
+            want = clone(state)
+            path = dcp.step_path(base, step)
+            future = dcp.async_save(state, path, queue=queue, staging_pool=pool)
+            scribble(state)
+            assert future.result(timeout=300) == path
+            mine = _zeros_like(want)
+            dcp.load(mine, path)
+            assert_same(mine, want)
+            theirs = _zeros_like(want)
+            torch_dcp.load(theirs, checkpoint_id=path)
+            assert_same(theirs, want)
+    pool.close()
+    cuda_still_works()

@@ -1,0 +1,76 @@
+"""The local tier with CUDA states: sync, async and overlapped saves load back bit for bit, on the
+devices they came from, also when training changes the state right after the snapshot; a layout
+change between saves; mixed CPU/CUDA states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierpoint.asyncsave import AsyncCallsQueue
+from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
+
+from .helpers import DEVICE, assert_same, clone, cuda_still_works, model_state, needs_gpu, scribble
+
+pytestmark = needs_gpu
+
+
+def _save(manager, queue, state: dict, iteration: int, mode: str) -> None:
+    ta = BasicTensorAwareStateDict(state)
+    if mode == "sync":
+        manager.save(ta, iteration)
+        return
+    queue.schedule_async_request(manager.save(ta, iteration, is_async=True))
+    if mode == "overlapped":
+        queue.wait_for_snapshot()
+    scribble(state)  # training goes on: the checkpoint must hold the snapshot
+    queue.maybe_finalize_async_calls(blocking=True)
+
+
+def _load(root, iteration: int) -> dict:
+    ta, ckpt_id = LocalCheckpointManager(root, session_id="job").load()
+    assert ckpt_id.iteration == iteration
+    return ta.state_dict
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "overlapped"])
+def test_round_trip(tmp_path, mode):
+    manager = LocalCheckpointManager(tmp_path, session_id="job")
+    with AsyncCallsQueue(overlap_snapshot=mode == "overlapped") as queue:
+        for it in (1, 2):
+            state = model_state(it)
+            want = clone(state)
+            _save(manager, queue, state, it, mode)
+            got = _load(tmp_path, it)
+            assert_same(got, want)
+            assert got["model"]["layer0.attn.w"].device.type == DEVICE
+            assert got["optimizer"]["step"]["layer0.attn.w"].device.type == "cpu"
+    cuda_still_works()
+
+
+@pytest.mark.parametrize("mode", ["async", "overlapped"])
+def test_layout_change_between_saves(tmp_path, mode):
+    manager = LocalCheckpointManager(tmp_path, session_id="job")
+    with AsyncCallsQueue(overlap_snapshot=mode == "overlapped") as queue:
+        for it, layers, width in ((1, 2, 256), (2, 3, 256), (3, 3, 512), (4, 2, 128)):
+            state = model_state(it, layers=layers, width=width)
+            want = clone(state)
+            _save(manager, queue, state, it, mode)
+            assert_same(_load(tmp_path, it), want)
+    cuda_still_works()
+
+
+def test_mixed_cpu_and_cuda_tensors_keep_their_devices(tmp_path):
+    state = model_state(5)
+    state["model"]["embed.cpu"] = torch.randn(1000, 64)  # an embedding kept on the host
+    state["rng"] = {"cpu": torch.get_rng_state()}
+    if DEVICE == "cuda":
+        state["rng"]["cuda"] = torch.cuda.get_rng_state()
+    want = clone(state)
+    manager = LocalCheckpointManager(tmp_path, session_id="job")
+    with AsyncCallsQueue() as queue:
+        _save(manager, queue, state, 5, "async")
+    got = _load(tmp_path, 5)
+    assert_same(got, want)
+    assert got["model"]["embed.cpu"].device.type == "cpu"
+    cuda_still_works()
