@@ -218,6 +218,9 @@ class TieredCheckpointManager:
         rank_local = [k for k, v in tree.items() if isinstance(v, st.RankLocal)]
         sharded = _has_dtensor(tree)
         if "local" in wanted:
+            # The previous local save is committed first; its persistent copy (if due) starts now.
+            self._make_room("local")
+            self._start_deferred()
             self._save_local(step, tree)
         if "persistent" in wanted:
             if "local" in wanted and not sharded:
@@ -315,17 +318,21 @@ class TieredCheckpointManager:
         """Finalize what finished on every rank (no collective when nothing is in flight) and start
         the persistent copy of a step whose local save was just committed."""
         self._finalize(blocking=False)
+        self._start_deferred()
+
+    def _start_deferred(self) -> None:
         deferred = self._deferred
-        if deferred is not None and deferred.committed:
-            self._deferred = None
-            assert self.local is not None
-            tree = self.local.read_own_part(deferred.step)
-            tree.pop(st.SHARDING_KEY, None)
-            for key in deferred.rank_local_keys:
-                tree[key] = st.RankLocal(tree[key])
-            self._save_persistent(
-                deferred.step, st.persistent_form(tree, tpdist.get_rank()), snapshot=False
-            )
+        if deferred is None or not deferred.committed:
+            return
+        self._deferred = None
+        assert self.local is not None
+        tree = self.local.read_own_part(deferred.step)
+        tree.pop(st.SHARDING_KEY, None)
+        for key in deferred.rank_local_keys:
+            tree[key] = st.RankLocal(tree[key])
+        self._save_persistent(
+            deferred.step, st.persistent_form(tree, tpdist.get_rank()), snapshot=False
+        )
 
     def _finalize(self, blocking: bool) -> None:
         try:

@@ -1,0 +1,108 @@
+"""The tiered manager with FSDP2 (``fully_shard``) state on 2 ranks, both tiers, and with its
+persistent tier on the local S3-compatible server."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
+from tierpoint import TieredCheckpointManager, storage
+from tierpoint.spawn import run_ranks
+
+from .helpers import assert_same, fingerprint, make_state, train_step
+
+
+def _fsdp_state(rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optimizer": optimizer, "step": 0}
+
+
+def _fsdp_step(state: dict, step: int) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
+    state["optimizer"].zero_grad()
+    state["model"](x).pow(2).mean().backward()
+    state["optimizer"].step()
+    state["step"] = step
+
+
+def _shards(state: dict) -> list[torch.Tensor]:
+    opt = state["optimizer"].state_dict()["state"]
+    tensors = list(state["model"].state_dict().values())
+    tensors += [v for s in opt.values() for v in s.values()]
+    return [t.to_local().clone() if hasattr(t, "to_local") else t.clone() for t in tensors]
+
+
+def _fsdp(rank: int, world: int, root: Path) -> list:
+    state = _fsdp_state(rank)
+    reference = {}
+    kwargs = {"local_every": 2, "persistent_every": 4}
+    with TieredCheckpointManager(str(root / "local"), str(root / "p"), "f", **kwargs) as manager:
+        for step in range(1, 7):
+            _fsdp_step(state, step)
+            manager.maybe_save(step, state)
+            reference[step] = _shards(state)
+    out = []
+    for wipe_local in (False, True):
+        if wipe_local:
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(root / "local")
+            dist.barrier()
+        restored = _fsdp_state(rank)
+        with TieredCheckpointManager(str(root / "local"), str(root / "p"), "f", **kwargs) as m:
+            step = m.restore(restored)
+            out.append([step, m.last_restore.tier, restored["step"]])
+        got = _shards(restored)
+        assert len(got) == len(reference[step])
+        assert all(torch.equal(a, b) for a, b in zip(got, reference[step]))
+        _fsdp_step(restored, step + 1)  # and training goes on from it
+    return out
+
+
+def test_fsdp2_state_restores_its_shards_from_both_tiers(tmp_path):
+    for out in run_ranks(_fsdp, 2, tmp_path, timeout=200):
+        assert out == [[6, "local", 6], [4, "persistent", 4]]
+
+
+def _on_s3(rank: int, world: int, root: Path, base: str, options: dict) -> list:
+    state = make_state(rank)
+    kwargs = {"local_every": 2, "persistent_every": 2, "keep_persistent": 2}
+    local = str(root / "local")
+    events: list = []
+    with TieredCheckpointManager(
+        local, base, "s3", storage_options=options, on_event=events.append, **kwargs
+    ) as manager:
+        for step in range(1, 7):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+    reference = fingerprint(state)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(local)
+    dist.barrier()
+    restored = make_state(rank)
+    with TieredCheckpointManager(local, base, "s3", storage_options=options, **kwargs) as manager:
+        step = manager.restore(restored)
+        tier = manager.last_restore.tier
+    assert_same(fingerprint(restored), reference)
+    saved = [(e["tier"], e["step"], e["ok"], e["error"]) for e in events]
+    return [step, tier, storage.listdir(base, options), saved]
+
+
+def test_the_persistent_tier_on_s3_restores_and_keeps_the_newest_steps(tmp_path, s3_bucket):  # noqa: F811
+    bucket, options = s3_bucket
+    for out in run_ranks(_on_s3, 2, tmp_path, f"{bucket}/run", options, timeout=250):
+        assert out[:3] == [6, "persistent", ["step-4", "step-6"]], out
