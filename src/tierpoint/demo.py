@@ -142,8 +142,13 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def torchrun(args: argparse.Namespace, worker_args: list[str], log: Path) -> int:
-    """One torchrun per simulated node; returns the first non-zero exit code (0 if all succeeded)."""
+def torchrun(
+    args: argparse.Namespace, worker_args: list[str], log: Path, module: str | None = None
+) -> int:
+    """One torchrun per simulated node (``args.nodes`` x ``args.ranks_per_node``) running this
+    demo's worker, or ``python -m module worker_args``; returns the first non-zero exit code (0 if
+    all succeeded)."""
+    target = [module] if module else ["tierpoint.demo", "--worker", f"--nodes={args.nodes}"]
     scratch = log.parent / "tmp"  # torchrun's log directories, removed with the demo's files
     scratch.mkdir(exist_ok=True)
     env = dict(
@@ -166,9 +171,7 @@ def torchrun(args: argparse.Namespace, worker_args: list[str], log: Path) -> int
                 "--master-addr=127.0.0.1",
                 f"--master-port={port}",
                 "-m",
-                "tierpoint.demo",
-                "--worker",
-                f"--nodes={args.nodes}",
+                *target,
                 *worker_args,
             ]
             out = subprocess.PIPE if node == 0 else subprocess.DEVNULL
