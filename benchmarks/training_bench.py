@@ -65,7 +65,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dcp_bench import disk_root
-from machine import cpu_sample, machine_line, require_memory
+from floor import preallocate, tensors_of
+from machine import _live_descendants_cpu, cpu_sample, machine_line, require_memory
 
 from tierpoint import RankLocal, TieredCheckpointManager
 from tierpoint.spawn import run_ranks
@@ -211,6 +212,11 @@ class Trainer:
             f"data_rank{self.rank}": self.data.state_dict(),
             "position": dict(self.position),
         }
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Parameters and AdamW moments (what a checkpoint copies, less a few scalars)."""
+        sd = self.optimizer.state_dict()["state"]
+        return [p.detach() for p in self.params] + tensors_of(sd)
 
     def state_bytes(self) -> int:
         sd = self.optimizer.state_dict()["state"]
@@ -370,6 +376,15 @@ def run_dcp(trainer: Trainer, saver: DcpSaver, first: int, steps: int) -> dict[s
 # ------------------------------------------------------------------------------------ a rank
 
 
+def memcpy_floor(tensors: list[torch.Tensor]) -> float:
+    """Seconds to ``copy_`` the state into preallocated tensors: the floor of a snapshot."""
+    targets = preallocate(tensors)
+    start = time.perf_counter()
+    for dst, src in zip(targets, tensors):
+        dst.copy_(src)
+    return time.perf_counter() - start
+
+
 def first_step(rep: int, steps: int) -> int:
     """Run ``rep`` covers ``steps`` consecutive steps from a multiple of PERSISTENT_EVERY (past the
     warm-up saves at steps 1 and 2): its first step saves to both tiers and each save has the
@@ -425,17 +440,27 @@ def bench_rank(rank: int, world: int, local_root: str, disk: str, cfg: Config) -
     out["tp_first_save_s"], out["tp_first_wait_s"] = first_saves[0], first_saves[1]
     out["tp_second_save_s"], out["tp_second_wait_s"] = first_saves[2], first_saves[3]
 
-    runs: dict[str, list[dict[str, float]]] = {c: [] for c in CONTENDERS}
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONTENDERS}
+    floor: list[float] = []
     for rep in range(cfg.reps):
         first = first_step(rep, cfg.steps)
         for contender in CONTENDERS:
             dist.barrier()
+            before, worker_before = cpu_sample(), _live_descendants_cpu()
             if contender == "none":
-                runs[contender].append(run_none(trainer, cfg.steps))
+                run = run_none(trainer, cfg.steps)
             elif contender == "tierpoint":
-                runs[contender].append(run_tierpoint(trainer, manager, clock, first, cfg.steps))
+                run = run_tierpoint(trainer, manager, clock, first, cfg.steps)
             else:
-                runs[contender].append(run_dcp(trainer, saver, first, cfg.steps))
+                run = run_dcp(trainer, saver, first, cfg.steps)
+            after, worker_after = cpu_sample(), _live_descendants_cpu()
+            # CPU seconds: this rank with its threads and its tierpoint worker process, the latter
+            # alone, and the whole machine (every process: the other rank, other users)
+            run["cpu_rank_and_worker"] = after.own - before.own
+            run["cpu_worker"] = worker_after - worker_before
+            run["cpu_machine"] = after.machine_busy - before.machine_busy
+            runs[contender].append(run)
+        floor.append(memcpy_floor(trainer.state_tensors()))
     dist.barrier()
     t0 = time.perf_counter()
     manager.close()
@@ -444,6 +469,7 @@ def bench_rank(rank: int, world: int, local_root: str, disk: str, cfg: Config) -
     out["dcp_blocking"] = saver.blocking
     out["dcp_durable"] = saver.durable
     out["runs"] = runs
+    out["memcpy_floor_s"] = floor
     out["loss"] = trainer.loss
     dist.destroy_process_group(saver.group)
     return out
@@ -469,6 +495,20 @@ def summarise(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
 
     def per_run(contender: str, key: str) -> list[float]:
         return [max(r["runs"][contender][i].get(key, 0.0) for r in per_rank) for i in range(reps)]
+
+    def summed(contender: str, key: str) -> list[float]:
+        return [sum(r["runs"][contender][i][key] for r in per_rank) for i in range(reps)]
+
+    cpu = {}
+    for c in CONTENDERS:
+        job = summed(c, "cpu_rank_and_worker")
+        machine = [per_rank[0]["runs"][c][i]["cpu_machine"] for i in range(reps)]
+        cpu[c] = {
+            "job_cpu_s": job,
+            "worker_cpu_s": summed(c, "cpu_worker"),
+            "others_cpus": [max(0.0, m - j) / t for m, j, t in zip(machine, job, seconds[c])],
+        }
+    per_rep_ratio = {c: [a / b for a, b in zip(seconds["none"], seconds[c])] for c in CONTENDERS}
 
     tp_runs = per_rank[0]["runs"]["tierpoint"]
     dcp_runs = per_rank[0]["runs"]["dcp"]
@@ -550,7 +590,10 @@ def summarise(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         "steps_per_s": steps_per_s,
         "steps_per_s_median": {c: median(v) for c, v in steps_per_s.items()},
         "ratio_vs_none": ratio,
+        "ratio_vs_none_per_rep": per_rep_ratio,
         "tierpoint_vs_dcp": tp_vs_dcp,
+        "cpu": cpu,
+        "memcpy_floor_s": max(median(r["memcpy_floor_s"]) for r in per_rank),
         "blocking": blocking,
         "tierpoint_stats": tiers,
         "warmup": warmup,
@@ -569,15 +612,34 @@ def print_report(res: dict[str, Any]) -> None:
         f" {cfg['reps']} interleaved repetitions (medians; vs (A): median of per-repetition ratios)"
     )
     blk = res["blocking"]
-    head = f"{'contender':40s} {'steps/s':>8s} {'ms/step':>8s} {'vs (A)':>7s} {'blocking/run':>13s}"
+    head = (
+        f"{'contender':40s} {'steps/s':>8s} {'ms/step':>8s} {'vs (A)':>7s} {'blocking/run':>13s}"
+        f" {'CPU-s/run':>10s} {'others':>7s}"
+    )
     print(head)
     print("-" * len(head))
     for c in CONTENDERS:
         sps = res["steps_per_s_median"][c]
         b = f"{blk[c]['per_run_s'] * 1e3:10.0f} ms" if c in blk else ""
+        job = median(res["cpu"][c]["job_cpu_s"])
+        others = median(res["cpu"][c]["others_cpus"])
         print(
             f"{LABELS[c]:40s} {sps:8.2f} {1e3 / sps:8.1f} {res['ratio_vs_none'][c]:6.3f}x {b:>13s}"
+            f" {job:10.1f} {others:7.2f}"
         )
+    print(
+        "CPU-s/run: both ranks with their threads and tierpoint workers; others: CPUs other"
+        " processes used meanwhile (average)"
+    )
+    for c in CONTENDERS[1:]:
+        ratios = " ".join(f"{x:.3f}" for x in res["ratio_vs_none_per_rep"][c])
+        others = " ".join(f"{x:.2f}" for x in res["cpu"][c]["others_cpus"])
+        print(f"  {c:9s} per repetition: vs (A) {ratios}; others' CPUs {others}")
+    worker = median(res["cpu"]["tierpoint"]["worker_cpu_s"])
+    print(
+        f"  tierpoint workers (nice 19) used {worker:.2f} CPU-s a run; memcpy floor of one rank's"
+        f" state {res['memcpy_floor_s'] * 1e3:.1f} ms"
+    )
 
     tp, dc = blk["tierpoint"], blk["dcp"]
     print("\nwhere the training thread waited, per run (slowest rank, medians):")
