@@ -305,6 +305,9 @@ class Trainer:
         self.optimizer.step()
         self.steps_done += 1
 
+    def sync(self) -> None:
+        """Wait for the work queued by the steps (nothing is queued on the CPU)."""
+
     def state(self) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
@@ -373,9 +376,13 @@ class DcpTrainingSaver:
 
 
 def train_run(
-    trainer: Trainer, steps: int, saver: TierpointSaver | DcpTrainingSaver | None
+    trainer: Trainer,
+    steps: int,
+    saver: TierpointSaver | DcpTrainingSaver | None,
+    every: int = CKPT_EVERY,
 ) -> tuple[float, float]:
-    """``steps`` training steps, checkpointing every CKPT_EVERY: (seconds, seconds in save calls)."""
+    """``steps`` training steps, checkpointing every ``every``: (seconds, seconds in save calls).
+    ``trainer``: anything with ``step()`` and ``sync()`` (waits for the work ``step`` queued)."""
     blocked = 0.0
     start = time.perf_counter()
     for i in range(1, steps + 1):
@@ -384,13 +391,14 @@ def train_run(
             continue
         if isinstance(saver, TierpointSaver):
             saver.queue.maybe_finalize_async_calls(blocking=False)
-        if i % CKPT_EVERY == 0 and i < steps:
+        if i % every == 0 and i < steps:
             if isinstance(saver, TierpointSaver):
                 blocked += sum(saver.save())
             else:
                 blocked += saver.save()
     if saver is not None:
         saver.finalize()
+    trainer.sync()
     return time.perf_counter() - start, blocked
 
 

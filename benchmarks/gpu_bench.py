@@ -1,0 +1,510 @@
+"""The GPU path (issue 21): what checkpointing a CUDA training state costs, against the PCIe floor and
+torch DCP, on one GPU.
+
+State: the transformer-like state of ``async_bench`` (fp32 weights and Adam moments, bf16 norms,
+int64 step counters, ~300 tensors) moved to the GPU, ~``--gib`` GiB (by default sized from the
+GPU's memory: 1/16 of it, at most 4 GiB and what host memory and the tier's file system allow).
+Measured, interleaved (A B C A B C ...: the machine drifts), after warm-up saves:
+
+- floors: the device-to-host copy of every tensor into one page-locked buffer (``non_blocking`` on a
+  side stream, one synchronize) and into pageable memory (allocated and touched beforehand);
+- local tier (``LocalCheckpointManager`` + ``AsyncCallsQueue``): blocking time (``save`` +
+  ``schedule_async_request``), when the snapshot is copied, time to durable; plain and with
+  ``overlap_snapshot=True``; and the first (cold) save's blocking time;
+- persistent tier (``tierpoint.dcp.async_save`` into a fresh step directory each time, a reused
+  ``StagingPool``): blocking time, time to durable; first save too;
+- torch DCP ``async_save`` (``no_dist=True``) with its default staging and with a reused pinned
+  ``DefaultStager`` (where this torch has one); a contender torch refuses is reported as failed;
+- a training loop: a GPT-style model (``--layers`` x ``--width``, sequence 512, batch 8, bf16
+  autocast, fused AdamW), ``--steps`` steps a run: (a) no checkpoints; tierpoint local async every
+  25 and every 10 steps, plain and overlapped (optimizer hook waiting for the snapshot); torch DCP
+  ``async_save`` (default options) every 25. Throughput relative to (a), and what the training
+  thread waited for per save.
+
+Tables give medians; ratios to the floor are medians of per-repetition ratios (neighbours in time).
+Host memory (RSS and the tier's files) is shown before and after the training loop. Everything
+written goes under one fresh directory (/dev/shm when it has room), removed at the end.
+
+Run: ``./run bench gpu [--reps 5] [--json results.json]``; without CUDA it exits with a message.
+``--device cpu`` runs the same code on the CPU with a tiny state (a check of the script itself; its
+figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import itertools
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from async_bench import (
+    GIB,
+    DcpTrainingSaver,
+    OverlapHook,
+    TierpointSaver,
+    dcp_contender,
+    make_state,
+    median,
+    paired,
+    reusable_stager,
+    run_interleaved,
+    train_run,
+)
+from floor import nbytes_of, tensors_of
+from machine import cpu_sample, machine_line, require_memory
+
+from tierpoint import dcp as tpdcp
+from tierpoint.asyncsave import AsyncCallsQueue
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+Metrics = dict[str, float]
+Times = dict[str, list[float]]
+BATCH = 8
+HOST_COPIES = 10
+"""Host memory per byte of state: floors (2), local staging and files (3), persistent staging and
+files (2), DCP's copies and files (3)."""
+
+
+# ------------------------------------------------------------------------------------ the device
+
+
+def device_line(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "device: CPU (--device cpu: a check of the script, not a measurement)"
+    p = torch.cuda.get_device_properties(device)
+    return (
+        f"device: {p.name}, {p.total_memory / GIB:.0f} GiB, {p.multi_processor_count} SMs;"
+        f" torch {torch.__version__}, CUDA {torch.version.cuda}; {os.cpu_count()} CPUs"
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pick_root(need: int) -> Path:
+    """/dev/shm when it has room for the tier's files, else the temporary directory."""
+    for base in ("/dev/shm", tempfile.gettempdir()):
+        st = os.statvfs(base)
+        if st.f_bavail * st.f_frsize >= need:
+            return Path(tempfile.mkdtemp(prefix="tierpoint-gpu-bench-", dir=base))
+    raise SystemExit(f"no file system with {need / GIB:.1f} GiB free for the checkpoints")
+
+
+def state_size(args: argparse.Namespace, device: torch.device) -> float:
+    """GiB of state: ``--gib``, or 1/16 of the GPU's memory, at most 4 GiB and what host memory
+    allows for the contenders' copies."""
+    if args.gib is not None:
+        return args.gib
+    if device.type != "cuda":
+        return 0.05
+    gpu = torch.cuda.get_device_properties(device).total_memory / GIB
+    with open("/proc/meminfo") as f:
+        host = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvail"))
+    return max(0.25, min(4.0, gpu / 16, host / GIB / (HOST_COPIES + 2)))
+
+
+def on_device(state: Any, device: torch.device) -> Any:
+    """``state`` with its floating-point tensors moved to ``device`` (integer counters stay on
+    the CPU, as optimizers keep them: a mixed state)."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device) if state.is_floating_point() else state
+    if isinstance(state, dict):
+        return {k: on_device(v, device) for k, v in state.items()}
+    return state
+
+
+# ------------------------------------------------------------------------------------ contenders
+
+
+def d2h_floor(tensors: Sequence[torch.Tensor], pinned: bool, key: str) -> Callable[[], Metrics]:
+    """Device-to-host copy of every tensor into one preallocated host buffer (touched first)."""
+    total = nbytes_of(tensors)
+    host = torch.zeros(total, dtype=torch.uint8, pin_memory=pinned)
+    targets, at = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        targets.append(host[at : at + n].view(t.dtype).view(t.shape))
+        at += n
+    device = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    stream = torch.cuda.Stream(device) if device is not None else None
+
+    def run() -> Metrics:
+        start = time.perf_counter()
+        if stream is None:
+            for dst, src in zip(targets, tensors):
+                dst.copy_(src)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for dst, src in zip(targets, tensors):
+                    dst.copy_(src, non_blocking=pinned)
+            stream.synchronize()
+        return {key: time.perf_counter() - start}
+
+    return run
+
+
+class PersistentSaver:
+    """``tierpoint.dcp.async_save`` into a new step directory each time, one pool, one queue; the
+    previous step directory is removed once the next one is durable (the tier holds one)."""
+
+    def __init__(self, root: Path, state: Any, stack: contextlib.ExitStack) -> None:
+        self.root, self.state = root, state
+        self.queue = stack.enter_context(AsyncCallsQueue())
+        self.pool = tpdcp.StagingPool()
+        stack.callback(self.pool.close)
+        self.steps = itertools.count(1)
+        self.previous: Path | None = None
+
+    def measure(self) -> Metrics:
+        self.pool.wait_for_spare(120)  # the next in-place file is ready: a quiet start
+        path = Path(tpdcp.step_path(self.root, next(self.steps)))
+        start = time.perf_counter()
+        future = tpdcp.async_save(self.state, path, queue=self.queue, staging_pool=self.pool)
+        returned = time.perf_counter()
+        future.result(timeout=600)
+        durable = time.perf_counter() - start
+        if self.previous is not None:
+            shutil.rmtree(self.previous, ignore_errors=True)
+        self.previous = path
+        return {"pt_block": returned - start, "pt_durable": durable}
+
+
+def guarded(
+    name: str, run: Callable[[], Metrics], failures: dict[str, str]
+) -> Callable[[], Metrics]:
+    """``run``, or nothing from the first time it raises on (its failure kept in ``failures``)."""
+
+    def call() -> Metrics:
+        if name in failures:
+            return {}
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001 - reported as failed
+            failures[name] = f"{type(e).__name__}: {e}"[:300]
+            return {}
+
+    return call
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+class GptTrainer:
+    """A GPT-style decoder (pre-norm blocks, causal attention), bf16 autocast, fused AdamW; the
+    interface ``async_bench.train_run`` drives (``step``, ``sync``, ``state``, ``optimizer``)."""
+
+    def __init__(self, layers: int, width: int, vocab: int, seq: int, device: torch.device) -> None:
+        torch.manual_seed(0)
+        heads = max(1, width // 64)
+        block = torch.nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.device = device
+        self.model = torch.nn.ModuleDict(
+            {
+                "embed": torch.nn.Embedding(vocab, width),
+                "blocks": torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False),
+                "head": torch.nn.Linear(width, vocab, bias=False),
+            }
+        ).to(device)
+        fused = {"fused": True} if device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, **fused)
+        g = torch.Generator().manual_seed(1)
+        self.tokens = torch.randint(0, vocab, (BATCH, seq + 1), generator=g).to(device)
+        self.mask = torch.nn.Transformer.generate_square_subsequent_mask(seq, device=device)
+        self.steps_done = 0
+
+    def step(self) -> None:
+        x, y = self.tokens[:, :-1], self.tokens[:, 1:]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            h = self.model["blocks"](self.model["embed"](x), mask=self.mask, is_causal=True)
+            logits = self.model["head"](h)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.steps_done += 1
+
+    def sync(self) -> None:
+        sync(self.device)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.steps_done,
+        }
+
+
+def host_memory(root: Path) -> str:
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+    files = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    return f"RSS {rss / GIB:.2f} GiB, checkpoint files {files / GIB:.2f} GiB"
+
+
+def bench_training(
+    root: Path, args: argparse.Namespace, device: torch.device, stack: contextlib.ExitStack
+) -> tuple[Times, str]:
+    trainer = GptTrainer(args.layers, args.width, args.vocab, args.seq, device)
+    for _ in range(3):
+        trainer.step()  # builds the optimizer's state
+    trainer.sync()
+    savers = {
+        "tp25": TierpointSaver(root / "train-plain", trainer.state, stack),
+        "ov25": TierpointSaver(root / "train-ov", trainer.state, stack, overlap_snapshot=True),
+    }
+    savers["tp10"], savers["ov10"] = savers["tp25"], savers["ov25"]  # same tiers, other cadence
+    for key in ("tp25", "ov25"):
+        for _ in range(2):
+            savers[key].measure()  # warm: pinned staging, files, the worker
+    dcp_saver = DcpTrainingSaver(root, trainer.state, None)  # torch's default options
+    stack.callback(dcp_saver.finalize)
+    failures: dict[str, str] = {}
+
+    def variant(key: str) -> Callable[[], Metrics]:
+        every = int(key[-2:]) if key != "none" else 0
+
+        def run() -> Metrics:
+            if key == "none":
+                return {"train_none": train_run(trainer, args.steps, None)[0]}
+            if key == "dcp25":
+                seconds, blocked = train_run(trainer, args.steps, dcp_saver, every)
+                return {"train_dcp25": seconds, "train_dcp25_blocked": blocked}
+            saver = savers[key]
+            hook = OverlapHook(saver, trainer.optimizer) if key.startswith("ov") else None
+            try:
+                seconds, blocked = train_run(trainer, args.steps, saver, every)
+            finally:
+                if hook is not None:
+                    hook.handle.remove()
+            waited = hook.waited if hook is not None else 0.0
+            return {f"train_{key}": seconds, f"train_{key}_blocked": blocked + waited}
+
+        return guarded(f"train_{key}", run, failures)
+
+    keys = ["none", "tp25", "tp10", "ov25", "ov10", "dcp25"]
+    memory_before = host_memory(root)
+    times = run_interleaved([variant(k) for k in keys], args.train_reps)
+    memory = f"host memory before the loop: {memory_before}; after: {host_memory(root)}"
+    print_training(times, trainer, args, failures)
+    times["train_failures"] = [f"{k}: {v}" for k, v in failures.items()]  # type: ignore[list-item]
+    return times, memory
+
+
+# ------------------------------------------------------------------------------------ reporting
+
+
+def print_saves(times: Times, nbytes: int, count: int, reps: int, failures: dict[str, str]) -> None:
+    print(
+        f"\nasync save of {nbytes / 1e9:.2f} GB in {count} tensors from the GPU,"
+        f" {reps} interleaved repetitions (medians; ratios: median of per-repetition ratios)"
+    )
+    print(f"{'contender':56s} {'seconds':>8s} {'GB/s':>7s} {'/floor':>7s}")
+    rows = [
+        ("floor: D2H into pinned memory", "floor_pinned"),
+        ("floor: D2H into pageable memory", "floor_pageable"),
+        ("local tier async: blocking (save + schedule)", "tp_block"),
+        ("  snapshot copied", "tp_copied"),
+        ("  time to durable", "tp_durable"),
+        ("  first save (cold): blocking", "tp_first_block"),
+        ("local tier, overlap_snapshot: blocking", "tp_ov_block"),
+        ("  snapshot copied (wait_for_snapshot returns)", "tp_ov_copied"),
+        ("  time to durable", "tp_ov_durable"),
+        ("persistent tier (tierpoint.dcp.async_save): blocking", "pt_block"),
+        ("  time to durable", "pt_durable"),
+        ("  first save (cold): blocking", "pt_first_block"),
+        ("torch DCP async_save (default staging): blocking", "dcp_default_block"),
+        ("  time to durable", "dcp_default_durable"),
+        ("torch DCP async_save (reused pinned stager): blocking", "dcp_stager_block"),
+        ("  time to durable", "dcp_stager_durable"),
+    ]
+    for label, key in rows:
+        if not times.get(key):
+            continue
+        seconds = median(times[key])
+        both = len(times[key]) == len(times["floor_pinned"])
+        ratio = f"{paired(times, key, 'floor_pinned'):6.2f}x" if both else ""
+        print(f"{label:56s} {seconds:8.3f} {nbytes / seconds / 1e9:7.2f} {ratio:>7s}")
+    for name, why in failures.items():
+        print(f"{name}: failed ({why})")
+
+
+def print_training(
+    times: Times, trainer: GptTrainer, args: argparse.Namespace, failures: dict[str, str]
+) -> None:
+    params = sum(p.numel() for p in trainer.model.parameters())
+    state = nbytes_of(tensors_of(trainer.state()))
+    print(
+        f"\ntraining loop: GPT {args.layers} x {args.width} ({params / 1e6:.0f}M parameters,"
+        f" state {state / 1e9:.2f} GB), seq {args.seq}, batch {BATCH}, bf16 autocast, fused AdamW;"
+        f" {args.steps} steps a run, {args.train_reps} interleaved repetitions (medians)"
+    )
+    print(f"{'variant':48s} {'ms/step':>8s} {'vs none':>8s} {'ms/save':>8s}")
+    rows = [
+        ("no checkpoints", "none", 0),
+        ("tierpoint local async every 25", "tp25", 25),
+        ("tierpoint local async every 10", "tp10", 10),
+        ("tierpoint local overlapped every 25", "ov25", 25),
+        ("tierpoint local overlapped every 10", "ov10", 10),
+        ("torch DCP async_save (default) every 25", "dcp25", 25),
+    ]
+    for label, key, every in rows:
+        if not times.get(f"train_{key}"):
+            print(f"{label:48s} failed ({failures.get(f'train_{key}', '?')})")
+            continue
+        step_ms = median(times[f"train_{key}"]) / args.steps * 1e3
+        ratio = paired(times, "train_none", f"train_{key}")
+        saves = (args.steps - 1) // every if every else 0
+        blocked = times.get(f"train_{key}_blocked")
+        save_ms = f"{median(blocked) / saves * 1e3:8.1f}" if blocked and saves else ""
+        print(f"{label:48s} {step_ms:8.1f} {ratio:7.3f}x {save_ms:>8s}")
+
+
+def print_checks(times: Times) -> None:
+    checks = [
+        ("local async blocking <= 1.2x pinned floor", "tp_block", "floor_pinned", 1.2, False),
+        ("persistent async blocking <= 1.2x pinned floor", "pt_block", "floor_pinned", 1.2, False),
+        ("overlapped copy done <= 1.5x pinned floor", "tp_ov_copied", "floor_pinned", 1.5, False),
+        ("training, tierpoint every 25 >= 0.95x none", "train_none", "train_tp25", 0.95, True),
+        ("training, tierpoint every 10 >= 0.9x none", "train_none", "train_tp10", 0.9, True),
+        ("training, overlapped every 25 >= 0.95x none", "train_none", "train_ov25", 0.95, True),
+        ("training, overlapped every 10 >= 0.9x none", "train_none", "train_ov10", 0.9, True),
+    ]
+    print()
+    for label, num, den, target, at_least in checks:
+        if not times.get(num) or not times.get(den) or len(times[num]) != len(times[den]):
+            print(f"{label:52s}   n/a")
+            continue
+        ratio = paired(times, num, den)
+        ok = ratio >= target if at_least else ratio <= target
+        print(f"{label:52s} {ratio:5.2f}x  {'PASS' if ok else 'MISS'}")
+    if times.get("tp_first_block") and times.get("tp_block"):
+        ratio = times["tp_first_block"][0] / median(times["tp_block"])
+        print(
+            f"{'first local save <= 2x a steady one':52s} {ratio:5.2f}x  {'PASS' if ratio <= 2 else 'MISS'}"
+        )
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def bench_saves(
+    root: Path, gib: float, reps: int, device: torch.device, stack: contextlib.ExitStack
+) -> tuple[Times, dict[str, str]]:
+    state = on_device(make_state(gib), device)
+    tensors = tensors_of(state)
+    sync(device)
+    failures: dict[str, str] = {}
+    stack.callback(shutil.rmtree, root / "tier", ignore_errors=True)  # after the queues closed
+    local = TierpointSaver(root / "tier", lambda: state, stack)
+    first_local = local.measure()
+    local.measure()
+    overlapped = TierpointSaver(root / "tier", lambda: state, stack, local, overlap_snapshot=True)
+    overlapped.measure()
+    persistent = PersistentSaver(root / "persistent", state, stack)
+    first_persistent = persistent.measure()
+    stager, stager_note = reusable_stager()
+    if stager is not None:
+        stack.callback(stager.close)
+    contenders = [
+        guarded(
+            "floor_pinned", d2h_floor(tensors, device.type == "cuda", "floor_pinned"), failures
+        ),
+        guarded("floor_pageable", d2h_floor(tensors, False, "floor_pageable"), failures),
+        guarded("local", local.measure, failures),
+        guarded("local overlapped", overlapped.measure, failures),
+        guarded("persistent", persistent.measure, failures),
+        guarded("dcp default", dcp_contender(root, state, "dcp_default", None), failures),
+        *(
+            [guarded("dcp stager", dcp_contender(root, state, "dcp_stager", stager), failures)]
+            if stager is not None
+            else []
+        ),
+    ]
+    if stager is None:
+        failures["dcp stager"] = stager_note
+    run_interleaved(contenders, 1)  # warm-up: DCP's first save allocates its staging
+    times = run_interleaved(contenders, reps)
+    times["tp_first_block"] = [first_local["tp_block"]]
+    times["pt_first_block"] = [first_persistent["pt_block"]]
+    print_saves(times, nbytes_of(tensors), len(tensors), reps, failures)
+    return times, failures
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=None, help="state size (default: from the GPU)")
+    p.add_argument("--reps", type=int, default=5, help="interleaved save repetitions")
+    p.add_argument("--steps", type=int, default=100, help="training steps a run")
+    p.add_argument("--train-reps", type=int, default=3, help="interleaved training repetitions")
+    p.add_argument("--layers", type=int, default=None, help="GPT layers (default: from the GPU)")
+    p.add_argument("--width", type=int, default=1024, help="GPT width")
+    p.add_argument("--seq", type=int, default=512, help="GPT sequence length")
+    p.add_argument("--vocab", type=int, default=32768, help="GPT vocabulary")
+    p.add_argument("--json", type=Path, default=None, help="also write every figure here")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "gpu_bench: no CUDA device here (torch.cuda.is_available() is False); run it on a "
+            "machine with a GPU (see benchmarks/gpu_device_run.sh), or --device cpu to check it"
+        )
+    if args.device == "cpu":  # a check of the script: tiny everything
+        args.layers, args.width, args.steps = args.layers or 1, 64, min(args.steps, 30)
+        args.seq, args.vocab = 32, 256
+    elif args.layers is None:  # ~16 bytes a parameter with AdamW: about 1/4 of the GPU
+        gpu = torch.cuda.get_device_properties(0).total_memory
+        per_layer = 12 * args.width**2 * 16 * 4  # with activations, generously
+        args.layers = max(2, min(24, int(gpu / 4 / per_layer)))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    gib = state_size(args, device)
+    require_memory(int(HOST_COPIES * gib * GIB), "use a smaller --gib")
+    # SIGTERM unwinds like Ctrl-C: queues close and the directory goes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    print(device_line(device))
+    start = cpu_sample()
+    root = pick_root(int(6 * gib * GIB))
+    print(f"checkpoints under {root}")
+    try:
+        with contextlib.ExitStack() as stack:
+            times, failures = bench_saves(root, gib, args.reps, device, stack)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        with contextlib.ExitStack() as stack:
+            train_times, memory = bench_training(root, args, device, stack)
+        times.update(train_times)
+        print(memory)
+        print_checks(times)
+        print(f"\n{machine_line(start)}")
+        if args.json is not None:
+            out = {"device": device_line(device), "failures": failures, "memory": memory, **times}
+            args.json.write_text(json.dumps(out, indent=1))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 21 in one prepared run, for a GPU machine with torch, xxhash, fsspec,
+# numpy, rich and pytest installed, no network and no virtual environment. From the repo root:
+#
+#     OUT=/some/dir benchmarks/gpu_device_run.sh [gpu_bench.py options...]
+#
+# Each tests/gpu scenario runs in its own python process (a CUDA failure in one cannot hide the
+# others), then benchmarks/gpu_bench.py. Under $OUT: tests.log (every scenario's output), a
+# summary (one PASS/FAIL/SKIP line per scenario), bench.log and bench.json. The exit status is
+# non-zero when a scenario failed or the benchmark did.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:?set OUT to the directory for logs and results}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONDONTWRITEBYTECODE=1 TIERPOINT_TIMEOUT="${TIERPOINT_TIMEOUT:-120}"
+
+{
+    echo "== $(date -u +%FT%TZ) $(uname -n)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
+    df -h /dev/shm 2>&1 | tail -1
+} | tee "$OUT/summary"
+
+status=0
+scenarios=$("$PY" -m pytest --collect-only -q -p no:cacheprovider tests/gpu 2>>"$OUT/tests.log" | grep '::')
+if [ -z "$scenarios" ]; then
+    echo "FAIL collecting tests/gpu (see tests.log)" | tee -a "$OUT/summary"
+    status=1
+fi
+for node in $scenarios; do
+    echo "==== $node" >>"$OUT/tests.log"
+    timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider "$node" >>"$OUT/tests.log" 2>&1
+    rc=$?
+    case $rc in
+        0) grep -q "skipped" <(tail -3 "$OUT/tests.log") && verdict=SKIP || verdict=PASS ;;
+        124) verdict="FAIL (timed out)"; status=1 ;;
+        *) verdict="FAIL (exit $rc)"; status=1 ;;
+    esac
+    echo "$verdict $node" | tee -a "$OUT/summary"
+done
+
+echo "==== benchmarks/gpu_bench.py $*" | tee -a "$OUT/summary"
+if "$PY" benchmarks/gpu_bench.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"; then
+    echo "PASS gpu_bench (figures in bench.log, bench.json)" | tee -a "$OUT/summary"
+else
+    echo "FAIL gpu_bench (see bench.log)" | tee -a "$OUT/summary"
+    status=1
+fi
+ls /dev/shm | grep -i tierpoint >>"$OUT/summary" && echo "(left in /dev/shm, above)" >>"$OUT/summary"
+exit $status
