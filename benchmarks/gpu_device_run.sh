@@ -5,7 +5,8 @@
 #     OUT=/some/dir benchmarks/gpu_device_run.sh [gpu_bench.py options...]
 #
 # Each tests/gpu scenario runs in its own python process (a CUDA failure in one cannot hide the
-# others), then benchmarks/gpu_bench.py. Under $OUT: tests.log (every scenario's output), a
+# others), then all of them in one process (the acceptance: one process stays healthy), then
+# benchmarks/gpu_bench.py. Under $OUT: tests.log (every scenario's output), a
 # summary (one PASS/FAIL/SKIP line per scenario), bench.log and bench.json. The exit status is
 # non-zero when a scenario failed or the benchmark did.
 set -uo pipefail
@@ -40,6 +41,14 @@ for node in $scenarios; do
     esac
     echo "$verdict $node" | tee -a "$OUT/summary"
 done
+
+echo "==== all of tests/gpu in one process" >>"$OUT/tests.log"
+if timeout 600 "$PY" -m pytest -q -p no:cacheprovider tests/gpu >>"$OUT/tests.log" 2>&1; then
+    echo "PASS all of tests/gpu in one process" | tee -a "$OUT/summary"
+else
+    echo "FAIL all of tests/gpu in one process" | tee -a "$OUT/summary"
+    status=1
+fi
 
 echo "==== benchmarks/gpu_bench.py $*" | tee -a "$OUT/summary"
 if "$PY" benchmarks/gpu_bench.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"; then
