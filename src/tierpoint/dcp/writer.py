@@ -15,9 +15,10 @@ Two ways to drive it:
 What it writes (see :mod:`tierpoint.dcp.layout` and :mod:`tierpoint.dcp.file_plan`): per rank
 ``thread_count`` files ``__<rank>_<k>.<token>.distcp`` (``token``: new for every save of this
 rank, :attr:`Writer.file_token`) written by as many threads, each file fsynced, the
-directory fsynced (async saves to a RAM file system: one file, the staging memory itself, named by
-the snapshot); then ``.metadata`` (pickled torch ``Metadata``, torch's own classes only) written
-by the coordinator via tmp + fsync + rename, or one PUT on object stores: the commit point.
+directory fsynced (async saves of CPU states to a RAM file system: one file, the staging memory
+itself, named by the snapshot); then ``.metadata`` (pickled torch ``Metadata``, torch's own
+classes only) written by the coordinator via tmp + fsync + rename, or one PUT on object stores:
+the commit point.
 
 Invariants:
 - Every rank creates its unfinished marker (``.unfinished-<rank>``) in ``set_up_storage_writer``,
@@ -322,7 +323,12 @@ class Writer(StorageWriter):
         """
         plan, files = self._require_plan()
         self._claim()
-        self._in_place = stages_in_place(self.path)
+        # A state with CUDA tensors stages in the pool's reused pinned memory, not in place: every
+        # in-place file would be pinned anew, which costs the trainer more than the worker's writing.
+        on_device = any(
+            self._planner_data(s.item).device.type == "cuda" for f in files.files for s in f.tensors
+        )
+        self._in_place = stages_in_place(self.path) and not on_device
         if self._in_place:  # one file per rank: there is no writing left to share among threads
             self._files = files = self._named_files(1)
         args = (
