@@ -35,9 +35,11 @@ repetitions, ratios are medians of per-repetition ratios. "blocking" is what the
 spent inside the checkpoint calls: for tierpoint every ``maybe_save`` (save steps and the others,
 where finished saves are finalized and a deferred persistent copy starts) plus the final ``wait``;
 for DCP the wait for the previous future plus the ``async_save`` call. tierpoint's own
-``manager.stats()`` blocking and durable medians per tier are printed too (its persistent
-"blocking" is 0 for a copy made from the local part: that copy starts inside a later
-``maybe_save``, which the benchmark's own timing counts).
+``manager.stats()`` blocking and durable medians per tier are printed too (they include the
+warm-up saves; a persistent copy made from the local part starts inside a later ``maybe_save``,
+which the benchmark's own timing counts whatever ``stats()`` counts). CPU-seconds per run (both
+ranks with their threads and tierpoint workers, and what other processes took meanwhile) tell how
+much work each contender adds and how busy the shared machine was.
 
 Run: ``./run bench training`` (about 4-6 minutes), ``./run bench training --quick`` (under a minute:
 one repetition of 30 steps), ``--json PATH`` writes every figure. Everything written (the /dev/shm
@@ -287,19 +289,24 @@ class PhaseClock:
         "persistent copy: read local part": ("local", "read_own_part"),
         "persistent copy: plan (DCP)": ("tpdcp", "async_save_request"),
     }
+    NESTED = {  # inside the parts above (finalize rounds, make room, schedule)
+        "queue all-gathers": ("queue", "_all_gather"),
+        "concluding saves (outcome gather + commit fns)": ("queue", "_conclude"),
+    }
 
     def __init__(self, manager: TieredCheckpointManager) -> None:
         import tierpoint.dcp as tpdcp
 
-        self.seconds: dict[str, float] = dict.fromkeys(self.PARTS, 0.0)
-        self.calls: dict[str, int] = dict.fromkeys(self.PARTS, 0)
+        parts = {**self.PARTS, **self.NESTED}
+        self.seconds: dict[str, float] = dict.fromkeys(parts, 0.0)
+        self.calls: dict[str, int] = dict.fromkeys(parts, 0)
         owners = {
             "queue": manager.queue,
             "manager": manager,
             "local": manager.local,
             "tpdcp": tpdcp,
         }
-        for label, (owner_name, attr) in self.PARTS.items():
+        for label, (owner_name, attr) in parts.items():
             owner = owners[owner_name]
             real = getattr(owner, attr, None)
             if real is None:
@@ -319,9 +326,10 @@ class PhaseClock:
         return timed
 
     def take(self) -> dict[str, float]:
-        out = dict(self.seconds)
+        """Seconds per part since the last ``take``, and ``<part> #``: how many calls."""
+        out = {**self.seconds, **{f"{k} #": float(n) for k, n in self.calls.items()}}
         for k in self.seconds:
-            self.seconds[k] = 0.0
+            self.seconds[k], self.calls[k] = 0.0, 0
         return out
 
 
@@ -509,6 +517,11 @@ def summarise(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
             "others_cpus": [max(0.0, m - j) / t for m, j, t in zip(machine, job, seconds[c])],
         }
     per_rep_ratio = {c: [a / b for a, b in zip(seconds["none"], seconds[c])] for c in CONTENDERS}
+    # The job's CPU-seconds of (A) over a contender's, per repetition: the throughput ratio a
+    # machine whose every core is busy tends to (extra work then costs its full CPU time).
+    for c in CONTENDERS:
+        a, x = cpu["none"]["job_cpu_s"], cpu[c]["job_cpu_s"]
+        cpu[c]["cpu_ratio_vs_none"] = median([p / q for p, q in zip(a, x)])
 
     tp_runs = per_rank[0]["runs"]["tierpoint"]
     dcp_runs = per_rank[0]["runs"]["dcp"]
@@ -614,7 +627,7 @@ def print_report(res: dict[str, Any]) -> None:
     blk = res["blocking"]
     head = (
         f"{'contender':40s} {'steps/s':>8s} {'ms/step':>8s} {'vs (A)':>7s} {'blocking/run':>13s}"
-        f" {'CPU-s/run':>10s} {'others':>7s}"
+        f" {'CPU-s/run':>10s} {'CPU vs (A)':>10s} {'others':>7s}"
     )
     print(head)
     print("-" * len(head))
@@ -625,10 +638,11 @@ def print_report(res: dict[str, Any]) -> None:
         others = median(res["cpu"][c]["others_cpus"])
         print(
             f"{LABELS[c]:40s} {sps:8.2f} {1e3 / sps:8.1f} {res['ratio_vs_none'][c]:6.3f}x {b:>13s}"
-            f" {job:10.1f} {others:7.2f}"
+            f" {job:10.1f} {res['cpu'][c]['cpu_ratio_vs_none']:9.3f}x {others:7.2f}"
         )
     print(
-        "CPU-s/run: both ranks with their threads and tierpoint workers; others: CPUs other"
+        "CPU-s/run: both ranks with their threads and tierpoint workers; CPU vs (A): (A)'s"
+        " CPU-s over this contender's (median of per-repetition ratios); others: CPUs other"
         " processes used meanwhile (average)"
     )
     for c in CONTENDERS[1:]:
@@ -655,8 +669,17 @@ def print_report(res: dict[str, Any]) -> None:
         f" {tp['other_call_median_s'] * 1e3:.2f} ms (max {tp['other_call_max_s'] * 1e3:.0f} ms,"
         f" {tp['other_calls_over_5ms_per_run']:.1f} a run over 5 ms)"
     )
-    parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in tp["phases_per_run_s"].items())
-    print(f"    of which, per run: {parts}")
+    phases = tp["phases_per_run_s"]
+
+    def part(label: str) -> str:
+        return f"{label} {phases[label] * 1e3:.0f} ms ({phases[label + ' #']:.0f} calls)"
+
+    print("    of which, per run:")
+    for label in [k for k in PhaseClock.PARTS if k in phases]:
+        print(f"      {part(label)}")
+    nested = [part(k) for k in PhaseClock.NESTED if k in phases]
+    if nested:
+        print(f"      inside those: {'; '.join(nested)}")
     print(
         f"  DCP:       {dc['save_steps_per_run']:.0f} saves {dc['in_save_steps_s'] * 1e3:.0f} ms"
         f" ({dc['per_save_median_s'] * 1e3:.1f} ms each: wait for the previous + async_save),"
