@@ -27,8 +27,9 @@ repetitions (the machine is shared and its speed drifts; neighbours in time are 
 
 Step numbers continue across runs: every run of B and C is ``--steps`` consecutive steps starting
 at a multiple of 50, so its first step saves and every save has the nine steps after it inside the
-run, as in a long job; with the default 100 a run holds 10 local saves, 2 persistent saves and 10
-DCP saves. A diagnostic clock wraps a few of the manager's callees (finalize rounds, the step
+run, as in a long job; with the default 80 a run holds 8 local saves, 2 persistent saves (at its
+first step and 50 steps later: a little more than the schedule's average, so against tierpoint) and
+8 DCP saves. A diagnostic clock wraps a few of the manager's callees (finalize rounds, the step
 agreement, planning, snapshot + dispatch, the persistent copy's read and planning) to say where
 tierpoint's blocking time goes. A run's time is the slowest rank's; steps/s figures are medians over
 repetitions, ratios are medians of per-repetition ratios. "blocking" is what the training thread
@@ -41,8 +42,8 @@ which the benchmark's own timing counts whatever ``stats()`` counts). CPU-second
 ranks with their threads and tierpoint workers, and what other processes took meanwhile) tell how
 much work each contender adds and how busy the shared machine was.
 
-Run: ``./run bench training`` (about 4-6 minutes), ``./run bench training --quick`` (under a minute:
-one repetition of 30 steps), ``--json PATH`` writes every figure. Everything written (the /dev/shm
+Run: ``./run bench training`` (3-6 minutes, depending on what else runs), ``./run bench training --quick`` (under a minute:
+one repetition of 20 steps), ``--json PATH`` writes every figure. Everything written (the /dev/shm
 directory, the disk directory) is removed at the end, also on failure, Ctrl-C or SIGTERM.
 """
 
@@ -98,7 +99,7 @@ class Config:
     heads: int = 4
     batch: int = 2
     seq: int = 64
-    steps: int = 100
+    steps: int = 80
     reps: int = 3
 
 
@@ -718,7 +719,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         default=d.steps,
         help=f"timed steps a run, a multiple of {LOCAL_EVERY} (default {d.steps})",
     )
-    p.add_argument("--quick", action="store_true", help="one repetition of 30 steps (< 1 minute)")
+    p.add_argument("--quick", action="store_true", help="one repetition of 20 steps (< 1 minute)")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--d-model", type=int, default=d.d_model)
     p.add_argument("--vocab", type=int, default=d.vocab)
@@ -727,7 +728,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
     args = p.parse_args(argv)
     if args.quick:
-        args.reps, args.steps = 1, 30
+        args.reps, args.steps = 1, 20
     if args.steps <= 0 or args.steps % LOCAL_EVERY or args.reps <= 0:
         p.error(f"--steps must be a positive multiple of {LOCAL_EVERY}, --reps positive")
     cfg = Config(
