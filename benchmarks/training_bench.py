@@ -247,7 +247,9 @@ class DcpSaver:
             self.pending.result()
             self.durable.append(time.perf_counter() - self._started)
             self.pending = None
-            while len(self.saved) > 1:  # every rank finished the older ones (see the docstring)
+            # Every rank finished the older ones: each rank awaited one before starting the next
+            # save, whose collective planning the save just awaited needed from every rank.
+            while len(self.saved) > 1:
                 old = self.saved.pop(0)
                 if self.rank == 0:
                     shutil.rmtree(old, ignore_errors=True)
@@ -471,6 +473,11 @@ def bench_rank(rank: int, world: int, local_root: str, disk: str, cfg: Config) -
             runs[contender].append(run)
         floor.append(memcpy_floor(trainer.state_tensors()))
     dist.barrier()
+    if rank == 0:  # sanity: what each contender left on disk (tierpoint keeps 3, DCP 2 here)
+        out["on_disk"] = {
+            "tierpoint persistent": sorted(p.name for p in Path(manager.persistent_dir).iterdir()),
+            "dcp": sorted(p.name for p in saver.root.iterdir()),
+        }
     t0 = time.perf_counter()
     manager.close()
     out["tp_close_s"] = time.perf_counter() - t0
@@ -613,6 +620,7 @@ def summarise(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         "warmup": warmup,
         "checks": checks,
         "final_loss": [r["loss"] for r in per_rank],
+        "on_disk": per_rank[0].get("on_disk", {}),
     }
 
 
@@ -701,6 +709,8 @@ def print_report(res: dict[str, Any]) -> None:
         f" close() {w['tp_close_s'] * 1e3:.0f} ms; DCP first save + wait"
         f" {w['dcp_first_save_s'] * 1e3:.0f} ms"
     )
+    kept = "; ".join(f"{k}: {' '.join(v)}" for k, v in res["on_disk"].items())
+    print(f"on disk at the end: {kept}")
     print()
     for label, check in res["checks"].items():
         print(f"{label:44s} {check['value']:6.3f}x  {'PASS' if check['pass'] else 'FAIL'}")
