@@ -1,39 +1,54 @@
-"""The demo as a multi-node test: torchrun --nnodes 2 --nproc-per-node 2 on 127.0.0.1, node 1 lost.
-
-Both processes of node 1 are SIGKILLed and its local root wiped; the relaunched job must resume from
-the newest iteration (fetched from the replicas on node 0), end bit-equal to an uninterrupted run,
-and node 1 must hold replicas again.
+"""The demo as the end-to-end test of every tier: torchrun, 2 nodes x 2 ranks on 127.0.0.1, a
+GPT-style job checkpointing only through TieredCheckpointManager, killed with SIGKILL at random
+steps with a save in flight: one rank (resumes from the local tier), node 1 with its local root
+wiped (from peer replicas), every node with every local root wiped (from the persistent tier). It
+must end bit for bit equal to an uninterrupted run, report each recovery, and leave nothing behind.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import pytest
 
-def test_lost_node_resumes_bit_equal_and_replicas_return() -> None:
+from tierpoint.demo.launch import _wait_all
+
+
+@pytest.mark.timeout(420)
+def test_killed_three_ways_the_demo_ends_bit_equal_to_an_uninterrupted_run() -> None:
     shm = Path("/dev/shm")
     before = set(shm.glob("tierpoint-demo-*")) if shm.is_dir() else set()
     logs = Path(tempfile.gettempdir())
     torchrun_logs = set(logs.glob("torchelastic_*"))
+    rng = random.Random()
+    # Right after a scheduled save (every 3 steps: it is in flight), at least a save apart.
+    rank_at = rng.choice([6, 9])
+    node_at = rng.choice([s for s in (12, 15, 18) if s > rank_at + 3])
+    all_at = rng.choice([s for s in (21, 24) if s > node_at + 3])
+    failures = f"rank@{rank_at},node@{node_at},all@{all_at}"
     proc = subprocess.run(
-        [sys.executable, "-m", "tierpoint.demo", "--steps=24", "--save-every=8", "--crash-at=19"],
+        [sys.executable, "-m", "tierpoint.demo", "--width=32", f"--failures={failures}"],
         capture_output=True,
         text=True,
-        timeout=270,  # below pytest's 300 s, so that a stuck run shows the demo's own output
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        timeout=400,  # below pytest's, so that a stuck run shows the demo's own output
+        env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160"),
     )
     out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr[-3000:]
-    assert "resumed from the checkpoint of step 16 (agreed by all 4 ranks)" in out
-    # Ranks 2 and 3 (node 1) got their own parts and their replicas back from node 0.
-    restoring = next(line for line in out.splitlines() if "restoring" in line)
-    assert "rank 0 -> 2 (part of 2)" in restoring and "rank 1 -> 3 (part of 3)" in restoring
-    assert "weights equal the uninterrupted run bit for bit" in out
-    assert "rank 2: part of rank 0; rank 3: part of rank 1" in out
+    assert proc.returncode == 0, f"{failures}\n{out}\n{proc.stderr[-3000:]}"
+    resumes = [line for line in out.splitlines() if "resumed at step" in line]
+    assert [line.split(" tier ")[0].split()[-1] for line in resumes] == [
+        "local",
+        "peers",
+        "persistent",
+    ], out
+    assert "parameters equal the uninterrupted run bit for bit (4 ranks)" in out
+    assert "restore from peers took" in out  # and the report compares the two restores
     if shm.is_dir():
         assert set(shm.glob("tierpoint-demo-*")) == before  # the demo removes what it wrote
     assert set(logs.glob("torchelastic_*")) == torchrun_logs  # torchrun's too
@@ -42,13 +57,21 @@ def test_lost_node_resumes_bit_equal_and_replicas_return() -> None:
 def test_a_failed_node_stops_the_other_nodes_job_instead_of_leaving_it_waiting() -> None:
     """torchrun on a node whose workers all succeeded waits 300 s at its exit barrier for a node
     that failed; the demo stops it after a grace period and reports the failure."""
-    import time
-
-    from tierpoint.demo import _wait_all
-
     start = time.monotonic()
     failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     codes = _wait_all([failed, waiting], grace=1)
     assert codes[0] == 3 and codes[1] != 0
     assert time.monotonic() - start < 30
+
+
+def test_bad_failure_lists_are_refused_before_anything_runs() -> None:
+    for bad in ("disk@3", "node@40", "all@9,node@6"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "tierpoint.demo", f"--failures={bad}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2 and "--failures" not in proc.stdout, proc.stderr
+        assert "failure" in proc.stderr

@@ -141,6 +141,12 @@ class AsyncCallsQueue:
             with self._pump_lock:
                 self._worker.wait_ready(tpdist.timeout_or(timeout, self.timeout))
 
+    def preload(self, *modules: str) -> None:
+        """Let the worker import ``modules`` (those of the calls to come) while it is idle, so that
+        the first save does not wait for the imports."""
+        if self._worker is not None:
+            self._worker.preload(list(modules))
+
     # ------------------------------------------------------------------------------ scheduling
 
     def schedule_async_request(self, request: AsyncRequest) -> int:

@@ -3,7 +3,8 @@
 Call order (training process): ``Worker()`` spawns the process once; ``submit(call_id, fn, args,
 kwargs)`` sends a call (staging buffers in the arguments are shared by file descriptor the first time
 and referred to by id afterwards); ``results()`` collects finished calls without blocking;
-``exitcode`` tells whether the process died; ``stop()`` / ``kill()`` end it.
+``exitcode`` tells whether the process died; ``stop()`` / ``kill()`` end it. ``preload(modules)``
+imports the modules of calls to come while the worker is idle (a first call then finds them).
 
 Worker process: receives calls over its pipe, runs them one at a time, answers
 ``(call_id, ok, result_or_message, error_type)``. It exits when the pipe closes (its trainer died), so
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import mmap
 import os
 import signal
@@ -118,6 +120,12 @@ def worker_main(conn: Any, parent_pid: int | None = None) -> None:
             maps[buf_id] = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
             os.close(fd)
             _buffers[buf_id] = memoryview(maps[buf_id])
+        elif kind == "import":
+            for name in msg[1]:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - the call that needs it reports the error
+                    pass
         elif kind == "drop":
             _buffers.pop(msg[1], None)
             m = maps.pop(msg[1], None)
@@ -178,6 +186,11 @@ class Worker:
             args = tuple(self._transport(a) for a in args)
             kwargs = {k: self._transport(v) for k, v in kwargs.items()}
             self._conn.send(("call", call_id, fn, args, kwargs))
+
+    def preload(self, modules: list[str]) -> None:
+        """Have the worker import ``modules`` now, before the first call that needs them."""
+        with self._lock:
+            self._conn.send(("import", list(modules)))
 
     def drop_buffers(self, keep: set[str]) -> None:
         """Unmap staging buffers the trainer no longer uses."""

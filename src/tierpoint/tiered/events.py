@@ -106,13 +106,21 @@ class EventLog:
                 "saves": len(records),
                 "failed": len(records) - len(done),
                 "bytes": sum(r.bytes for r in done),
-                "blocking_s": _spread([r.phases.get("snapshot", 0.0) for r in records]),
+                "blocking_s": _spread([_blocking(r) for r in records]),
                 "durable_s": _spread([r.phases["durable"] for r in done if "durable" in r.phases]),
             }
         return {
             "tiers": tiers,
             "restores": [r.as_dict() for r in self._restores],
         }
+
+
+BLOCKING_PHASES = ("snapshot", "copy_from_local")
+"""The phases of a save that the training loop waits for."""
+
+
+def _blocking(record: SaveRecord) -> float:
+    return sum(record.phases.get(phase, 0.0) for phase in BLOCKING_PHASES)
 
 
 def _spread(values: list[float]) -> dict[str, float]:

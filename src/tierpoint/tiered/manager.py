@@ -145,6 +145,8 @@ class TieredCheckpointManager:
                 keep_last=keep_local,
             )
         self.queue = AsyncCallsQueue(max_in_flight=2, timeout=timeout)
+        if self.persistent_dir is not None:  # the worker's first persistent save needs them
+            self.queue.preload("tierpoint.dcp.writer", "tierpoint.dcp.checksums")
         self.last_restore: RestoreRecord | None = None
         """What the last :meth:`restore` did (step, tier, seconds, bytes, skipped steps)."""
         self._events = EventLog(on_event)
