@@ -3,8 +3,10 @@ most once and unregistered before its memory is unmapped, on every path.
 
 Call order: the owner of a mapping (:class:`tierpoint.staging.StagingBuffer`) holds a
 :class:`PinnedRange`; when the memory is allocated for a state that has device tensors
-(``device = copy_device(tensors)`` is not None) it calls ``pinned.register(address, nbytes, device)``,
-ahead of the snapshot that copies into it; ``pinned.release()`` runs before the memory is unmapped:
+(``device = copy_device(tensors)`` is not None) it calls ``pinned.register(address, nbytes, device)``
+once, before any copy into it (the first save of a layout pays for it; later saves reuse the
+pinned buffer; a DCP pool's spare is pinned in the background); ``pinned.release()`` runs before
+the memory is unmapped:
 from the owner's ``close`` and from its ``weakref.finalize`` (garbage collection, interpreter exit),
 which also holds the mapping, so the mapping cannot go first.
 
