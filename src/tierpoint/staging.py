@@ -18,9 +18,9 @@ Invariants:
 - The memory is an anonymous ``memfd``, or (for DCP saves onto a RAM file system) an unnamed
   ``O_TMPFILE`` there: nothing to clean up in /dev/shm, freed when the last process holding it exits,
   crashed or not, unless it was given a name on purpose (:meth:`StagingBuffer.link`).
-- Page-locked memory has one owner: a buffer for a state with CUDA tensors is pinned once, when it
-  is allocated (not by the snapshot), through :class:`tierpoint.pinning.PinnedRange`, and unpinned
-  before its memory is unmapped on every path: ``close`` (a layout change, a pool freeing it) and
+- Page-locked memory has one owner: a buffer for a state with CUDA tensors is pinned once, before
+  the first copy into it (not at every save), through :class:`tierpoint.pinning.PinnedRange`, and
+  unpinned before its memory is unmapped on every path: ``close`` (a layout change, a pool freeing it) and
   garbage collection or interpreter exit (a ``weakref.finalize`` that holds the mapping). A buffer
   that could not be pinned is used unpinned.
 - CUDA tensors are copied by :func:`copy_from_devices`: on one side stream per device that first
