@@ -473,7 +473,7 @@ def bench_rank(rank: int, world: int, local_root: str, disk: str, cfg: Config) -
             runs[contender].append(run)
         floor.append(memcpy_floor(trainer.state_tensors()))
     dist.barrier()
-    if rank == 0:  # sanity: what each contender left on disk (tierpoint keeps 3, DCP 2 here)
+    if rank == 0:  # sanity: what each contender left (tierpoint keeps 3; DCP here the newest)
         out["on_disk"] = {
             "tierpoint persistent": sorted(p.name for p in Path(manager.persistent_dir).iterdir()),
             "dcp": sorted(p.name for p in saver.root.iterdir()),
