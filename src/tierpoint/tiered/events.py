@@ -23,9 +23,12 @@ logger = logging.getLogger("tierpoint")
 class SaveRecord:
     """One save to one tier.
 
-    ``phases`` holds seconds: ``snapshot`` (what training waited for), ``durable`` (from the request
-    to the commit on every rank), ``replicate`` (this rank's share of the peer copies), ``cleanup``
-    (retention after the commit).
+    ``phases`` holds seconds: ``snapshot`` or ``copy_from_local`` (what training waited for),
+    ``write`` (the worker: write, hash, fsync and rename, or upload), ``replicate`` (this rank's
+    copies to and from peers), ``commit`` (from this rank's part done to the commit on every rank:
+    the slowest rank, the next poll, then ``.metadata`` or retirement), ``durable`` (from the
+    request to the commit: observed when the manager finalizes, at the next ``maybe_save``),
+    ``cleanup`` (persistent retention after the commit, on rank 0).
     """
 
     tier: str

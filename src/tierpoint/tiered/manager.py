@@ -240,15 +240,48 @@ class TieredCheckpointManager:
                 logger.warning("a checkpoint save failed: %s", e)
 
     def _schedule(
-        self, tier: str, request: Any, committed: Callable[[], None], failed: Callable[[], None]
+        self,
+        tier: str,
+        request: Any,
+        record: SaveRecord,
+        committed: Callable[[], None],
+        failed: Callable[[], None],
     ) -> None:
+        """Schedule ``request`` (this tier's save) and time its phases into ``record``: ``write``
+        (the worker: write, hash, fsync, rename or upload), ``replicate`` (the local tier's copies
+        to peers), ``commit`` (from this rank's part done to the commit on every rank: waiting for
+        the slowest rank and the next poll, then ``.metadata`` or retirement)."""
+        marks: dict[str, float] = {}
+        snapshot, background = request.preload_fn, request.background_fn
+
+        def timed_snapshot() -> Any:
+            try:
+                return snapshot() if snapshot is not None else None
+            finally:
+                marks["snapshot"] = time.perf_counter()
+
+        def after_worker(ok: bool) -> None:
+            marks["worker"] = time.perf_counter()
+            if background is not None:
+                background(ok)
+                marks["background"] = time.perf_counter()
+
         def done(outcome: Callable[[], None]) -> Callable[[], None]:
             def run() -> None:
                 self._in_flight.pop(tier, None)
+                now = time.perf_counter()
+                if "snapshot" in marks and "worker" in marks:
+                    record.phases["write"] = max(0.0, marks["worker"] - marks["snapshot"])
+                    last = marks.get("background", marks["worker"])
+                    if "background" in marks:
+                        record.phases["replicate"] = marks["background"] - marks["worker"]
+                    record.phases["commit"] = now - last
                 outcome()
 
             return run
 
+        request.preload_fn = timed_snapshot
+        request.background_fn = after_worker
         request.add_finalize_fn(done(committed))
         request.abort_fns = [*request.abort_fns, done(failed)]
         self._in_flight[tier] = self.queue.schedule_async_request(request)
@@ -263,9 +296,6 @@ class TieredCheckpointManager:
 
         def committed() -> None:
             record.phases["durable"] = time.perf_counter() - start
-            moved = self.local.last_replication if self.local else None
-            if moved is not None:
-                record.phases["replicate"] = moved.seconds
             if self._deferred is not None and self._deferred.step == step:
                 self._deferred.committed = True
             self._events.emit(record)
@@ -279,7 +309,7 @@ class TieredCheckpointManager:
                 self._deferred = None
             self._events.emit(record)
 
-        self._schedule("local", request, committed, failed)
+        self._schedule("local", request, record, committed, failed)
         record.phases["snapshot"] = time.perf_counter() - start
 
     def _save_persistent(self, step: int, tree: dict[str, Any], snapshot: bool = True) -> None:
@@ -308,7 +338,7 @@ class TieredCheckpointManager:
             request = dcp.async_save_request(
                 tree, path, storage_options=self.storage_options or None, overwrite=True
             )
-            self._schedule("persistent", request, committed, failed)
+            self._schedule("persistent", request, record, committed, failed)
         except CheckpointingError as e:  # planning failed on some rank (agreed): skip this save
             record.ok, record.error = False, str(e)
             logger.warning("persistent checkpoint of step %d not saved: %s", step, e)
