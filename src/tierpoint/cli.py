@@ -8,9 +8,9 @@ Subcommands (each reads only; none runs code from a file):
   which ranks never finished it, and the latest complete one;
 - ``tierpoint verify PATH...``: check part files completely (header, every tensor checksum, and that
   a part's name agrees with its metadata), every part file under a rank's, session's or root's
-  directory, or a DCP checkpoint directory (metadata and every item read and decoded;
-  DCP files carry no checksums, so damage inside tensor bytes cannot be seen); exit status 1 if any
-  fails;
+  directory, or a DCP checkpoint directory (metadata and every item read, decoded and checked
+  against its checksum; a checkpoint written without checksum manifests, by plain torch, is
+  reported unverified); exit status 1 if any fails;
 - ``tierpoint inspect FILE``: a part file's metadata and tensors (name, dtype, shape, checksum);
 - ``tierpoint demo``: the fault-tolerant training demo (``python -m tierpoint.demo``).
 """
@@ -145,9 +145,14 @@ def _verify_part(path: Path) -> str:
 
 def _verify_dcp(path: Path) -> str:
     summary = verify_checkpoint(path)
+    checked = (
+        "every item matches its checksum"
+        if summary.verified
+        else "unverified: no checksum manifest (not written by tierpoint)"
+    )
     return (
         f"DCP checkpoint: {summary.tensors} tensors ({summary.tensor_bytes} bytes) and "
-        f"{summary.values} other values read and decoded"
+        f"{summary.values} other values read and decoded; {checked}"
     )
 
 

@@ -10,11 +10,13 @@ from collections.abc import Iterable
 
 from tierpoint.dcp import writer
 
-_TOKEN = re.compile(r"^(__\d+_\d+)\.[0-9a-z]+(\.distcp)$")
+_TOKEN = re.compile(r"^(__\d+_\d+|\.checksums-\d+)\.[0-9a-z]+(\.distcp|\.json)$")
 
 
 def untokened(names: Iterable[str]) -> list[str]:
-    """Sorted names, each data file's token taken out (``__0_1.<token>.distcp`` -> ``__0_1.distcp``)."""
+    """Sorted names, each data file's and checksum manifest's token taken out
+    (``__0_1.<token>.distcp`` -> ``__0_1.distcp``, ``.checksums-0.<token>.json`` ->
+    ``.checksums-0.json``)."""
     return sorted(_TOKEN.sub(r"\1\2", n) for n in names)
 
 

@@ -356,7 +356,8 @@ def test_async_saves_to_a_ram_disk_snapshot_into_the_files_themselves(shm_dir):
     )
     r = results[0]
     assert r["in_place"] and r["equal"] == [True] * 4
-    assert r["files"] == [[".metadata", "__0_0.distcp", "__1_0.distcp"]] * 4
+    files = [".checksums-0.json", ".checksums-1.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert r["files"] == [files] * 4
     assert r["spare"] == [True] * 4  # ready for the next save, also after the layout grew
     assert results[1] is None and "could not agree" in r["killed"], r["killed"]
     assert get_latest_complete_checkpoint(shm_dir) == step_path(shm_dir, 4)

@@ -139,7 +139,7 @@ def test_a_crash_after_commit_before_unmarking_is_not_returned(tmp_path, monkeyp
     with pytest.raises(CheckpointingError, match="unfinished markers"):
         save({"a": torch.ones(8) * 2}, step_path(tmp_path, 2))
     left = untokened(os.listdir(step_path(tmp_path, 2)))
-    assert left == [".metadata", ".unfinished-0", "__0_0.distcp"]
+    assert left == [".checksums-0.json", ".metadata", ".unfinished-0", "__0_0.distcp"]
     with caplog.at_level(logging.WARNING, logger="tierpoint"):
         assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 1)
     assert f"{step_path(tmp_path, 2)} has a .metadata but unfinished markers of rank(s) 0" in (

@@ -176,8 +176,8 @@ def test_a_step_saved_into_again_with_the_ranks_on_other_nodes_loads_the_new_sav
     run_ranks(_save_placed, 2, tmp, 3, [0, 1], 30.0, False)
     run_ranks(_save_placed, 2, tmp, 5, [0, 1], 50.0, False)
     run_ranks(_save_placed, 2, tmp, 5, [1, 0], 60.0, True)
-    left = os.listdir(_node_dir(tmp, 0, 5))  # only rank 1's new files
-    assert left and all(name.startswith("__1_") for name in left), left
+    left = os.listdir(_node_dir(tmp, 0, 5))  # only rank 1's new files (and their checksums)
+    assert left and all(name.startswith(("__1_", ".checksums-1.")) for name in left), left
     results = run_ranks(_latest_placed, 2, tmp, [0, 1])
     assert results == [("step-5", 60.0, 60.0, False), ("step-5", 61.0, 60.0, False)]
 
@@ -206,7 +206,7 @@ def test_a_node_away_while_its_step_was_saved_again_keeps_nothing_that_is_read(
     run_ranks(_save_placed, 3, tmp, 5, [0, 1, 2], 50.0, False)
     run_ranks(_save_placed, 3, tmp, 5, [0, 2, 2], 60.0, True)
     kept = sorted(os.listdir(_node_dir(tmp, 1, 5)))
-    assert kept and all(n.startswith("__1_") for n in kept), kept  # the earlier save's files
+    assert kept and all(n.startswith(("__1_", ".checksums-1.")) for n in kept), kept  # earlier save
     results = run_ranks(_latest_placed, 3, tmp, [0, 1, 2])
     assert results == [
         ("step-5", 60.0, 60.0, False),
@@ -232,3 +232,22 @@ def test_a_marker_a_node_kept_skips_the_step_with_a_warning(tmp_path: Path) -> N
     assert latest0 == latest1 == "step-3"
     assert any("step-5 has a .metadata but unfinished markers of rank(s) 1" in m for m in warned0)
     assert not warned1  # said once, by the deciding rank
+
+
+def test_plan_fetches_the_checksum_manifest_with_each_data_file() -> None:
+    nodes = ["a", "a", "b", "b"]
+    required = {f"__{r}_0.t{r}.distcp": 100 for r in range(4)}
+    manifests = {f".checksums-{r}.t{r}.json": 50 for r in range(4)}
+    full = {**required, **manifests, ".metadata": 10}
+    moves = plan_moves([full, full, {}, {}], required, 10, nodes)
+    assert sorted((dst, name) for _, dst, name in moves) == [
+        (2, ".checksums-2.t2.json"),
+        (2, ".metadata"),
+        (2, "__2_0.t2.distcp"),
+        (3, ".checksums-3.t3.json"),
+        (3, "__3_0.t3.distcp"),
+    ]
+    # A checkpoint without manifests (plain torch) needs none; an empty copy does not count.
+    assert len(plan_moves([required | {".metadata": 10}] * 2 + [{}, {}], required, 10, nodes)) == 3
+    empty = {**full, ".checksums-2.t2.json": 0}
+    assert (0, 2, ".checksums-2.t2.json") in plan_moves([full, empty, {}, {}], required, 10, nodes)

@@ -59,7 +59,13 @@ def test_ranks_save_sync_and_async_to_s3(s3_bucket):  # noqa: F811
     results = run_ranks(_ranks_save_to_s3, 2, base, options, timeout=300)
     for latest, equal, step, names in results:
         assert latest == step_path(base, 2) and equal and step == 1
-        assert untokened(names) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # markers gone
+        assert untokened(names) == [  # markers gone
+            ".checksums-0.json",
+            ".checksums-1.json",
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
     assert get_latest_complete_checkpoint(base, storage_options=options) == step_path(base, 2)
 
 

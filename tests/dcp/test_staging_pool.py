@@ -62,7 +62,11 @@ def test_a_ram_disk_with_no_room_for_the_staging_file_stages_in_memory(
             _assert_loads(step_path(shm_dir, step), expected)
     assert "no room to stage in place" in caplog.text
     assert pool.allocations == 1 and not pool._free[0][1].file_backed  # one memfd, reused
-    assert untokened(os.listdir(step_path(shm_dir, 2))) == [".metadata", "__0_0.distcp"]
+    assert untokened(os.listdir(step_path(shm_dir, 2))) == [
+        ".checksums-0.json",
+        ".metadata",
+        "__0_0.distcp",
+    ]
     pool.close()
 
 
@@ -84,7 +88,7 @@ def test_when_a_staged_file_cannot_be_named_it_is_copied_and_later_saves_stage_i
         expected = _save(_state(2), step_path(shm_dir, 2), queue, pool)  # thread_count=2 files
         _assert_loads(step_path(shm_dir, 2), expected)
     names = untokened(os.listdir(step_path(shm_dir, 2)))
-    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp"], names
+    assert names == [".checksums-0.json", ".metadata", "__0_0.distcp", "__0_1.distcp"], names
     pool.close()
 
 
@@ -158,11 +162,11 @@ def test_saving_again_with_fewer_files_leaves_none_of_the_earlier_ones(where, tm
     root = str(tmp_path if where == "disk" else shm_dir)
     path = step_path(root, 1)
     save(_state(1), path, thread_count=2)
-    assert untokened(os.listdir(path))[1:] == ["__0_0.distcp", "__0_1.distcp"]
+    assert untokened(os.listdir(path))[2:] == ["__0_0.distcp", "__0_1.distcp"]
     with AsyncCallsQueue() as queue:
         future = async_save(_state(2), path, queue=queue, thread_count=1, overwrite=True)
         future.result(timeout=120)
-    assert untokened(os.listdir(path)) == [".metadata", "__0_0.distcp"]
+    assert untokened(os.listdir(path)) == [".checksums-0.json", ".metadata", "__0_0.distcp"]
     _assert_loads(path, _state(2))
 
 

@@ -78,6 +78,7 @@ def test_torch_reader_loads_every_dtype_and_value(tmp_path):
     path = step_path(tmp_path, 7)
     save(state, path, thread_count=3)
     assert untokened(os.listdir(path)) == [
+        ".checksums-0.json",
         ".metadata",
         "__0_0.distcp",
         "__0_1.distcp",
@@ -159,10 +160,10 @@ def test_a_committed_directory_is_kept_unless_overwrite_is_asked_for(tmp_path):
     with pytest.raises(CheckpointingError, match="already holds a complete checkpoint"):
         save({"a": torch.ones(4)}, path)
     assert get_latest_complete_checkpoint(tmp_path) == path  # untouched, still committed
-    assert untokened(os.listdir(path)) == [".metadata", "__0_0.distcp"]
+    assert untokened(os.listdir(path)) == [".checksums-0.json", ".metadata", "__0_0.distcp"]
     w = Writer(path, overwrite=True)
     w.set_up_storage_writer(True, rank=0)  # a new save starts: marker in, old commit out
-    assert untokened(os.listdir(path)) == [".unfinished-0", "__0_0.distcp"]
+    assert untokened(os.listdir(path)) == [".checksums-0.json", ".unfinished-0", "__0_0.distcp"]
     assert get_latest_complete_checkpoint(tmp_path) is None
     save({"a": torch.ones(4)}, path, overwrite=True)
     loaded = {"a": torch.zeros(4)}
@@ -200,8 +201,8 @@ def test_only_a_complete_directory_is_kept_from_a_new_save(tmp_path):
     results = run_ranks(_resave_complete_then_interrupted, 2, str(tmp_path), timeout=120)
     for rank, outcomes in enumerate(results):  # (the replicated tensor is stored once, rank 0's)
         assert outcomes == ["refused", path, "None", f"True {[7.0] * 4}"], (rank, outcomes)
-    # Rank 1's file holds no item .metadata refers to: the commit removed it.
-    assert untokened(os.listdir(path)) == [".metadata", "__0_0.distcp"]
+    # Rank 1's file holds no item .metadata refers to: the commit removed it, and its manifest.
+    assert untokened(os.listdir(path)) == [".checksums-0.json", ".metadata", "__0_0.distcp"]
 
 
 def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, fixed_token):

@@ -26,9 +26,18 @@ Call order (torch's): ``read_metadata`` -> ``set_up_storage_reader`` -> ``prepar
   into pieces so ``thread_count`` threads share them. Non-tensor (bytes) items are read whole and
   handed to ``planner.load_bytes``.
 
+Checksums: where the rank that wrote a data file left its manifest (:mod:`tierpoint.dcp.checksums`,
+read once per reader, parsed defensively), every item read is checked against its recorded xxh3-64:
+small items, non-tensor values and items read only in part (resharding: the whole item is streamed
+once more) before anything is written into the state; a large tensor read straight into its
+destination is hashed there, with its record's head and tail, once its bytes have arrived, so a
+mismatch in it fails the load on every rank with the destination holding the damaged bytes. A data
+file without a manifest (plain torch wrote it) is read unverified.
+
 Every problem with the files is a :class:`CorruptDCPError` (a :class:`CorruptCheckpointError`)
 naming the file and the reason: missing file, item beyond the end of its file (truncated), malformed
-archive, dtype or shape that contradicts the metadata, unsupported stream transforms. The
+archive, dtype or shape that contradicts the metadata, unsupported stream transforms, a checksum
+mismatch (naming the item), a damaged manifest. The
 ``torch.load`` fallback runs only on archives whose entries unpack to about the size the metadata
 gives the chunk, and must produce a dense CPU tensor of that shape.
 
@@ -50,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -63,6 +73,7 @@ from torch.futures import Future
 
 from .. import storage
 from ..errors import CheckpointingError
+from .checksums import MAX_MANIFEST_BYTES, Manifest, manifest_name, mismatch, parse_manifest
 from .safe_pickle import CorruptDCPError, file_name_problem, safe_loads
 from .saved_tensor import WHOLE_ITEM, BadRecord, NeedsTorchLoad, SavedTensor, locate
 
@@ -104,6 +115,8 @@ class Reader(StorageReader):
         self._dtypes: dict[str, torch.dtype] = {}
         self._chunk_sizes: dict[MetadataIndex, torch.Size] = {}
         self._metadata: Metadata | None = None
+        self._manifests: dict[str, Manifest | None] = {}
+        self._manifests_lock = threading.Lock()
 
     # ------------------------------------------------------------------ torch's StorageReader API
 
@@ -115,6 +128,7 @@ class Reader(StorageReader):
         self._dtypes = {}
         self._chunk_sizes = {}
         self._metadata = None
+        self._manifests = {}
 
     @property
     def checkpoint_id(self) -> str | os.PathLike:
@@ -204,6 +218,38 @@ class Reader(StorageReader):
         """Names of the data files ``plan`` reads (after ``set_up_storage_reader``)."""
         return {self._storage_info(req).relative_path for req in plan.items}
 
+    def manifest(self, data_file: str) -> Manifest | None:
+        """The checksum manifest of ``data_file`` (read once per reader); None when it was written
+        without one (see :mod:`tierpoint.dcp.checksums`)."""
+        name = manifest_name(data_file)
+        if name is None:
+            return None
+        with self._manifests_lock:
+            if name not in self._manifests:
+                location = self._location(name)
+                file = _open(location, "checksum manifest", self.storage_options, missing_ok=True)
+                manifest = None
+                if file is not None:
+                    try:
+                        if file.size > MAX_MANIFEST_BYTES:
+                            raise CorruptDCPError(
+                                location, f"{file.size} bytes of checksums, over the limit"
+                            )
+                        manifest = parse_manifest(_read_exact(file, 0, file.size), location)
+                    finally:
+                        file.close()
+                self._manifests[name] = manifest
+            return self._manifests[name]
+
+    def expected_checksum(self, item: _Item) -> str | None:
+        """The checksum ``item``'s bytes must have, or None if its file has no manifest."""
+        manifest = self.manifest(item.info.relative_path)
+        if manifest is None:
+            return None
+        return manifest.checksum(
+            item.info.relative_path, item.info.offset, item.info.length, item.file.path, item.what
+        )
+
     def _storage_info(self, req: ReadItem) -> _StorageInfo:
         info = self.storage_data.get(req.storage_index)
         if info is None:
@@ -259,9 +305,12 @@ def _missing(location: str, what: str) -> CheckpointingError:
     return CorruptDCPError(location, f"missing {what} file")
 
 
-def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File:
+def _open(
+    location: str, what: str, storage_options: Mapping[str, Any], missing_ok: bool = False
+) -> Any:
     """Open ``location`` (a path or URL) for reading; it must be a regular file and, when local,
-    lie in the checkpoint directory (a symbolic link may point elsewhere in it, not outside)."""
+    lie in the checkpoint directory (a symbolic link may point elsewhere in it, not outside).
+    ``missing_ok``: None when there is no such file (but the directory exists)."""
     if storage.is_local(location):
         path = location[len("file://") :] if location.startswith("file://") else location
         home = os.path.realpath(os.path.dirname(path) or ".")
@@ -278,6 +327,8 @@ def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File
                 raise CheckpointingError(
                     f"{os.path.dirname(path)}: no such checkpoint directory"
                 ) from None
+            if missing_ok:
+                return None
             raise _missing(location, what) from None
         except OSError as e:
             raise CheckpointingError(f"cannot open {what} file {location}: {e}") from e
@@ -291,6 +342,8 @@ def _open(location: str, what: str, storage_options: Mapping[str, Any]) -> _File
         info = storage.request(f"inspecting {location}", fs, "info", key)
     except FileNotFoundError:
         storage.check_bucket(fs, key, location)
+        if missing_ok:
+            return None
         raise _missing(location, what) from None
     except Exception as e:  # noqa: BLE001 - any client failure, reported with the URL
         raise CheckpointingError(f"cannot open {what} file {location}: {e!r:.300}") from e
@@ -475,6 +528,8 @@ class _ReadRun:
         self.targets: list[tuple[_Item, torch.Tensor]] = []
         self.jobs: list[_Job] = []
         self.blobs: list[tuple[_Item, memoryview]] = []
+        self.checks: list[tuple[_Item, str, list[Any]]] = []
+        """Checksums verified once the bytes are in place: (item, expected, its bytes in order)."""
 
     def _map(self, fn: Callable[[Any], Any], values: Iterable[Any]) -> list[Any]:
         def guarded(value: Any) -> Any:
@@ -502,6 +557,10 @@ class _ReadRun:
             lambda blob: self._read_pieces(_cut(blob[0].file, blob[0].info.offset, blob[1])),
             self.blobs,
         )
+        for item, view in self.blobs:
+            expected = self.reader.expected_checksum(item)
+            if expected is not None:
+                _verify(item, expected, [view])
         check_bytes = getattr(self.planner, "check_bytes", None)
         if check_bytes is not None:
             for item, view in self.blobs:
@@ -516,6 +575,7 @@ class _ReadRun:
             (p for job in large for p in job.pieces), key=lambda p: (p.file.path, p.offset)
         )
         self._map(lambda p: _read_into(p.file, p.offset, p.view), pieces)
+        self._map(lambda check: _verify(*check), self.checks)
         self._map(lambda job: job.finish(), [job for job in self.jobs if job.finish is not None])
         for item, target in self.targets:
             self.planner.commit_tensor(item.req, target)
@@ -524,10 +584,13 @@ class _ReadRun:
 
     def _locate(self, job: tuple[_Item, torch.Tensor]) -> _Job:
         item, target = job
+        expected = self.reader.expected_checksum(item)
         whole = None
         if item.info.length <= WHOLE_ITEM:
             # Small item: one read serves its header and its data (one request on object stores).
             whole = item.read_at(0, item.info.length)
+            if expected is not None:
+                _verify(item, expected, [whole])
         record = self._record(item, whole)
         pieces = None
         finish: Callable[[], None] | None = None
@@ -536,6 +599,16 @@ class _ReadRun:
         if pieces is None:
             copy = self._copy(item, record, target)
             pieces, finish = copy.pieces, copy.finish
+        if expected is not None and whole is None:
+            if finish is None and _reads_whole_storage(item, record, target):
+                # The storage bytes go straight into place: hashed there, with head and tail.
+                assert isinstance(record, SavedTensor)
+                end = record.data_offset + record.storage_nbytes
+                head = item.read_at(0, record.data_offset)
+                tail = item.read_at(end, item.info.length - end)
+                self.checks.append((item, expected, [head, _bytes_of(target), tail]))
+            else:  # only part of the record is read (resharding), or through scratch memory
+                _verify_stream(item, expected)
         if isinstance(record, NeedsTorchLoad):
             # The archive is decoded (and refused) now, before anything is written.
             if whole is None:
@@ -687,6 +760,35 @@ class _ReadRun:
 
         start = item.info.offset + record.data_offset + span_begin * itemsize
         return _Copy(item, target, finish_from_scratch, _cut(item.file, start, _bytes_of(scratch)))
+
+
+def _reads_whole_storage(item: _Item, record: Any, target: torch.Tensor) -> bool:
+    """Whether reading ``item`` in place fills ``target`` with exactly the record's storage bytes."""
+    return (
+        isinstance(record, SavedTensor)
+        and record.storage_offset == 0
+        and not any(item.req.storage_offsets)
+        and target.numel() * record.dtype.itemsize == record.storage_nbytes
+    )
+
+
+def _verify(item: _Item, expected: str, pieces: Iterable[Any]) -> None:
+    """Raise unless ``pieces`` (the item's bytes, in order) have the checksum ``expected``."""
+    hasher = xxhash.xxh3_64()
+    for piece in pieces:
+        hasher.update(piece)
+    if hasher.hexdigest() != expected:
+        raise mismatch(item.file.path, item.what, expected, hasher.hexdigest())
+
+
+def _verify_stream(item: _Item, expected: str) -> None:
+    """:func:`_verify` reading the whole item from its file, a piece at a time."""
+    length = item.info.length
+    _verify(
+        item,
+        expected,
+        (item.read_at(at, min(PIECE_BYTES, length - at)) for at in range(0, length, PIECE_BYTES)),
+    )
 
 
 def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:

@@ -14,7 +14,9 @@ out its moves; the outcome is agreed.
 What a node needs: ``.metadata``, and, when the world size is the one the checkpoint was saved with,
 the data files its ranks wrote (``__<rank>_*``) plus every file holding an item that is not a shard
 (a whole tensor or a non-tensor value: torch DCP writes a key that several ranks hold once, from
-one rank, and every rank reads it there); with another world size (resharding) every data file.
+one rank, and every rank reads it there); with another world size (resharding) every data file;
+with each data file, the checksum manifest of its writer (:mod:`tierpoint.dcp.checksums`) where some
+node has it.
 A file counts as present only if it is at least as long as ``.metadata`` says; an earlier save's
 file into the same step never has the name of one of this save's (see :mod:`tierpoint.dcp.file_plan`). Sources are spread:
 each file comes from the holder with the fewest transfers assigned so far, never from one rank alone.
@@ -38,6 +40,7 @@ import xxhash
 from .. import dist as tpdist
 from .. import transfer
 from ..errors import CheckpointingError, error_text
+from .checksums import manifest_name
 from .layout import METADATA_NAME
 
 logger = logging.getLogger("tierpoint")
@@ -105,11 +108,14 @@ def plan_moves(
     world = len(listings)
     writers = {_writer_of(n) for n in required}
     same_world = writers == set(range(world))
-    want = dict(required, **{METADATA_NAME: metadata_size})
+    manifests = {n: manifest_name(n) for n in required}
+    present = {m for m in manifests.values() if m and any(m in listing for listing in listings)}
+    want = dict(required, **{METADATA_NAME: metadata_size}, **dict.fromkeys(present, 1))
 
     def needs(rank: int) -> list[str]:
         own = [n for n in required if not same_world or _writer_of(n) == rank or n in shared]
-        return [METADATA_NAME, *sorted(own)]
+        checksums = {manifests[n] for n in own} & present
+        return [METADATA_NAME, *sorted(own), *sorted(checksums)]
 
     def has(rank: int, name: str) -> bool:
         return listings[rank].get(name, -1) >= want[name]

@@ -3,12 +3,15 @@
 ``verify_checkpoint(path)`` reads ``.metadata`` through the allow-list unpickler, then loads every
 tensor chunk and non-tensor value it lists into fresh memory with tierpoint's reader (offsets and
 lengths checked against the files, archives parsed, values decoded with ``weights_only=True``), a
-batch of at most ``batch_bytes`` tensor bytes at a time. Single process, no collectives; used by
-``tierpoint verify DIR``.
+batch of at most ``batch_bytes`` tensor bytes at a time, each item checked against its recorded
+checksum where the checkpoint has checksum manifests (:mod:`tierpoint.dcp.checksums`). Single
+process, no collectives; used by ``tierpoint verify DIR``.
 
 Invariants: nothing is written; no code from the checkpoint runs; memory stays near ``batch_bytes``
 (plus the largest single tensor); a problem raises :class:`~tierpoint.errors.CheckpointingError`
-(:class:`~tierpoint.errors.CorruptCheckpointError` for a damaged file) naming the item.
+(:class:`~tierpoint.errors.CorruptCheckpointError` for a damaged file, a checksum mismatch, or a
+data file without the manifest the others have) naming the file and the item. A checkpoint with no
+manifest at all (written by plain torch) is read just the same and reported unverified.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .loading import load
-from .reader import read_metadata
+from .reader import Reader
+from .safe_pickle import CorruptDCPError
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ class CheckpointSummary:
     tensors: int
     values: int
     tensor_bytes: int
+    verified: bool = False
+    """Whether every item was checked against a recorded checksum (False: no manifest)."""
 
 
 def verify_checkpoint(
@@ -42,7 +48,9 @@ def verify_checkpoint(
     batch_bytes: int = 1 << 30,
 ) -> CheckpointSummary:
     """Read and check every item of the DCP checkpoint at ``path``; see the module docstring."""
-    metadata = read_metadata(path, storage_options=storage_options)
+    reader = Reader(path, storage_options=storage_options)
+    metadata = reader.read_metadata()
+    verified = _has_manifests(reader, metadata)
     tensors = values = nbytes = 0
     for batch in _batches(metadata, batch_bytes):
         load(batch, path, storage_options=storage_options)
@@ -52,7 +60,20 @@ def verify_checkpoint(
                 nbytes += value.numel() * value.element_size()
             else:
                 values += 1
-    return CheckpointSummary(tensors, values, nbytes)
+    return CheckpointSummary(tensors, values, nbytes, verified)
+
+
+def _has_manifests(reader: Reader, metadata: Metadata) -> bool:
+    """Whether every data file has its checksum manifest; none having one is a checkpoint written
+    without checksums, some having one is damage (a manifest lost)."""
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    without = [name for name in files if reader.manifest(name) is None]
+    if without and len(without) < len(files):
+        raise CorruptDCPError(
+            reader._location(without[0]),
+            "no checksum manifest, while other data files of the checkpoint have one",
+        )
+    return bool(files) and not without
 
 
 def _batches(metadata: Metadata, batch_bytes: int) -> Iterator[dict[str, Any]]:

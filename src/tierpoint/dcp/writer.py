@@ -16,13 +16,17 @@ What it writes (see :mod:`tierpoint.dcp.layout` and :mod:`tierpoint.dcp.file_pla
 ``thread_count`` files ``__<rank>_<k>.<token>.distcp`` (``token``: new for every save of this
 rank, :attr:`Writer.file_token`) written by as many threads, each file fsynced, the
 directory fsynced (async saves of CPU states to a RAM file system: one file, the staging memory
-itself, named by the snapshot); then ``.metadata`` (pickled torch ``Metadata``, torch's own
-classes only) written by the coordinator via tmp + fsync + rename, or one PUT on object stores:
-the commit point.
+itself, named by the snapshot); with them the rank's checksum manifest
+``.checksums-<rank>.<token>.json`` (xxh3-64 of every item, hashed by the job that writes the files:
+the worker for async saves, see :mod:`tierpoint.dcp.checksums`); then ``.metadata`` (pickled torch
+``Metadata``, torch's own classes only) written by the coordinator via tmp + fsync + rename, or one
+PUT on object stores: the commit point.
 
 Invariants:
 - Every rank creates its unfinished marker (``.unfinished-<rank>``) in ``set_up_storage_writer``,
   before any data is written; markers are removed only after ``.metadata`` is written.
+- A rank's write succeeds only once its data files and its checksum manifest are written (and
+  fsynced), so every committed step has every rank's manifest.
 - A complete directory (``.metadata`` and no unfinished marker) is never written into, unless
   ``overwrite=True``: then the old ``.metadata`` is removed first (the directory is uncommitted
   while the new save runs). A directory whose save was killed between its commit and the removal
@@ -51,6 +55,7 @@ import ctypes
 import dataclasses
 import io
 import logging
+import mmap
 import os
 import pickle
 import secrets
@@ -73,6 +78,7 @@ from ..errors import CheckpointingError, error_text
 from ..fileformat.tensor_bytes import cpu_contiguous
 from ..pinning import copy_device
 from ..staging import StagingBuffer, copy_from_devices, in_memory_filesystem
+from .checksums import is_manifest, item_ranges, manifest_bytes, manifest_name, range_checksums
 from .file_plan import SUFFIX, RankFiles, file_views, plan_files
 from .layout import MARKER_PREFIX, METADATA_NAME, marker_name
 from .staging_pool import StagingPool
@@ -296,20 +302,23 @@ class Writer(StorageWriter):
         try:
             plan, files = self._require_plan()
             byte_records = self._resolve_bytes()
-            jobs = []
+            results = files.write_results(plan, self._byte_sizes(byte_records))
+            contents = []
             for k, f in enumerate(files.files):
                 data = [self._resolve_tensor(s.item) for s in f.tensors]
                 views = file_views(f, [_byte_view(t) for t in data])
-                jobs.append((self._url(f.name), [*views, *byte_records[k]]))
-            storage.write_files_parallel(
-                jobs,
-                threads=self.thread_count,
-                storage_options=self.storage_options,
-                fsync=self.sync_files,
-                upload=self.upload,
-                timeout=self.timeout,
+                contents.append((f.name, [*views, *byte_records[k]]))
+            _write_with_manifest(
+                self.path,
+                contents,
+                item_ranges(results),
+                self.storage_options,
+                self.thread_count,
+                self.sync_files,
+                self.upload,
+                self.timeout,
             )
-            self._keep_results(files.write_results(plan, self._byte_sizes(byte_records)))
+            self._keep_results(results)
         except Exception as e:  # noqa: BLE001 - agreed by the caller, or raised below
             self.write_error = error_text(e)
             if raise_errors:
@@ -354,14 +363,15 @@ class Writer(StorageWriter):
         _copy(sources, targets, buf)
         byte_records = self._resolve_bytes()
         self._keep_results(files.write_results(plan, self._byte_sizes(byte_records)))
+        items = item_ranges(self._results or [])  # what the worker hashes, per file
         if directory is None or not buf.file_backed:
-            return {"buffer": buf, "byte_records": byte_records}
+            return {"buffer": buf, "byte_records": byte_records, "items": items}
         self._buffer = None
         try:
             _name_in_place(buf, files, byte_records, directory)
         finally:
             self.pool.consumed(buf, files, directory)
-        return {"buffer": None, "byte_records": []}
+        return {"buffer": None, "byte_records": [], "items": items}
 
     def _copy_pairs(
         self, plan: SavePlan, files: RankFiles, buf: StagingBuffer
@@ -436,7 +446,7 @@ class Writer(StorageWriter):
         the step from ever counting as complete)."""
         self._leave()
         if self._files is not None:
-            for name in self._files.names:
+            for name in _with_manifest(self._files.names):
                 storage.remove(
                     self._url(name), storage_options=self.storage_options, upload=self.upload
                 )
@@ -670,19 +680,43 @@ def write_staged(
     *,
     buffer: Any,
     byte_records: list[list[bytes]],
+    items: dict[str, list[tuple[int, int]]],
 ) -> int:
-    """Write staged files (runs in the background worker): file ``k`` is the staging range
-    ``[base, base + length)`` followed by its serialized non-tensor values. With no ``buffer`` the
-    snapshot staged them in place: they only need to become durable."""
+    """Write staged files and their checksum manifest (runs in the background worker): file ``k``
+    is the staging range ``[base, base + length)`` followed by its serialized non-tensor values;
+    ``items``: the ``(offset, length)`` of every item in each file, hashed from these bytes. With
+    no ``buffer`` the snapshot staged the files in place: they are hashed and made durable."""
     from ..asyncsave.worker import resolve_buffer
 
     if buffer is None:
-        return _sync_in_place(path, [name for name, _, _ in files], sync_files)
+        return _sync_in_place(path, [name for name, _, _ in files], items, sync_files)
     data = resolve_buffer(buffer)
-    jobs = [
-        (storage.join(path, name), [data[base : base + length], *records])
+    contents = [
+        (name, [data[base : base + length], *records])
         for (name, base, length), records in zip(files, byte_records)
     ]
+    return _write_with_manifest(
+        path, contents, items, storage_options, thread_count, sync_files, upload, timeout
+    )
+
+
+def _write_with_manifest(
+    path: str,
+    contents: list[tuple[str, list[Any]]],
+    items: dict[str, list[tuple[int, int]]],
+    storage_options: Mapping[str, Any],
+    thread_count: int,
+    sync_files: bool,
+    upload: storage.UploadOptions,
+    timeout: float,
+) -> int:
+    """Hash every item of each ``(name, views)`` file (:mod:`tierpoint.dcp.checksums`), then write
+    the files and the rank's manifest together; returns the data bytes written."""
+    sums = {name: _entries(items.get(name, []), views) for name, views in contents}
+    jobs = [(storage.join(path, name), views) for name, views in contents]
+    manifest = manifest_name(contents[0][0])
+    if manifest is not None:
+        jobs.append((storage.join(path, manifest), [manifest_bytes(sums)]))
     written = storage.write_files_parallel(
         jobs,
         threads=thread_count,
@@ -691,7 +725,7 @@ def write_staged(
         upload=upload,
         timeout=timeout,
     )
-    return sum(written)
+    return sum(written[: len(contents)])
 
 
 def remove_unreferenced_files(
@@ -705,7 +739,7 @@ def remove_unreferenced_files(
     removed them before). Safe while an unfinished marker exists: the directory does not count as
     complete until the markers go. Nothing reads such files, so a failure to list or remove them
     is only logged: it never fails the save."""
-    keep = set(referenced)
+    keep = set(referenced) | {manifest_name(name) for name in referenced}  # every rank's manifest
     earlier: list[str] = []
     try:
         earlier = [
@@ -720,7 +754,14 @@ def remove_unreferenced_files(
 
 
 def _is_data_file(name: str) -> bool:
-    return name.startswith("__") and name.endswith(SUFFIX)
+    """A save's data file or checksum manifest."""
+    return (name.startswith("__") and name.endswith(SUFFIX)) or is_manifest(name)
+
+
+def _with_manifest(names: list[str]) -> list[str]:
+    """A rank's data files of one save and the manifest of their checksums."""
+    manifest = manifest_name(names[0]) if names else None
+    return [*names, manifest] if manifest is not None else list(names)
 
 
 def _earlier_save_files(directory: str) -> list[str]:
@@ -738,24 +779,49 @@ def _earlier_save_files(directory: str) -> list[str]:
         raise storage.failure("listing", directory, e) from e
 
 
-def _sync_in_place(path: str, names: list[str], sync_files: bool) -> int:
-    """Make the files the snapshot named in ``path`` durable; returns their total size."""
+def _sync_in_place(
+    path: str, names: list[str], items: dict[str, list[tuple[int, int]]], sync_files: bool
+) -> int:
+    """Hash the items of the files the snapshot named in ``path``, make the files durable and
+    write the manifest; returns the files' total size."""
     total = 0
+    sums: dict[str, list[tuple[int, int, str]]] = {}
     for name in names:
         file = os.path.join(storage.local_path(path), name)
         try:
             fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                total += os.fstat(fd).st_size
+                size = os.fstat(fd).st_size
+                total += size
+                sums[name] = _file_checksums(fd, size, items.get(name, []))
                 if sync_files:
                     os.fsync(fd)
             finally:
                 os.close(fd)
         except OSError as e:
             raise storage.failure("syncing", file, e) from e
+    manifest = manifest_name(names[0]) if names else None
+    if manifest is not None:
+        storage.write_file(storage.join(path, manifest), [manifest_bytes(sums)], fsync=sync_files)
     if sync_files:
         storage.fsync_dir(path)
     return total
+
+
+def _file_checksums(
+    fd: int, size: int, ranges: list[tuple[int, int]]
+) -> list[tuple[int, int, str]]:
+    """The manifest entries of a file staged in place, hashed through a read-only mapping."""
+    if not size:
+        return _entries(ranges, [b""])
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapping:
+        return _entries(ranges, [mapping])
+
+
+def _entries(ranges: list[tuple[int, int]], views: list[Any]) -> list[tuple[int, int, str]]:
+    """``(offset, length, checksum)`` of each item range of a file whose content is ``views``."""
+    hashes = range_checksums(views, ranges)
+    return [(offset, length, h) for (offset, length), h in zip(ranges, hashes)]
 
 
 __all__ = ["DEFAULT_POOL", "Writer", "stages_in_place", "write_staged"]
