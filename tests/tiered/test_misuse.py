@@ -66,7 +66,7 @@ def _steps_disagree(rank: int, world: int, root: Path) -> str:
 
 def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path):
     for message in run_ranks(_steps_disagree, 2, tmp_path, timeout=120):
-        assert "ranks disagree on the step to save: {0: 2, 1: 3}" in message
+        assert "ranks disagree on the" in message and "{0: 2, 1: 3}" in message
 
 
 def _unwritable_store(rank: int, world: int, root: Path) -> dict:
@@ -106,6 +106,8 @@ def test_an_unwritable_persistent_store_fails_its_saves_while_training_goes_on(t
 def test_wrong_arguments_and_steps_going_backwards_are_refused(tmp_path):
     with pytest.raises(CheckpointingError, match="keep_local"):
         TieredCheckpointManager(str(tmp_path), None, keep_local=0)
+    with pytest.raises(CheckpointingError, match="poll_every"):
+        TieredCheckpointManager(str(tmp_path), None, poll_every=0)
     with pytest.raises(CheckpointingError, match="nothing to save to"):
         TieredCheckpointManager(str(tmp_path), None, local_every=0)
     with pytest.raises(TypeError, match="on_event"):

@@ -1,5 +1,11 @@
-"""The worker process: ``python -m tierpoint.asyncsave._entry <socket fd> <trainer pid>``."""
+"""The worker process: ``python -m tierpoint.asyncsave._entry <socket fd> <trainer pid>``.
 
+When :func:`worker_main` returns (stopped, or its trainer is gone) every call it ran has returned
+and made its files durable; the process ends at once instead of tearing the interpreter down (with
+torch imported and at nice 19 that took seconds on a busy machine, and ``close()`` waited for it).
+"""
+
+import os
 import sys
 from multiprocessing.connection import Connection
 
@@ -7,3 +13,6 @@ from tierpoint.asyncsave.worker import worker_main
 
 if __name__ == "__main__":
     worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -90,6 +90,9 @@ class TieredCheckpointManager:
         storage_options: fsspec options for ``persistent_dir`` (endpoint, credentials).
         on_event: called with a dict for every save and restore (see :mod:`.events`).
         timeout: seconds any wait may take (default ``TIERPOINT_TIMEOUT`` or 300).
+        poll_every: ``maybe_save`` finalizes finished saves every N steps (and whenever a save is
+            due). While a save is in flight each poll is one small all-gather, so polling every step
+            costs training time; default: half the shortest save interval.
 
     Collective: construction (node layout), ``restore``, ``maybe_save``, ``save``, ``wait``,
     ``final_save`` and ``close`` are called by every rank at the same point.
@@ -110,6 +113,7 @@ class TieredCheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         on_event: Callable[[dict[str, Any]], Any] | None = None,
         timeout: float | None = None,
+        poll_every: int | None = None,
     ) -> None:
         for name, value, low in (
             ("local_every", local_every, 0),
@@ -129,6 +133,10 @@ class TieredCheckpointManager:
             )
         if not tpdist.is_distributed():
             tpdist.refuse_uninitialised_launch()
+        shortest = min(e for e in (local_every, persistent_every) if e)
+        if poll_every is not None and (type(poll_every) is not int or poll_every < 1):
+            raise CheckpointingError(f"poll_every must be an integer >= 1, got {poll_every!r}")
+        self.poll_every = poll_every or max(1, shortest // 2)
         self.local_every = local_every
         self.persistent_every = persistent_every
         self.keep_persistent = keep_persistent
@@ -190,13 +198,14 @@ class TieredCheckpointManager:
         ``step`` instead, closes the manager and exits the process with status 0.
         """
         step = self._check_step(step)
-        self.poll()
+        tiers = self.due(step)
+        if step % self.poll_every == 0 or tiers:
+            self.poll()
         if self._watching_signal and self._agree_on_signal():
             self.final_save(state, step)
             self.close()
             logger.warning("stopping after the final checkpoint of step %d (signal received)", step)
             sys.exit(0)
-        tiers = self.due(step)
         if tiers:
             self.save(step, state, tiers)
         return tiers
@@ -214,7 +223,8 @@ class TieredCheckpointManager:
             for t in TIERS
             if t in wanted and (self.local if t == "local" else self.persistent_dir)
         )
-        self._agree_on_step(step)
+        if "local" not in wanted:  # the local tier's save agrees on the step itself
+            self._agree_on_step(step)
         self._last_step = step
         tree = st.template(state)
         rank_local = [k for k, v in tree.items() if isinstance(v, st.RankLocal)]
