@@ -98,3 +98,26 @@ def test_restore_takes_the_newest_complete_step_from_each_tier_in_turn(tmp_path,
         local = out["stats"]["tiers"]["local"]
         assert local["saves"] == 7 and local["failed"] == 0
         assert out["stats"]["tiers"]["persistent"]["saves"] == 3
+
+
+def test_a_persistent_step_damaged_inside_a_tensor_is_skipped_for_the_older_one(tmp_path):
+    state = make_state(0, width=64)
+    kwargs = {"local_every": 0, "persistent_every": 4, "keep_persistent": 2}
+    reference = {}
+    with TieredCheckpointManager(None, str(tmp_path), "p", **kwargs) as manager:
+        for step in range(1, 9):
+            train_step(state, 1)
+            manager.maybe_save(step, state)
+            reference[step] = fingerprint(state)
+    newest = max((tmp_path / "step-8").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 3] ^= 0x01  # one bit inside a tensor: only a checksum can see it
+    newest.write_bytes(bytes(data))
+    restored = make_state(0, width=64)
+    with TieredCheckpointManager(None, str(tmp_path), "p", **kwargs) as manager:
+        assert manager.restore(restored) == 4
+        record = manager.last_restore
+    assert record.tier == "persistent"
+    assert len(record.skipped) == 1 and "persistent step 8" in record.skipped[0]
+    assert newest.name in record.skipped[0]  # the reason names the damaged file
+    assert_same(fingerprint(restored), reference[4])
