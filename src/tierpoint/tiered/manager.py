@@ -523,7 +523,7 @@ class TieredCheckpointManager:
         st.copy_into(tree, loaded)
         st.apply(state, tree)
         tier = "peers" if record.from_peers else "local"
-        if record.iteration != local.find_latest():
+        if record.iteration != latest:  # (find_latest again would wait for the replicas)
             skipped.append(f"newer local steps than {record.iteration}: could not be loaded")
         return RestoreRecord(
             record.iteration, tier, time.perf_counter() - start, record.nbytes, skipped
