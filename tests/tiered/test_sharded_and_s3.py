@@ -106,3 +106,36 @@ def test_the_persistent_tier_on_s3_restores_and_keeps_the_newest_steps(tmp_path,
     bucket, options = s3_bucket
     for out in run_ranks(_on_s3, 2, tmp_path, f"{bucket}/run", options, timeout=250):
         assert out[:3] == [6, "persistent", ["step-4", "step-6"]], out
+
+
+def _full(state: dict) -> list:
+    """Every parameter and optimizer tensor, whole, as numpy arrays (returned by value)."""
+    opt = state["optimizer"].state_dict()["state"]
+    tensors = list(state["model"].state_dict().values())
+    tensors += [v for s in opt.values() for v in s.values()]
+    return [(t.full_tensor() if hasattr(t, "full_tensor") else t).numpy().copy() for t in tensors]
+
+
+def _fsdp_save(rank: int, world: int, root: Path) -> list:
+    state = _fsdp_state(rank)
+    kwargs = {"local_every": 0, "persistent_every": 3}
+    with TieredCheckpointManager(None, str(root), "r", **kwargs) as manager:
+        for step in range(1, 4):
+            _fsdp_step(state, step)
+            manager.maybe_save(step, state)
+    return _full(state)
+
+
+def _fsdp_restore(rank: int, world: int, root: Path) -> list:
+    state = _fsdp_state(rank)
+    with TieredCheckpointManager(None, str(root), "r", persistent_every=3) as manager:
+        step = manager.restore(state)
+    return [step, state["step"], _full(state)]
+
+
+def test_fsdp2_state_saved_by_two_ranks_restores_resharded_onto_one(tmp_path):
+    saved = run_ranks(_fsdp_save, 2, tmp_path, timeout=200)[0]
+    ((step, value, restored),) = run_ranks(_fsdp_restore, 1, tmp_path, timeout=200)
+    assert (step, value) == (3, 3)
+    assert len(restored) == len(saved)
+    assert all((a == b).all() and a.shape == b.shape for a, b in zip(restored, saved))
