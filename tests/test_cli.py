@@ -1,106 +1,371 @@
-"""The ``tierpoint`` command: ls, verify, inspect on real part files."""
+"""The ``tierpoint`` command on real checkpoints: ls, inspect, verify, convert, bench, --help.
+
+Checkpoints come from the public APIs (LocalCheckpointManager, fileformat.write, dcp.save);
+damaged ones are damaged on disk. Failures must be one line on stderr and a non-zero exit.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tierpoint import fileformat
+from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
+from tierpoint import dcp, fileformat
 from tierpoint.cli import main
-from tierpoint.dcp import save, step_path
+from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tierpoint.local.naming import part_name
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _part(path: Path, iteration: int, rank: int, world: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": iteration, "lr": 0.5}
     fileformat.write(path, state, extra={"iteration": iteration, "rank": rank, "world_size": world})
 
 
-def test_ls_counts_replicas_and_names_missing_ranks(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    session = tmp_path / "job"
+def _flip(path: Path, offset: int = -1) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tierpoint.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+def _one_line_error(err: str, *fragments: str) -> None:
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_help_and_version_answer_without_torch() -> None:
+    for args in ([], ["ls"], ["inspect"], ["verify"], ["convert"], ["bench"]):
+        start = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "tierpoint.cli", *args, "--help"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        elapsed = time.perf_counter() - start
+        assert done.returncode == 0 and "usage: tierpoint" in done.stdout
+        assert "torch" not in done.stderr  # -X importtime lists every module imported
+        assert elapsed < 3, f"tierpoint {' '.join(args)} --help took {elapsed:.2f} s"
+    done = _cli("--version")
+    assert done.returncode == 0 and done.stdout.startswith("tierpoint 0.")
+
+
+def test_ls_the_local_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    manager = LocalCheckpointManager(tmp_path / "root", session_id="job", keep_last=2)
+    for iteration in (3, 4):
+        manager.save(BasicTensorAwareStateDict({"w": torch.ones(4) * iteration}), iteration)
+    session = tmp_path / "root" / "job"
     for holder, origin in ((0, 0), (0, 1), (1, 1)):  # iteration 5: rank 1 replicated on rank 0
         _part(session / str(holder) / part_name(5, origin), 5, origin, 2)
     _part(session / "0" / part_name(9, 0), 9, 0, 2)  # iteration 9: rank 1's part nowhere
-    assert main(["ls", str(tmp_path)]) == 0
+    _part(session / "0" / part_name(11, 0), 11, 0, 1)  # iteration 11: its only part damaged
+    _flip(session / "0" / part_name(11, 0), 20)
+
+    assert main(["ls", "--json", str(tmp_path / "root")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["step"]: r for r in doc["checkpoints"]}
+    assert (
+        rows[5]["status"] == "complete" and rows[5]["replicas"] == 1 and rows[5]["ranks"] == [0, 1]
+    )
+    assert rows[9]["status"] == "incomplete" and "missing ranks [1]" in rows[9]["detail"]
+    assert rows[11]["status"] == "corrupt" and "damaged" in rows[11]["detail"]
+    assert rows[4]["status"] == rows[3]["status"] == "complete" and rows[4]["world_size"] == 1
+    assert rows[5]["tier"] == "local" and rows[5]["size"] > 0 and rows[5]["mtime"] > 0
+    assert doc["newest_restorable"] == {"job": str(session)}
+
+    assert main(["ls", str(session)]) == 0  # a session's directory, as a table
     out = capsys.readouterr().out
-    assert "iteration 9: world size 2, INCOMPLETE (missing ranks [1])" in out
-    assert "iteration 5: world size 2, complete" in out
+    assert "incomplete: missing ranks [1]" in out and "corrupt" in out
+    assert f"newest restorable (job): local iteration 5: {session}" in out
+    assert main(["ls", str(session / "1")]) == 0  # one rank's directory
+    assert "1/2" in capsys.readouterr().out
+
     assert main(["ls", str(tmp_path / "absent")]) == 1
+    _one_line_error(capsys.readouterr().err, "absent: no such file or directory")
 
 
-def test_verify_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_ls_a_dcp_base_and_an_olmo_style_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base = tmp_path / "base"
+    for step in (3, 5, 6):
+        dcp.save({"w": torch.arange(8.0), "step": step}, dcp.step_path(base, step))
+    (Path(dcp.step_path(base, 5)) / ".unfinished-1").touch()  # rank 1 never finished step 5
+    Path(dcp.step_path(base, 7)).mkdir()  # never committed
+    data = next(Path(dcp.step_path(base, 6)).glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:40])  # truncated
+    assert main(["ls", "--json", str(base)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["step"]: r for r in doc["checkpoints"]}
+    assert rows[7]["status"] == "incomplete" and "no .metadata" in rows[7]["detail"]
+    assert rows[5]["status"] == "incomplete" and "unfinished on ranks [1]" in rows[5]["detail"]
+    assert rows[6]["status"] == "corrupt" and "truncated" in rows[6]["detail"]
+    assert rows[3]["status"] == "complete" and rows[3]["ranks"] == [0]
+    assert rows[3]["tier"] == "persistent"
+    assert doc["newest_restorable"] == {str(base): dcp.step_path(base, 3)}
+    assert main(["ls", dcp.step_path(base, 3)]) == 0  # one step
+    assert "complete" in capsys.readouterr().out
+
+    run = tmp_path / "run"  # OLMo-core: <run>/step<N>/model_and_optim is the DCP checkpoint
+    dcp.save({"w": torch.ones(3)}, run / "step100" / "model_and_optim")
+    (run / "step200" / "model_and_optim").mkdir(parents=True)
+    assert main(["ls", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"persistent step 100: {run / 'step100' / 'model_and_optim'}" in out
+    assert main(["verify", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "every item matches its checksum" in out and "skipped" in out
+
+
+def test_verify(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     good, bad = tmp_path / "good.safetensors", tmp_path / "bad.safetensors"
     _part(good, 1, 0, 1)
-    data = bytearray(good.read_bytes())
-    data[-1] ^= 1
-    bad.write_bytes(bytes(data))
+    bad.write_bytes(good.read_bytes())
+    _flip(bad)
     assert main(["verify", str(good)]) == 0
-    assert main(["verify", str(good), str(bad)]) == 1
-    out = capsys.readouterr().out
-    assert f"ok   {good}" in out and f"FAIL {bad}" in out and "checksum" in out
-    assert main(["inspect", str(good)]) == 0
-    out = capsys.readouterr().out
-    assert '"iteration": 1' in out and "w  torch.float32  [2, 3]" in out
-    assert main(["inspect", str(tmp_path)]) == 2
-    assert "use `tierpoint ls` or `tierpoint verify`" in capsys.readouterr().err
+    assert f"ok   {good}" in capsys.readouterr().out
+    assert main(["verify", "--json", str(good), str(bad)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False
+    assert [r["status"] for r in doc["results"]] == ["ok", "FAIL"]
+    assert "checksum" in doc["results"][1]["detail"]
+
+    parts = tmp_path / "session"
+    for rank in (0, 1):
+        _part(parts / "0" / part_name(4, rank), 4, rank, 2)
+    assert main(["verify", str(parts)]) == 0  # every rank's parts
+    assert capsys.readouterr().out.count("ok   ") == 2
+    # A part renamed to another iteration is refused, as the manager refuses it.
+    (parts / "0" / part_name(4, 0)).rename(parts / "0" / part_name(8, 0))
+    assert main(["verify", str(parts / "0" / part_name(8, 0))]) == 1
+    assert "disagrees with its metadata" in capsys.readouterr().out
+
+    (tmp_path / "empty").mkdir()
+    assert main(["verify", str(tmp_path / "empty")]) == 1
+    _one_line_error(capsys.readouterr().err, "neither a DCP checkpoint")
+    assert main(["verify", str(tmp_path / "absent")]) == 1
+    _one_line_error(capsys.readouterr().err, "no such file or directory")
     with pytest.raises(SystemExit):
         main(["verify"])
 
 
-def test_ls_and_verify_a_dcp_base(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    save({"w": torch.arange(8.0), "step": 3}, step_path(tmp_path, 3))
-    save({"w": torch.arange(8.0), "step": 5}, step_path(tmp_path, 5))
-    (Path(step_path(tmp_path, 5)) / ".unfinished-1").touch()  # rank 1 never finished step 5
-    Path(step_path(tmp_path, 7)).mkdir()
-    assert main(["ls", str(tmp_path)]) == 0
+def test_verify_a_dcp_base_checks_every_step(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base = tmp_path / "base"
+    for step in (1, 2):
+        dcp.save({"w": torch.arange(1000.0), "step": step}, dcp.step_path(base, step))
+    Path(dcp.step_path(base, 3)).mkdir()  # an uncommitted step is skipped
+    assert main(["verify", str(base)]) == 0
     out = capsys.readouterr().out
-    assert "step 7: INCOMPLETE (no .metadata" in out
-    assert "step 5: INCOMPLETE (unfinished on ranks [1])" in out
-    assert "step 3: complete" in out and f"latest complete: {step_path(tmp_path, 3)}" in out
-    assert main(["verify", step_path(tmp_path, 3)]) == 0
-    assert "1 tensors (32 bytes) and 1 other values" in capsys.readouterr().out
-    data = next(Path(step_path(tmp_path, 3)).glob("*.distcp"))
+    assert out.count("every item matches its checksum") == 2 and "skipped" in out
+    data = next(Path(dcp.step_path(base, 2)).glob("*.distcp"))
     assert main(["verify", str(data)]) == 1
-    assert "a DCP data file: verify its checkpoint directory" in capsys.readouterr().out
-    data.write_bytes(data.read_bytes()[:40])
-    assert main(["verify", step_path(tmp_path, 3)]) == 1
-    assert "truncated" in capsys.readouterr().out
-
-
-def test_verify_a_directory_of_parts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    for rank in (0, 1):
-        _part(tmp_path / "0" / part_name(4, rank), 4, rank, 2)
-    assert main(["verify", str(tmp_path / "0")]) == 0
-    assert capsys.readouterr().out.count("ok   ") == 2
-    assert main(["verify", str(tmp_path)]) == 0  # a session's directory: every rank's parts
-    assert capsys.readouterr().out.count("ok   ") == 2
-    (tmp_path / "empty").mkdir()
-    assert main(["verify", str(tmp_path / "empty")]) == 1
-    assert "neither a DCP checkpoint" in capsys.readouterr().out
-    # A part renamed to another iteration is refused, as the manager refuses it.
-    (tmp_path / "0" / part_name(4, 0)).rename(tmp_path / "0" / part_name(8, 0))
-    assert main(["verify", str(tmp_path / "0" / part_name(8, 0))]) == 1
-    assert "disagrees with its metadata" in capsys.readouterr().out
-
-
-def test_ls_a_root_of_the_empty_session_and_a_session_directory(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    """With session_id="" (NVRx's default) the rank directories sit right under the root."""
-    for rank in (0, 1):
-        _part(tmp_path / "root" / str(rank) / part_name(7, rank), 7, rank, 2)
-        _part(tmp_path / "root" / "job" / str(rank) / part_name(3, rank), 3, rank, 2)
-    assert main(["ls", str(tmp_path / "root")]) == 0
-    out = capsys.readouterr().out
+    _one_line_error(capsys.readouterr().err, "a DCP data file: verify its checkpoint directory")
+    _flip(data, 1000)  # inside the tensor's bytes
+    assert main(["verify", "--json", str(base)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    status = {Path(r["target"]).name: r for r in doc["results"]}
+    assert status["step-1"]["status"] == "ok" and status["step-3"]["status"] == "skipped"
     assert (
-        f"rank directories under {tmp_path / 'root'}\n  iteration 7: world size 2, complete" in out
+        status["step-2"]["status"] == "FAIL" and "checksum mismatch" in status["step-2"]["detail"]
     )
-    assert "session 'job'" in out and "iteration 3: world size 2, complete" in out
-    assert "session '0'" not in out
-    assert main(["ls", str(tmp_path / "root" / "job")]) == 0  # one session's directory
-    assert "iteration 3: world size 2, complete" in capsys.readouterr().out
+    # A checkpoint without manifests (plain torch) reads fine but cannot be verified.
+    for manifest in Path(dcp.step_path(base, 1)).glob(".checksums-*"):
+        manifest.unlink()
+    assert main(["verify", dcp.step_path(base, 1)]) == 0
+    assert "unverified: no checksum manifest" in capsys.readouterr().out
+    assert main(["verify", "--strict", "--json", dcp.step_path(base, 1)]) == 1
+    assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "unverified"
+
+
+def test_inspect(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    part = tmp_path / "p.safetensors"
+    state = {"model": {"w": torch.ones(2, 3), "b": torch.zeros(2, dtype=torch.bfloat16)},
+             "step": 7, "opt": {"betas": (0.9, 0.99)}, "blob": {1, 2}}  # fmt: skip
+    fileformat.write(part, state, allow_pickle=True, extra={"iteration": 7})
+    assert main(["inspect", "--json", str(part)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert tensors["model.w"]["dtype"] == "float32" and tensors["model.w"]["shape"] == [2, 3]
+    assert tensors["model.w"]["bytes"] == 24 and len(tensors["model.b"]["checksum"]) == 16
+    assert doc["values"]["step"] == 7 and doc["values"]["opt.betas[1]"] == 0.99
+    assert doc["values"]["blob"] == "<a pickled object: not loaded>"
+    assert doc["extra"] == {"iteration": 7} and doc["skeleton"]["~"] == "dict"
+    assert main(["inspect", str(part)]) == 0
+    out = capsys.readouterr().out
+    assert "model.b" in out and "bfloat16" in out and "<tensor model.w>" in out
+
+    step = dcp.step_path(tmp_path / "base", 2)
+    dcp.save({"w": torch.arange(4.0), "lr": 0.25, "name": "run"}, step)
+    assert main(["inspect", "--json", step]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "DCP checkpoint" and doc["values"] == {"lr": 0.25, "name": "run"}
+    (w,) = doc["tensors"]
+    assert w["name"] == "w" and w["shape"] == [4] and w["bytes"] == 16 and len(w["checksum"]) == 16
+
+    assert main(["inspect", str(tmp_path / "base")]) == 2
+    _one_line_error(capsys.readouterr().err, "use `tierpoint ls` or `tierpoint verify`")
+    part.write_bytes(part.read_bytes()[:30])
+    done = _cli("inspect", str(part))
+    assert done.returncode == 1
+    _one_line_error(done.stderr, str(part))
+
+
+def test_convert_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    safetensors = pytest.importorskip("safetensors.torch")
+    part = tmp_path / "p.safetensors"
+    state = {"model": {"w": torch.randn(3, 4), "b": torch.ones(4, dtype=torch.bfloat16)}, "step": 9}
+    fileformat.write(part, state)
+    out = tmp_path / "out.safetensors"
+    assert main(["convert", str(part), str(out)]) == 0
+    assert "(safetensors): 2 tensors" in capsys.readouterr().out
+    plain = safetensors.load_file(out)  # other tools read it
+    assert torch.equal(plain["model.w"], state["model"]["w"])
+
+    step = dcp.step_path(tmp_path / "base", 1)
+    assert main(["convert", str(out), step]) == 0  # back to DCP, values included
+    loaded = {"model.w": torch.empty(3, 4), "model.b": torch.empty(4, dtype=torch.bfloat16),
+              "step": None}  # fmt: skip
+    dcp.load(loaded, step)
+    assert torch.equal(loaded["model.w"], state["model"]["w"]) and loaded["step"] == 9
+    assert main(["convert", str(out), step]) == 1
+    _one_line_error(capsys.readouterr().err, "holds a DCP checkpoint already")
+
+    pt = tmp_path / "out.pt"
+    assert main(["convert", step, str(pt)]) == 0
+    flat = torch.load(pt, weights_only=True)
+    assert torch.equal(flat["model.b"], state["model"]["b"]) and flat["step"] == 9
+    assert main(["convert", str(pt), dcp.step_path(tmp_path / "base", 2)]) == 0
+    assert main(["verify", dcp.step_path(tmp_path / "base", 2)]) == 0
+    assert main(["convert", str(pt), str(pt)]) == 1
+    _one_line_error(capsys.readouterr().err, "exists (--force to replace it)")
+
+
+def test_convert_a_local_iteration_and_refuse_unsafe_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session = tmp_path / "job"
+    for rank in (0, 1):
+        _part(session / str(rank) / part_name(5, rank), 5, rank, 2)
+    _part(session / "0" / part_name(6, 0), 6, 0, 2)  # incomplete: not the default
+    assert main(["convert", str(session), str(tmp_path / "all.pt")]) == 0
+    assert "iteration 5" in capsys.readouterr().out
+    both = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert sorted(both) == ["rank0", "rank1"] and both["rank1"]["step"] == 5
+    assert main(["convert", str(session), str(tmp_path / "r0.pt"), "--iteration", "6",
+                 "--rank", "0"]) == 0  # fmt: skip
+    assert torch.load(tmp_path / "r0.pt", weights_only=True)["step"] == 6
+    # Without the safetensors package the layout is written by tierpoint.fileformat.
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    assert main(["convert", str(session), str(tmp_path / "all.safetensors")]) == 0
+    assert "by tierpoint.fileformat" in capsys.readouterr().out
+    assert fileformat.read(tmp_path / "all.safetensors")["rank0"]["lr"] == 0.5
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "obj": _Unsafe()}, evil)
+    assert main(["convert", str(evil), str(tmp_path / "x.safetensors")]) == 1
+    _one_line_error(capsys.readouterr().err, "weights_only=True")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 5)
+    assert main(["convert", str(tmp_path / "junk.safetensors"), str(tmp_path / "y.pt")]) == 1
+    _one_line_error(capsys.readouterr().err, "junk.safetensors")
+
+
+class _Unsafe:
+    """Not loadable with weights_only=True."""
+
+
+def test_s3_urls(s3_bucket: tuple, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
+    url, options = s3_bucket
+    endpoint = ["--endpoint-url", options["endpoint_url"]]
+    base = f"{url}/run"
+    for step in (10, 20):
+        dcp.save({"w": torch.arange(16.0), "step": step}, dcp.step_path(base, step),
+                 storage_options=options)  # fmt: skip
+    assert main(["ls", "--json", base, *endpoint]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["status"] for r in doc["checkpoints"]] == ["complete", "complete"]
+    assert doc["newest_restorable"] == {base: f"{base}/step-20"}  # still s3://, not s3:/
+    assert main(["verify", base, *endpoint]) == 0
+    assert capsys.readouterr().out.count(f"{base}/step-") == 2
+    assert main(["inspect", "--json", f"{base}/step-10", *endpoint]) == 0
+    assert json.loads(capsys.readouterr().out)["values"] == {"step": 10}
+    pt = tmp_path / "s3.pt"
+    assert main(["convert", f"{base}/step-20", str(pt), *endpoint]) == 0
+    assert torch.load(pt, weights_only=True)["step"] == 20
+    assert main(["convert", str(pt), f"{base}/step-30", *endpoint]) == 0
+    assert main(["verify", f"{base}/step-30", *endpoint]) == 0
+    capsys.readouterr()
+    assert main(["ls", "s3://no-such-bucket-tierpoint/run", *endpoint]) == 1
+    _one_line_error(capsys.readouterr().err, "bucket 'no-such-bucket-tierpoint' does not exist")
+    assert main(["ls", f"{url}/nothing-here", *endpoint]) == 1
+    _one_line_error(capsys.readouterr().err, "nothing there")
+
+
+def test_an_unreachable_store_is_one_line() -> None:
+    env = {
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    done = _cli("verify", "s3://bucket/run", "--endpoint-url", "http://127.0.0.1:9", env=env)
+    assert done.returncode == 1
+    _one_line_error(done.stderr, "s3://bucket/run", "Could not connect")
+
+
+def test_bench(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    benches = tmp_path / "benches"
+    benches.mkdir()
+    (benches / "tiny_bench.py").write_text(
+        "import argparse, json, pathlib\n"
+        "p = argparse.ArgumentParser()\n"
+        'p.add_argument("--quick", action="store_true")\n'
+        'p.add_argument("--json", type=pathlib.Path)\n'
+        "a = p.parse_args()\n"
+        'a.json.write_text(json.dumps({"quick": a.quick, "tierpoint_s": 0.5}))\n'
+        'print("tiny: done")\n'
+    )
+    (benches / "broken_bench.py").write_text("raise SystemExit(3)\n")
+    out = tmp_path / "results"
+    common = ["--dir", str(benches), "--out", str(out)]
+    assert main(["bench", "tiny", *common]) == 0
+    text = capsys.readouterr().out
+    assert "tiny: done" in text and str(out / "bench.json") in text
+    try:
+        import matplotlib  # noqa: F401
+
+        assert (out / "bench.png").exists()
+    except ImportError:
+        assert "no chart: matplotlib not installed" in text
+    assert main(["bench", "--json", *common]) == 1  # every bench; one failed
+    doc = json.loads(capsys.readouterr().out)
+    results = {r["bench"]: r for r in doc["results"]}
+    assert results["tiny"]["figures"] == {"quick": True, "tierpoint_s": 0.5}
+    assert results["tiny"]["args"] == ["--quick"] and results["tiny"]["status"] == "ok"
+    assert results["broken"]["status"] == "failed (exit status 3)"
+    assert json.loads((out / "bench.json").read_text())["results"] == doc["results"]
+    assert main(["bench", "nope", *common]) == 1
+    _one_line_error(capsys.readouterr().err, "no benchmark 'nope'")
+
+
+def test_demo_is_still_reachable() -> None:
+    done = _cli("demo", "--help")
+    assert done.returncode == 0 and "--failures" in done.stdout

@@ -14,12 +14,17 @@ from .errors import (
     StateMismatchError,
     UnsupportedStateError,
 )
-from .tensor_aware import BasicTensorAwareStateDict, TensorAwareStateDict
 
 __version__ = "0.1.0"
 
-_LAZY = {"RankLocal": "tiered", "TieredCheckpointManager": "tiered"}
-"""Names imported on first use: the tiered manager pulls in every tier."""
+_LAZY = {
+    "BasicTensorAwareStateDict": "tensor_aware",
+    "RankLocal": "tiered",
+    "TensorAwareStateDict": "tensor_aware",
+    "TieredCheckpointManager": "tiered",
+}
+"""Names imported on first use: they import torch (the tiered manager every tier), which
+``import tierpoint`` alone does not, so that ``tierpoint --help`` answers at once."""
 
 
 def __getattr__(name: str) -> object:
