@@ -342,13 +342,20 @@ def test_bench(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         "a = p.parse_args()\n"
         'a.json.write_text(json.dumps({"quick": a.quick, "tierpoint_s": 0.5}))\n'
         'print("tiny: done")\n'
+        'print("WRITE")\n'
+        "print(f\"{'contender':24} {'median s':>9} {'GB/s':>6}\")\n"
+        'print("-" * 40)\n'
+        "print(f\"{'tierpoint write':24} {0.5:9.3f} {2.0:6.2f}\")\n"
+        "print(f\"{'torch.save (floor 2)':24} {1.25:9.3f} {0.8:6.2f}\")\n"
+        "print()\n"
     )
     (benches / "broken_bench.py").write_text("raise SystemExit(3)\n")
     out = tmp_path / "results"
     common = ["--dir", str(benches), "--out", str(out)]
     assert main(["bench", "tiny", *common]) == 0
-    text = capsys.readouterr().out
-    assert "tiny: done" in text and str(out / "bench.json") in text
+    text = capsys.readouterr().out  # one table: a row per contender of the bench's own tables
+    assert "tierpoint write" in text and "1.25 median s" in text and "WRITE" in text
+    assert str(out / "bench.json") in text
     try:
         import matplotlib  # noqa: F401
 
@@ -360,6 +367,10 @@ def test_bench(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     results = {r["bench"]: r for r in doc["results"]}
     assert results["tiny"]["figures"] == {"quick": True, "tierpoint_s": 0.5}
     assert results["tiny"]["args"] == ["--quick"] and results["tiny"]["status"] == "ok"
+    assert results["tiny"]["contenders"] == [
+        {"section": "WRITE", "name": "tierpoint write", "label": "median s", "value": 0.5},
+        {"section": "WRITE", "name": "torch.save (floor 2)", "label": "median s", "value": 1.25},
+    ]
     assert results["broken"]["status"] == "failed (exit status 3)"
     assert json.loads((out / "bench.json").read_text())["results"] == doc["results"]
     assert main(["bench", "nope", *common]) == 1
@@ -369,3 +380,35 @@ def test_bench(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 def test_demo_is_still_reachable() -> None:
     done = _cli("demo", "--help")
     assert done.returncode == 0 and "--failures" in done.stdout
+
+
+def test_bench_chart_draws_every_contender(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chart code, with a stand-in for matplotlib (not a dependency)."""
+    from unittest import mock
+
+    import numpy as np
+
+    from tierpoint import cli
+
+    plt = mock.MagicMock()
+    axes = np.empty((2, 1), dtype=object)  # what subplots(2, 1, squeeze=False) returns
+    axes[0, 0], axes[1, 0] = mock.MagicMock(), mock.MagicMock()
+    figure = mock.MagicMock()
+    figure.savefig.side_effect = lambda path, **_: Path(path).write_bytes(b"png")
+    plt.subplots.return_value = (figure, axes)
+    matplotlib = mock.MagicMock(pyplot=plt)
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", plt)
+    results = [
+        {"bench": "a", "seconds": 1.0, "contenders": [
+            {"section": "W", "name": "tierpoint x", "label": "s", "value": 1.0},
+            {"section": "W", "name": "torch.save", "label": "s", "value": 2.0}]},
+        {"bench": "b", "seconds": 2.0, "contenders": [
+            {"section": "R", "name": "torch.load", "label": "s", "value": 3.0}]},
+    ]  # fmt: skip
+    assert cli._chart(results, tmp_path / "c.png") == str(tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes() == b"png"
+    names, values = axes[0, 0].barh.call_args.args
+    assert names == ["tierpoint x", "torch.save"] and values == [1.0, 2.0]
+    assert axes[0, 0].barh.call_args.kwargs["color"] == ["tab:orange", "tab:blue"]
+    assert axes[1, 0].set_title.call_args.args[0] == "b: R (s)"

@@ -804,16 +804,9 @@ def _read_state(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[A
 def _read_safetensors(path: str) -> tuple[Any, str]:
     """A tierpoint part file (checked, its skeleton restored) or any safetensors file."""
     from . import fileformat
-    from .errors import CorruptCheckpointError
 
-    try:
-        header = fileformat.read_header(path)
-    except CorruptCheckpointError as e:
-        if "tierpoint" in str(e) or "metadata" in str(e).lower():
-            header = None  # a safetensors file of another writer, read below
-        else:
-            raise
-    if header is not None:
+    meta = _safetensors_metadata(path)
+    if meta.get("format") == "tierpoint":
         return fileformat.read(path), "part file"
     try:
         from safetensors.torch import load_file
@@ -824,19 +817,35 @@ def _read_safetensors(path: str) -> tuple[Any, str]:
         ) from e
     try:
         tensors = load_file(path)
-        with open(path, "rb") as f:
-            (n,) = __import__("struct").unpack("<Q", f.read(8))
-            meta = json.loads(f.read(min(n, 100_000_000))).get("__metadata__") or {}
     except Exception as e:  # noqa: BLE001 - a damaged file: one line
         raise CommandError(f"{path}: not a readable safetensors file: {e}") from e
     if "tierpoint_skeleton" in meta:  # written by `tierpoint convert`: the structure comes back
         from .tree import unflatten
 
         names = json.loads(meta["tierpoint_names"])
-        return unflatten(json.loads(meta["tierpoint_skeleton"]), [tensors[n] for n in names]), (
-            "safetensors file"
-        )
+        state = unflatten(json.loads(meta["tierpoint_skeleton"]), [tensors[n] for n in names])
+        return state, "safetensors file"
     return tensors, "safetensors file"
+
+
+def _safetensors_metadata(path: str) -> dict[str, Any]:
+    """The ``__metadata__`` of a safetensors file's header (sizes checked before reading)."""
+    from .fileformat import MAX_HEADER_BYTES
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+                raise ValueError(f"a header length of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+        meta = header.get("__metadata__") or {}
+        if not isinstance(meta, dict):
+            raise ValueError("__metadata__ is not a map")
+        return meta
+    except (ValueError, AttributeError) as e:
+        raise CommandError(f"{path}: not a safetensors file: {e}") from e
 
 
 def _read_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -974,12 +983,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(doc | {"json": str(json_path), "chart": chart})
     else:
-        rows = [
-            (r["bench"], r["status"], f"{r['seconds']:.1f}", " ".join(r["args"]), r["last_line"])
-            for r in results
-        ]
-        columns = ["bench", "status", "seconds", "arguments", "last line of its output"]
-        console.print(_table("benchmarks", columns, rows))
+        columns = ["bench", "status", "seconds", "section", "contender", "figure"]
+        console.print(_table("benchmarks (quick sizes)" if not args.full else "benchmarks",
+                             columns, _bench_rows(results)))  # fmt: skip
         console.print(f"results: {json_path}")
         console.print(f"chart: {chart}" if chart.endswith(".png") else chart)
     return 0 if all(r["status"] == "ok" for r in results) else 1
@@ -1014,14 +1020,59 @@ def _run_bench(name: str, script: Path, full: bool, timeout: float | None) -> di
         "args": extra,
         "status": status,
         "seconds": seconds,
+        "contenders": _contenders(output),
         "last_line": lines[-1].strip()[:100] if lines else "",
         "figures": figures,
         "output": output[-20_000:],
     }
 
 
+_NUMBER = re.compile(r"^(.*?\S)\s+(-?\d+(?:\.\d+)?)(?=\s|x|$)")
+
+
+def _contenders(output: str) -> list[dict[str, Any]]:
+    """The rows of the benches' comparison tables: a header line starting with ``contender``
+    (columns apart by 2+ spaces), then one row per contender (name, then its first figure), up to a
+    blank line; the section is the nearest line above the header."""
+    found: list[dict[str, Any]] = []
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("contender"):
+            continue
+        header = re.split(r"\s{2,}", line.strip())
+        label = header[1] if len(header) > 1 else "figure"
+        above = [
+            x.strip() for x in lines[max(0, i - 3) : i] if x.strip() and set(x.strip()) != {"-"}
+        ]
+        section = above[-1][:60] if above else ""
+        for row in lines[i + 1 :]:
+            if not row.strip():
+                break
+            m = _NUMBER.match(row.rstrip())
+            if set(row.strip()) == {"-"} or m is None:
+                continue
+            found.append({"section": section, "name": m.group(1).strip(), "label": label,
+                          "value": float(m.group(2))})  # fmt: skip
+    return found
+
+
+def _bench_rows(results: Sequence[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
+    """The one table: a row per contender of every bench (its last line where it has none)."""
+    rows: list[tuple[Any, ...]] = []
+    for r in results:
+        head = (r["bench"], r["status"], f"{r['seconds']:.1f}")
+        if not r["contenders"]:
+            rows.append((*head, "", "", r["last_line"]))
+        for k, c in enumerate(r["contenders"]):
+            rows.append((*(head if k == 0 else ("", "", "")), c["section"], c["name"],
+                         f"{c['value']:g} {c['label']}"))  # fmt: skip
+    return rows
+
+
 def _chart(results: Sequence[Mapping[str, Any]], path: Path) -> str:
-    """A bar chart of each benchmark's run time; the file's path, or why there is none."""
+    """Bars of every contender's figure, one panel per table of each bench (tierpoint's bars
+    in another colour), or each bench's run time where none printed a table; the file's path,
+    or why there is none."""
     try:
         import matplotlib
 
@@ -1029,11 +1080,23 @@ def _chart(results: Sequence[Mapping[str, Any]], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no chart: matplotlib not installed"
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.4 * len(results)))
-    ax.barh([r["bench"] for r in results], [r["seconds"] for r in results])
-    ax.set_xlabel("seconds (quick sizes)" if results else "seconds")
+    panels: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        for c in r["contenders"]:
+            panels.setdefault(f"{r['bench']}: {c['section']} ({c['label']})", []).append(c)
+    if not panels:
+        panels = {"run time (s)": [{"name": r["bench"], "value": r["seconds"]} for r in results]}
+    heights = [0.6 + 0.3 * len(v) for v in panels.values()]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, sum(heights) + 0.5), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})  # fmt: skip
+    for ax, (title, bars) in zip(axes[:, 0], panels.items()):
+        colours = ["tab:orange" if "tierpoint" in b["name"] else "tab:blue" for b in bars]
+        ax.barh([b["name"] for b in bars], [b["value"] for b in bars], color=colours)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.tick_params(labelsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
 
@@ -1114,6 +1177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.path = str(default_root())
     # Retries and the like are the library's WARNINGs: a command reports its outcome itself.
     logging.getLogger("tierpoint").setLevel(logging.ERROR)
+    for name in ("path", "src"):  # a DCP step's .metadata stands for its directory
+        value = getattr(args, name, None)
+        if isinstance(value, str) and os.path.basename(value) == ".metadata":
+            setattr(args, name, os.path.dirname(value) or ".")
     try:
         return _COMMANDS[args.command](args)
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly
