@@ -163,8 +163,10 @@ def test_verify(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "empty").mkdir()
     assert main(["verify", str(tmp_path / "empty")]) == 1
     _one_line_error(capsys.readouterr().err, "neither a DCP checkpoint")
-    assert main(["verify", str(tmp_path / "absent")]) == 1
-    _one_line_error(capsys.readouterr().err, "no such file or directory")
+    assert main(["verify", str(tmp_path / "absent"), str(good)]) == 1  # the others go on
+    captured = capsys.readouterr()
+    _one_line_error(captured.err, "absent: no such file or directory")
+    assert f"ok   {good}" in captured.out and "1 ok" in captured.out
     with pytest.raises(SystemExit):
         main(["verify"])
 

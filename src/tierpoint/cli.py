@@ -479,9 +479,15 @@ class _Check:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     options = _options(args)
-    checks = [c for path in args.paths for c in _checks(path, options)]
+    checks: list[_Check] = []
+    results: list[dict[str, Any]] = []
+    for path in args.paths:  # a path that is not there is one line on stderr; the others go on
+        try:
+            checks += _checks(path, options)
+        except (CommandError, CheckpointingError, OSError) as e:
+            print(f"tierpoint verify: {' '.join(str(e).split())}", file=sys.stderr)
+            results.append({"target": path, "kind": "?", "status": "FAIL", "detail": str(e)})
     console = _console()
-    results = []
     with _progress(console, not args.json) as progress:
         task = progress.add_task("verifying", total=len(checks))
         for check in checks:
