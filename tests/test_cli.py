@@ -80,6 +80,9 @@ def test_ls_the_local_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     for holder, origin in ((0, 0), (0, 1), (1, 1)):  # iteration 5: rank 1 replicated on rank 0
         _part(session / str(holder) / part_name(5, origin), 5, origin, 2)
     _part(session / "0" / part_name(9, 0), 9, 0, 2)  # iteration 9: rank 1's part nowhere
+    for holder, origin in ((0, 0), (1, 1), (1, 0)):  # iteration 7: a damaged replica of rank 0
+        _part(session / str(holder) / part_name(7, origin), 7, origin, 2)
+    _flip(session / "1" / part_name(7, 0), 20)  # in its header: ls reads headers only
     _part(session / "0" / part_name(11, 0), 11, 0, 1)  # iteration 11: its only part damaged
     _flip(session / "0" / part_name(11, 0), 20)
 
@@ -90,7 +93,9 @@ def test_ls_the_local_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
         rows[5]["status"] == "complete" and rows[5]["replicas"] == 1 and rows[5]["ranks"] == [0, 1]
     )
     assert rows[9]["status"] == "incomplete" and "missing ranks [1]" in rows[9]["detail"]
-    assert rows[11]["status"] == "corrupt" and "damaged" in rows[11]["detail"]
+    assert rows[11]["status"] == "corrupt" and "rank 0's part damaged" in rows[11]["detail"]
+    assert rows[7]["status"] == "complete" and rows[7]["replicas"] == 0
+    assert "damaged copies of ranks [0] ignored" in rows[7]["detail"]
     assert rows[4]["status"] == rows[3]["status"] == "complete" and rows[4]["world_size"] == 1
     assert rows[5]["tier"] == "local" and rows[5]["size"] > 0 and rows[5]["mtime"] > 0
     assert doc["newest_restorable"] == {"job": str(session)}
@@ -98,9 +103,10 @@ def test_ls_the_local_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert main(["ls", str(session)]) == 0  # a session's directory, as a table
     out = capsys.readouterr().out
     assert "incomplete: missing ranks [1]" in out and "corrupt" in out
-    assert f"newest restorable (job): local iteration 5: {session}" in out
-    assert main(["ls", str(session / "1")]) == 0  # one rank's directory
-    assert "1/2" in capsys.readouterr().out
+    assert f"newest restorable (job): local iteration 7: {session}" in out
+    assert main(["ls", "--json", str(session / "1")]) == 0  # one rank's directory
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows[5]["ranks"] == [1] and rows[5]["where"] == "job"
 
     assert main(["ls", str(tmp_path / "absent")]) == 1
     _one_line_error(capsys.readouterr().err, "absent: no such file or directory")
@@ -108,7 +114,7 @@ def test_ls_the_local_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
 
 def test_ls_a_dcp_base_and_an_olmo_style_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     base = tmp_path / "base"
-    for step in (3, 5, 6):
+    for step in (0, 3, 5, 6):
         dcp.save({"w": torch.arange(8.0), "step": step}, dcp.step_path(base, step))
     (Path(dcp.step_path(base, 5)) / ".unfinished-1").touch()  # rank 1 never finished step 5
     Path(dcp.step_path(base, 7)).mkdir()  # never committed
@@ -121,7 +127,8 @@ def test_ls_a_dcp_base_and_an_olmo_style_run(tmp_path: Path, capsys: pytest.Capt
     assert rows[5]["status"] == "incomplete" and "unfinished on ranks [1]" in rows[5]["detail"]
     assert rows[6]["status"] == "corrupt" and "truncated" in rows[6]["detail"]
     assert rows[3]["status"] == "complete" and rows[3]["ranks"] == [0]
-    assert rows[3]["tier"] == "persistent"
+    assert rows[3]["tier"] == "persistent" and rows[0]["status"] == "complete"
+    assert [r["step"] for r in doc["checkpoints"]] == [7, 6, 5, 3, 0]
     assert doc["newest_restorable"] == {str(base): dcp.step_path(base, 3)}
     assert main(["ls", dcp.step_path(base, 3)]) == 0  # one step
     assert "complete" in capsys.readouterr().out

@@ -320,7 +320,7 @@ def _local_rows(root: str) -> list[Row]:
         return any(parse_part_name(n) is not None for n in os.listdir(directory))
 
     if holds(base):  # a rank's directory
-        return _session_rows(base.name, [base])
+        return _session_rows(base.parent.name, [base])
     holders = [p for p in subdirs if holds(p)]
     rows = _session_rows(base.name, holders) if holders else []  # a session's directory
     for session in (p for p in subdirs if p not in holders):  # a root of sessions
@@ -341,14 +341,14 @@ def _session_rows(session: str, holders: Sequence[Path]) -> list[Row]:
     for iteration in sorted(files, reverse=True):
         present: dict[int, int] = {}  # origin rank -> good copies
         worlds: set[int] = set()
-        damaged: list[str] = []
+        damaged: dict[int, str] = {}  # origin rank -> a damaged copy and why
         size, mtime = 0, 0.0
         for origin, path in files[iteration]:
             try:
                 st = path.stat()
                 worlds.add(part_world_size(path, iteration, origin))
             except (OSError, CheckpointingError) as e:
-                damaged.append(f"{path}: {e}")
+                damaged.setdefault(origin, f"{path}: {e}")
                 continue
             present[origin] = present.get(origin, 0) + 1
             size, mtime = size + st.st_size, max(mtime, st.st_mtime)
@@ -356,13 +356,13 @@ def _session_rows(session: str, holders: Sequence[Path]) -> list[Row]:
         missing = sorted(set(range(world)) - set(present)) if world is not None else []
         if len(worlds) > 1:
             status, detail = "corrupt", f"parts disagree on the world size: {sorted(worlds)}"
-        elif damaged and (missing or not present):
-            status, detail = "corrupt", f"{len(damaged)} damaged part(s): {damaged[0]}"
+        elif lost := sorted(set(damaged) - set(present)):  # no good copy of these ranks
+            status, detail = "corrupt", f"rank {lost[0]}'s part damaged: {damaged[lost[0]]}"
         elif missing:
             status, detail = "incomplete", f"missing ranks {missing}"
         else:
             status = "complete"
-            detail = f"{len(damaged)} damaged copies ignored" if damaged else ""
+            detail = f"damaged copies of ranks {sorted(damaged)} ignored" if damaged else ""
         rows.append(
             Row(
                 tier="local",
@@ -383,19 +383,17 @@ def _session_rows(session: str, holders: Sequence[Path]) -> list[Row]:
 
 def _dcp_rows(path: str, kind: str, entries: dict[str, _Entry], options: Any) -> list[Row]:
     if kind in ("dcp-step", "olmo-step"):
-        return [_step_row(path, path, kind, entries, options)]
-    rows = []
-    for name, entry in sorted(entries.items(), key=lambda kv: -(_step_number(kv[0]) or -1)):
-        if _step_number(name) is None or not entry.is_dir:
-            continue
-        step_dir = _join(path, name)
-        rows.append(_step_row(path, step_dir, "", None, options))
-    return rows
+        return [_step_row(path, path, entries, options)]
+    steps = {
+        n: step for n, e in entries.items() if e.is_dir and (step := _step_number(n)) is not None
+    }
+    return [
+        _step_row(path, _join(path, name), None, options)
+        for name in sorted(steps, key=steps.__getitem__, reverse=True)
+    ]
 
 
-def _step_row(
-    where: str, step_dir: str, kind: str, entries: dict[str, _Entry] | None, options: Any
-) -> Row:
+def _step_row(where: str, step_dir: str, entries: dict[str, _Entry] | None, options: Any) -> Row:
     from . import storage
     from .dcp import layout
 
