@@ -7,6 +7,7 @@ damaged ones are damaged on disk. Failures must be one line on stderr and a non-
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -149,8 +150,10 @@ def test_verify(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     _part(good, 1, 0, 1)
     bad.write_bytes(good.read_bytes())
     _flip(bad)
-    assert main(["verify", str(good)]) == 0
+    level = logging.getLogger("tierpoint").level
+    assert main(["verify", f"file://{good}"]) == 0
     assert f"ok   {good}" in capsys.readouterr().out
+    assert logging.getLogger("tierpoint").level == level  # quiet only while a command runs
     assert main(["verify", "--json", str(good), str(bad)]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is False
@@ -225,7 +228,7 @@ def test_inspect(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 
     step = dcp.step_path(tmp_path / "base", 2)
     dcp.save({"w": torch.arange(4.0), "lr": 0.25, "name": "run"}, step)
-    assert main(["inspect", "--json", step]) == 0
+    assert main(["inspect", "--json", f"file://{step}/.metadata"]) == 0  # = the step
     doc = json.loads(capsys.readouterr().out)
     assert doc["kind"] == "DCP checkpoint" and doc["values"] == {"lr": 0.25, "name": "run"}
     (w,) = doc["tensors"]

@@ -1179,12 +1179,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .local.naming import default_root
 
         args.path = str(default_root())
+    for name in ("path", "src", "dst"):
+        if isinstance(getattr(args, name, None), str):
+            setattr(args, name, _normal_path(getattr(args, name), name != "dst"))
+    if getattr(args, "paths", None):
+        args.paths = [_normal_path(p, True) for p in args.paths]
     # Retries and the like are the library's WARNINGs: a command reports its outcome itself.
-    logging.getLogger("tierpoint").setLevel(logging.ERROR)
-    for name in ("path", "src"):  # a DCP step's .metadata stands for its directory
-        value = getattr(args, name, None)
-        if isinstance(value, str) and os.path.basename(value) == ".metadata":
-            setattr(args, name, os.path.dirname(value) or ".")
+    library_logger = logging.getLogger("tierpoint")
+    level = library_logger.level
+    library_logger.setLevel(logging.ERROR)
     try:
         return _COMMANDS[args.command](args)
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly
@@ -1201,6 +1204,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = str(e) if known else f"{type(e).__name__}: {e}"
         print(f"tierpoint {args.command}: {' '.join(text.split())}", file=sys.stderr)
         return code
+    finally:
+        library_logger.setLevel(level)
+
+
+def _normal_path(value: str, source: bool) -> str:
+    """``file://`` URLs as local paths; a DCP step's ``.metadata`` (to read) as its directory."""
+    if value.startswith("file://"):
+        value = value[len("file://") :]
+    if source and os.path.basename(value) == ".metadata":
+        value = os.path.dirname(value) or "."
+    return value
 
 
 if __name__ == "__main__":
