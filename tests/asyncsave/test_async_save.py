@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tierpoint import fileformat
+from tierpoint import fileformat, storage
 from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import (
@@ -574,3 +574,19 @@ def test_a_changed_layout_releases_the_old_staging_buffer_in_the_worker(tmp_path
         queue.maybe_finalize_async_calls(blocking=True)
         assert len(queue._worker._sent) == 1  # only the current layout's buffer stays mapped
     queue.close()
+
+
+def test_a_call_runs_in_the_directory_its_caller_was_in_when_scheduling(tmp_path, monkeypatch):
+    """The worker process keeps the directory it started in; a call's relative paths mean what
+    they meant to the training process when it scheduled the call (the local tier hands the
+    worker paths under its root as given, relative ones included)."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    with AsyncCallsQueue() as queue:
+        queue.wait_ready()
+        monkeypatch.chdir(second)
+        queue.schedule_async_request(AsyncRequest(storage.write_file, ("part.bin", [b"abc"])))
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert (second / "part.bin").read_bytes() == b"abc" and not (first / "part.bin").exists()

@@ -364,3 +364,33 @@ def test_async_saves_to_a_ram_disk_snapshot_into_the_files_themselves(shm_dir):
     left = sorted(os.listdir(step_path(shm_dir, 5)))
     assert ".metadata" not in left and ".unfinished-1" in left, left
     assert sorted(os.listdir(shm_dir)) == [f"step-{s}" for s in range(1, 6)]
+
+
+@pytest.mark.parametrize("where", ["disk", "ram"])
+def test_a_relative_path_saves_where_the_caller_is_when_the_worker_started_elsewhere(
+    where, tmp_path, shm_dir, monkeypatch
+):
+    """The queue's worker process keeps the directory it started in; the training process may
+    change directory afterwards (a test fixture, the user's code). A relative path means what it
+    means to the caller at the save: the worker once resolved it in its own directory and did not
+    find the file the snapshot had named there (``syncing ... ENOENT`` on a RAM disk; on a disk the
+    data went into the other directory and ``.metadata`` named files that were not there)."""
+    first, second = (
+        (tmp_path / "a", tmp_path / "b") if where == "disk" else (shm_dir, shm_dir / "b")
+    )
+    first.mkdir(exist_ok=True)
+    second.mkdir()
+    monkeypatch.chdir(first)
+    with AsyncCallsQueue() as queue:
+        queue.wait_ready()  # the worker runs in the first directory
+        monkeypatch.chdir(second)
+        state = local_state()
+        expected = copy.deepcopy(state)
+        future = async_save(state, "ckpt/step-1", queue=queue)
+        state["model"]["w"].add_(1)
+        monkeypatch.chdir(first)  # the caller moves on before the save is finalized
+        future.result(timeout=120)
+    out = zeros_like_state(expected)
+    dcp.load(out, checkpoint_id=str(second / "ckpt/step-1"))
+    assert_same(out, expected)
+    assert not (first / "ckpt").exists()

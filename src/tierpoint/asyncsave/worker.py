@@ -6,7 +6,8 @@ and referred to by id afterwards); ``results()`` collects finished calls without
 ``exitcode`` tells whether the process died; ``stop()`` / ``kill()`` end it. ``preload(modules)``
 imports the modules of calls to come while the worker is idle (a first call then finds them).
 
-Worker process: receives calls over its pipe, runs them one at a time, answers
+Worker process: receives calls over its pipe, runs them one at a time, each in the working directory
+the trainer had when it submitted the call (relative paths mean the same to both), answers
 ``(call_id, ok, result_or_message, error_type)``. It exits when the pipe closes (its trainer died), so
 no worker outlives its rank.
 """
@@ -96,6 +97,22 @@ def _close_mapping(m: mmap.mmap) -> None:
         pass  # unmapped when its last view goes
 
 
+def _cwd() -> str | None:
+    """The training process's working directory now (None if it was removed)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
+
+
+def _enter(cwd: str | None) -> None:
+    """Worker side: run a call in the directory the trainer was in when it submitted it, so that a
+    relative path in its arguments names what it named to the trainer (the worker otherwise keeps
+    the directory it started in, while the trainer may have changed directory since)."""
+    if cwd is not None and cwd != _cwd():
+        os.chdir(cwd)
+
+
 def worker_main(conn: Any, parent_pid: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     _die_with_parent()
@@ -132,8 +149,9 @@ def worker_main(conn: Any, parent_pid: int | None = None) -> None:
             if m is not None:
                 _close_mapping(m)
         elif kind == "call":
-            _, call_id, fn, args, kwargs = msg
+            _, call_id, fn, args, kwargs, cwd = msg
             try:
+                _enter(cwd)
                 conn.send((call_id, True, fn(*args, **kwargs), None))
             except BaseException as e:  # noqa: BLE001 - reported to the trainer, which decides
                 conn.send((call_id, False, error_text(e), type(e).__name__))
@@ -185,7 +203,7 @@ class Worker:
         with self._lock:
             args = tuple(self._transport(a) for a in args)
             kwargs = {k: self._transport(v) for k, v in kwargs.items()}
-            self._conn.send(("call", call_id, fn, args, kwargs))
+            self._conn.send(("call", call_id, fn, args, kwargs, _cwd()))
 
     def preload(self, modules: list[str]) -> None:
         """Have the worker import ``modules`` now, before the first call that needs them."""

@@ -155,7 +155,7 @@ class Writer(StorageWriter):
         super().__init__()
         if type(thread_count) is not int or thread_count < 1:
             raise CheckpointingError(f"thread_count must be an int >= 1, got {thread_count!r}")
-        self.path = storage.checkpoint_path(path_or_url, "path_or_url")
+        self.path = _absolute(storage.checkpoint_path(path_or_url, "path_or_url"))
         self.thread_count = int(thread_count)
         self.sync_files = sync_files
         self.storage_options = dict(storage_options or {})
@@ -188,7 +188,7 @@ class Writer(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.refuse_if_in_flight()
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = _absolute(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex
         self._marker_made = False
         self.earlier_files = []
@@ -562,6 +562,16 @@ class Writer(StorageWriter):
             for f, records in zip(files.files, byte_records)
             for i, b in zip(f.byte_items, records)
         }
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute now: every step of a save (set-up, snapshot, the worker's writing,
+    the commit) then names the same directory, whatever the working directory of the process
+    running it (the worker keeps its own; the caller may change its own meanwhile)."""
+    if not storage.is_local(path):
+        return path
+    absolute = os.path.abspath(storage.local_path(path))
+    return f"file://{absolute}" if path.startswith("file://") else absolute
 
 
 def _new_file_token() -> str:
