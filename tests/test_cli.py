@@ -234,6 +234,25 @@ def test_inspect(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (w,) = doc["tensors"]
     assert w["name"] == "w" and w["shape"] == [4] and w["bytes"] == 16 and len(w["checksum"]) == 16
 
+    pt, plain = tmp_path / "s.pt", tmp_path / "plain.safetensors"
+    assert main(["convert", str(part), str(pt)]) == 1  # its pickle is never loaded
+    _one_line_error(capsys.readouterr().err, str(part), "pickled objects")
+    del state["blob"]
+    fileformat.write(part, state)
+    assert main(["convert", str(part), str(pt)]) == 0  # a torch.save file: loaded weights_only
+    assert main(["convert", step, str(plain)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "--json", str(pt)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "torch.save file" and doc["values"]["opt.betas[0]"] == 0.9
+    assert {t["name"]: t["checksum"] for t in doc["tensors"]}["model.w"] == tensors["model.w"][
+        "checksum"
+    ]
+    assert main(["inspect", "--json", str(plain)]) == 0  # header only, when not tierpoint's own
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] in ("safetensors file", "part file")
+    assert [(t["name"], t["shape"], t["bytes"]) for t in doc["tensors"]] == [("w", [4], 16)]
+
     assert main(["inspect", str(tmp_path / "base")]) == 2
     _one_line_error(capsys.readouterr().err, "use `tierpoint ls` or `tierpoint verify`")
     part.write_bytes(part.read_bytes()[:30])

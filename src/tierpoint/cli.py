@@ -586,7 +586,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     options = _options(args)
     kind, entries = _classify(args.path, options)
     if kind == "part":
-        doc = _inspect_part(args.path)
+        doc = _inspect_file(args.path)
     elif kind in ("dcp-step", "olmo-step"):
         doc = _inspect_dcp(_dcp_dir(args.path, entries, options), options)
     else:
@@ -612,6 +612,52 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if doc.get("skeleton") is not None:
         console.print("skeleton: " + json.dumps(_skeleton_view(doc), default=str), soft_wrap=True)
     return 0
+
+
+def _inspect_file(path: str) -> dict[str, Any]:
+    """A part file, another safetensors file (its header only) or a ``torch.save`` file."""
+    if _file_kind(path) == "pt":
+        return _state_doc(path, "torch.save file", _load_pt(path))
+    header = _safetensors_header(path)
+    meta = header.pop("__metadata__", None) or {}
+    if isinstance(meta, dict) and meta.get("format") == "tierpoint":
+        return _inspect_part(path)
+    tensors = []
+    for name, entry in header.items():
+        try:
+            begin, end = entry["data_offsets"]
+            tensors.append({"name": name, "dtype": entry["dtype"], "shape": list(entry["shape"]),
+                            "bytes": end - begin, "checksum": "-"})  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise CommandError(f"{path}: not a safetensors file: entry {name!r}: {e}") from e
+    size = os.path.getsize(path)
+    doc = {"path": path, "kind": "safetensors file", "size": size, "extra": meta}
+    return doc | {"tensors": tensors, "values": {}, "skeleton": None}
+
+
+def _state_doc(path: str, kind: str, state: Any) -> dict[str, Any]:
+    """What ``inspect`` shows of a loaded state: its tensors (checksums computed), values,
+    skeleton."""
+    from .fileformat import byte_view, checksum
+    from .fileformat.plan import _unique_names
+    from .tree import flatten
+
+    flat = flatten(state)
+    tensors = [
+        {
+            "name": name,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "bytes": t.numel() * t.element_size(),
+            "checksum": checksum(byte_view(t.detach().cpu().contiguous())),
+        }
+        for name, t in zip(_unique_names(flat.paths), flat.tensors)
+    ]
+    values: dict[str, Any] = {}
+    _skeleton_values(flat.skeleton, "", values)
+    size = os.path.getsize(path)
+    doc = {"path": path, "kind": kind, "size": size, "extra": None, "tensors": tensors}
+    return doc | {"values": values, "skeleton": flat.skeleton}
 
 
 def _inspect_part(path: str) -> dict[str, Any]:
@@ -786,17 +832,21 @@ def _file_kind(path: str) -> str | None:
 
 def _read_state(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[Any, str]:
     """The state held by ``args.src`` and a description of it."""
+    try:
+        return _read_source(args, options)
+    except CheckpointingError as e:
+        if args.src in str(e):
+            raise
+        raise CommandError(f"{args.src}: {e}") from e  # an error that does not name the file
+
+
+def _read_source(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[Any, str]:
     src = args.src
     kind, entries = _classify(src, options)
     if kind == "part":
         file_kind = _file_kind(src)
         if file_kind == "pt":
-            import torch
-
-            try:
-                return torch.load(src, weights_only=True, map_location="cpu"), "torch.save file"
-            except Exception as e:  # noqa: BLE001 - a damaged or unsafe file: one line
-                raise CommandError(f"{src}: cannot load with weights_only=True: {e}") from e
+            return _load_pt(src), "torch.save file"
         return _read_safetensors(src)
     if kind in ("dcp-step", "olmo-step"):
         return _read_dcp(_dcp_dir(src, entries, options), options), "DCP checkpoint"
@@ -833,7 +883,15 @@ def _read_safetensors(path: str) -> tuple[Any, str]:
 
 
 def _safetensors_metadata(path: str) -> dict[str, Any]:
-    """The ``__metadata__`` of a safetensors file's header (sizes checked before reading)."""
+    """The ``__metadata__`` of a safetensors file's header."""
+    meta = _safetensors_header(path).get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise CommandError(f"{path}: not a safetensors file: __metadata__ is not a map")
+    return meta
+
+
+def _safetensors_header(path: str) -> dict[str, Any]:
+    """A safetensors file's JSON header (its length checked against the file before reading)."""
     from .fileformat import MAX_HEADER_BYTES
 
     try:
@@ -844,12 +902,21 @@ def _safetensors_metadata(path: str) -> dict[str, Any]:
             if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
                 raise ValueError(f"a header length of {n} bytes in a file of {size}")
             header = json.loads(f.read(n))
-        meta = header.get("__metadata__") or {}
-        if not isinstance(meta, dict):
-            raise ValueError("__metadata__ is not a map")
-        return meta
-    except (ValueError, AttributeError) as e:
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        return header
+    except ValueError as e:
         raise CommandError(f"{path}: not a safetensors file: {e}") from e
+
+
+def _load_pt(path: str) -> Any:
+    """A ``torch.save`` file's state, loaded with ``weights_only=True`` (no code runs)."""
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - a damaged or unsafe file: one line
+        raise CommandError(f"{path}: cannot load with weights_only=True: {e}") from e
 
 
 def _read_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
