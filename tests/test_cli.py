@@ -73,7 +73,9 @@ def test_help_and_version_answer_without_torch() -> None:
     assert done.returncode == 0 and done.stdout.startswith("tierpoint 0.")
 
 
-def test_ls_the_local_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_ls_the_local_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     manager = LocalCheckpointManager(tmp_path / "root", session_id="job", keep_last=2)
     for iteration in (3, 4):
         manager.save(BasicTensorAwareStateDict({"w": torch.ones(4) * iteration}), iteration)
@@ -111,6 +113,12 @@ def test_ls_the_local_tier(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
 
     assert main(["ls", str(tmp_path / "absent")]) == 1
     _one_line_error(capsys.readouterr().err, "absent: no such file or directory")
+    monkeypatch.setattr("tierpoint.local.naming.default_root", lambda: tmp_path / "root")
+    assert main(["ls"]) == 0  # the default root
+    assert "newest restorable (job)" in capsys.readouterr().out
+    monkeypatch.setattr("tierpoint.local.naming.default_root", lambda: tmp_path / "none")
+    assert main(["ls"]) == 1
+    _one_line_error(capsys.readouterr().err, "no local tier at the default root")
 
 
 def test_ls_a_dcp_base_and_an_olmo_style_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

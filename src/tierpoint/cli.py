@@ -8,7 +8,8 @@ Subcommands (``tierpoint <command> --help`` for each):
   (complete / incomplete / corrupt, from headers and metadata: ``verify`` reads every byte) and
   the newest restorable one;
 - ``inspect FILE|DIR``: a part file's tensors (name, dtype, shape, bytes, checksum), its stored
-  non-tensor values and skeleton; a DCP step's metadata items and values;
+  non-tensor values and skeleton; a DCP step's metadata items and values; a ``.pt`` file's (loaded
+  with ``weights_only=True``) or another writer's ``.safetensors`` file's (its header) tensors;
 - ``verify PATH|URL...``: every checksum of part files, of a directory of them, of a DCP step or of
   every step of a DCP base (an uncommitted step is skipped: it is never loaded); exit status 0
   only when everything verified (a DCP step without checksum manifests, written by plain torch, is
@@ -1246,6 +1247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .local.naming import default_root
 
         args.path = str(default_root())
+        if not os.path.isdir(args.path):
+            print(f"tierpoint ls: no local tier at the default root {args.path}; name a PATH or "
+                  "URL", file=sys.stderr)  # fmt: skip
+            return 1
     for name in ("path", "src", "dst"):
         if isinstance(getattr(args, name, None), str):
             setattr(args, name, _normal_path(getattr(args, name), name != "dst"))
