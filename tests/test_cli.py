@@ -389,6 +389,7 @@ def test_bench(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         "print()\n"
     )
     (benches / "broken_bench.py").write_text("raise SystemExit(3)\n")
+    (benches / "gpu_bench.py").write_text("raise SystemExit('needs CUDA')\n")
     out = tmp_path / "results"
     common = ["--dir", str(benches), "--out", str(out)]
     assert main(["bench", "tiny", *common]) == 0
@@ -411,6 +412,8 @@ def test_bench(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         {"section": "WRITE", "name": "torch.save (floor 2)", "label": "median s", "value": 1.25},
     ]
     assert results["broken"]["status"] == "failed (exit status 3)"
+    if not torch.cuda.is_available():  # the whole suite here skips the GPU bench
+        assert results["gpu"]["status"] == "skipped (no CUDA device)"
     assert json.loads((out / "bench.json").read_text())["results"] == doc["results"]
     assert main(["bench", "nope", *common]) == 1
     _one_line_error(capsys.readouterr().err, "no benchmark 'nope'")

@@ -1042,6 +1042,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     console = _console(stderr=args.json)
     results = []
+    if not args.names and any(n in _NEEDS_CUDA for n in names):
+        import torch
+
+        if not torch.cuda.is_available():  # the whole suite here: those are not for this machine
+            results += [_skipped(n, "no CUDA device") for n in names if n in _NEEDS_CUDA]
+            names = [n for n in names if n not in _NEEDS_CUDA]
     for name in names:
         with console.status(f"running {name}_bench.py") if console.is_terminal else _NoProgress():
             results.append(_run_bench(name, available[name], args.full, args.timeout))
@@ -1060,7 +1066,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                              columns, _bench_rows(results)))  # fmt: skip
         console.print(f"results: {json_path}")
         console.print(f"chart: {chart}" if chart.endswith(".png") else chart)
-    return 0 if all(r["status"] == "ok" for r in results) else 1
+    return (
+        0 if all(r["status"] == "ok" or r["status"].startswith("skipped") for r in results) else 1
+    )
+
+
+_NEEDS_CUDA = {"gpu"}
+"""Benches that need a GPU: skipped in a run of the whole suite without one (run when named)."""
+
+
+def _skipped(name: str, why: str) -> dict[str, Any]:
+    return {"bench": name, "args": [], "status": f"skipped ({why})", "seconds": 0.0,
+            "contenders": [], "last_line": "", "figures": None, "output": ""}  # fmt: skip
 
 
 def _run_bench(name: str, script: Path, full: bool, timeout: float | None) -> dict[str, Any]:
