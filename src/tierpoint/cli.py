@@ -28,8 +28,11 @@ Invariants:
   ``.pt`` files with ``torch.load(weights_only=True)``, skeleton pickles are never loaded.
 - URLs stay strings (``s3://`` is never a ``Path``); ``--endpoint-url`` and the ``AWS_*``
   environment configure S3.
-- A failure is one line on stderr naming the path and the reason and a non-zero exit status, never
-  a traceback (``TIERPOINT_DEBUG=1`` shows it); ``ls``, ``inspect`` and ``verify`` write nothing.
+- A command that cannot do its job (a bad path, an unreachable store, a damaged file) prints one
+  line on stderr naming the path and the reason and exits non-zero, never with a traceback
+  (``TIERPOINT_DEBUG=1`` shows it); ``verify`` prints one line per target checked on stdout
+  (``ok`` / ``FAIL`` and why). ``ls``, ``inspect`` and ``verify`` write nothing.
+- The library's log level is raised to ERROR only while a command runs (retries are not news).
 """
 
 from __future__ import annotations
