@@ -646,28 +646,13 @@ class TieredCheckpointManager:
 
 
 def _has_dtensor(tree: Any) -> bool:
-    if isinstance(tree, st.RankLocal):
-        return _has_dtensor(tree.value)
-    if st.is_dtensor(tree):
-        return True
-    if isinstance(tree, Mapping):
-        return any(_has_dtensor(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(_has_dtensor(v) for v in tree)
-    return False
+    return any(st.is_dtensor(t) for t in st.tensors_of(tree))
 
 
 def _nbytes(tree: Any) -> int:
-    if isinstance(tree, st.RankLocal):
-        return _nbytes(tree.value)
-    if isinstance(tree, torch.Tensor):
-        t = tree.to_local() if st.is_dtensor(tree) else tree
-        return t.numel() * t.element_size()
-    if isinstance(tree, Mapping):
-        return sum(_nbytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_nbytes(v) for v in tree)
-    return 0
+    """Bytes of this rank's tensors (a DTensor's local shard)."""
+    local = (t.to_local() if st.is_dtensor(t) else t for t in st.tensors_of(tree))
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _mismatch(step: int, problems: list[str]) -> str:

@@ -204,14 +204,21 @@ def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
             _compare(a, b, f"{path}[{i}]", problems)
 
 
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a tree (dicts, lists, tuples, :class:`RankLocal`), in order."""
+    if isinstance(tree, RankLocal):
+        return tensors_of(tree.value)
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, Mapping):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in tensors_of(v)]
+    return []
+
+
 def _holds_tensors(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, Mapping):
-        return any(_holds_tensors(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensors(v) for v in value)
-    return False
+    return bool(tensors_of(value))
 
 
 def _names(keys: list[Any]) -> str:
