@@ -511,15 +511,10 @@ class TieredCheckpointManager:
         loaded = ta.state_dict
         live = st.local_form(tree)
         with tpdist.agree(f"checking the state against local checkpoint step {record.iteration}"):
-            problems = st.check_loaded(
-                {k: v for k, v in live.items() if k != st.SHARDING_KEY},
-                {k: v for k, v in loaded.items() if k != st.SHARDING_KEY},
-            )
-            if loaded.get(st.SHARDING_KEY, {}) != live[st.SHARDING_KEY]:
-                problems.append("DTensor shardings differ from the checkpoint's")
+            problems = st.check_loaded(live, loaded)
             if problems:
                 raise StateMismatchError(_mismatch(record.iteration, problems))
-        loaded.pop(st.SHARDING_KEY, None)
+        loaded.pop(st.SHARDING_KEY, None)  # checked above; not part of the state
         st.copy_into(tree, loaded)
         st.apply(state, tree)
         tier = "peers" if record.from_peers else "local"

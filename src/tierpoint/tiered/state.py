@@ -163,10 +163,18 @@ def from_persistent_form(tree: dict[str, Any], loaded: dict[str, Any], rank: int
             tree[key] = value
 
 
-def check_loaded(live: Any, loaded: Any, path: str = "") -> list[str]:
-    """Every difference between ``live`` (a :func:`local_form`) and a loaded local part."""
+def check_loaded(live: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
+    """Every difference between ``live`` (a :func:`local_form`) and a loaded local part: keys,
+    shapes and dtypes, and the sharding of its DTensors."""
     problems: list[str] = []
-    _compare(live, loaded, path, problems)
+    _compare(
+        {k: v for k, v in live.items() if k != SHARDING_KEY},
+        {k: v for k, v in loaded.items() if k != SHARDING_KEY},
+        "",
+        problems,
+    )
+    if loaded.get(SHARDING_KEY, {}) != live.get(SHARDING_KEY, {}):
+        problems.append("DTensor shardings differ from the checkpoint's")
     return problems
 
 
