@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierpoint import BasicTensorAwareStateDict, CheckpointingError
+from tierpoint import BasicTensorAwareStateDict, CheckpointingError, TensorAwareStateDict
+from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.errors import UnsupportedStateError
+from tierpoint.local import LocalCheckpointManager
 from tierpoint.tree import FlatState
 
 
@@ -96,3 +98,58 @@ def test_a_loaded_state_dict_is_built_once():
     assert ta.state_dict is first
     first["step"] = 8
     assert BasicTensorAwareStateDict.from_flat(ta.to_flat()).state_dict["step"] == 8
+
+
+class NVRxStyleStateDict(TensorAwareStateDict):
+    """Written the way NVRx users write one: the seven NVRx abstract methods, nothing else."""
+
+    def __init__(self, state_dict: dict) -> None:
+        self._hollow_state = {k: v for k, v in state_dict.items() if not torch.is_tensor(v)}
+        self._keys = [k for k, v in state_dict.items() if torch.is_tensor(v)]
+        self._tensors = [state_dict[k] for k in self._keys]
+        self._devices = [t.device for t in self._tensors]
+
+    @property
+    def tensors(self):
+        return self._tensors
+
+    @property
+    def is_hollow(self):
+        return self._tensors is None
+
+    def pop_tensors(self):
+        tensors, self._tensors = self._tensors, None
+        return tensors
+
+    def insert_tensors(self, tensor_data):
+        self._tensors = list(tensor_data)
+
+    def init_tensors(self):
+        self._tensors = [torch.empty(0) for _ in self._keys]
+
+    def copy_tensors_to_cpu(self, non_blocking=False):
+        self._tensors = [t.to("cpu", non_blocking=non_blocking) for t in self._tensors]
+
+    def restore_tensor_device(self, non_blocking=True):
+        self._tensors = [t.to(d) for t, d in zip(self._tensors, self._devices)]
+
+
+def test_an_nvrx_style_subclass_saves_and_loads_sync_and_async(tmp_path):
+    state = {"w": torch.randn(4, 3), "b": torch.arange(5), "step": 3}
+    ta = NVRxStyleStateDict(state)
+    assert list(ta.values())  # NVRx's concrete helper
+    manager = LocalCheckpointManager(tmp_path, session_id="nvrx")
+    manager.save(ta, 1)
+    loaded, _ = LocalCheckpointManager(tmp_path, session_id="nvrx").load()
+    saved = loaded.state_dict  # the subclass's attributes, as NVRx pickles them
+    assert saved["_keys"] == ["w", "b"] and saved["_hollow_state"] == {"step": 3}
+    assert torch.equal(saved["_tensors"][0], state["w"])
+    with AsyncCallsQueue() as queue:
+        queue.schedule_async_request(manager.save(NVRxStyleStateDict(state), 2, is_async=True))
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert manager.find_latest() == 2
+    hollow = NVRxStyleStateDict(state)
+    hollow.pop_tensors()
+    with pytest.raises(CheckpointingError, match="hollow"):
+        manager.save(hollow, 3)
+    assert manager.find_latest() == 2

@@ -10,6 +10,9 @@ then ``restore_tensor_device()`` to put tensors back where they were saved from.
 ``pop_tensors()`` / ``init_tensors()`` / ``insert_tensors()`` to move tensor payloads without the
 skeleton.
 
+A subclass written for NVRx implements NVRx's seven abstract methods only; :meth:`TensorAwareStateDict.to_flat`
+(what a manager saves) has a default built on its ``state_dict`` or its attributes.
+
 Invariants: every tensor's original device is remembered per tensor (CPU and CUDA tensors may mix); a
 device that does not exist when restoring leaves the tensor on CPU and logs a note.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, ValuesView
 from typing import Any
 
 import torch
@@ -30,12 +33,24 @@ logger = logging.getLogger("tierpoint")
 
 
 class TensorAwareStateDict(ABC):
-    """A state dict that exposes its tensors separately from the rest of its structure."""
+    """A state dict that exposes its tensors separately from the rest of its structure.
+
+    The abstract methods are exactly NVRx's, so a subclass written for NVRx works unchanged:
+    :attr:`tensors`, :attr:`is_hollow`, :meth:`pop_tensors`, :meth:`insert_tensors`,
+    :meth:`init_tensors`, :meth:`copy_tensors_to_cpu` and :meth:`restore_tensor_device`.
+
+    What a checkpoint manager writes comes from :meth:`to_flat`, concrete here: the flattened form of
+    the subclass's ``state_dict`` (an attribute, property or method) when it has one, else of its
+    attributes (``vars(self)``, which is what NVRx pickles). Anything :mod:`tierpoint.tree` cannot
+    store raises :class:`~tierpoint.errors.UnsupportedStateError` naming its key path. A load gives
+    back a :class:`BasicTensorAwareStateDict` whose ``state_dict`` is that saved structure (tierpoint
+    never unpickles a class from a file).
+    """
 
     @property
     @abstractmethod
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors, in a fixed order (raises when hollow)."""
+    def tensors(self) -> Iterable[torch.Tensor]:
+        """The tensors, in a fixed order."""
 
     @property
     @abstractmethod
@@ -43,11 +58,11 @@ class TensorAwareStateDict(ABC):
         """True after :meth:`pop_tensors` until tensors are inserted again."""
 
     @abstractmethod
-    def pop_tensors(self) -> list[torch.Tensor]:
+    def pop_tensors(self) -> Sequence[torch.Tensor]:
         """Take the tensors out, leaving the structure hollow."""
 
     @abstractmethod
-    def insert_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+    def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
         """Put tensors (in :attr:`tensors` order) back into a hollow state."""
 
     @abstractmethod
@@ -62,14 +77,26 @@ class TensorAwareStateDict(ABC):
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         """Move tensors back to the devices they came from (where such a device exists)."""
 
-    @abstractmethod
-    def to_flat(self) -> FlatState:
-        """The pickle-free flattened form written to part files."""
+    def values(self) -> ValuesView[Any]:
+        """The object's attribute values (NVRx's default)."""
+        return vars(self).values()
 
-    @property
-    @abstractmethod
-    def state_dict(self) -> Any:
-        """The nested state, rebuilt from the tensors (raises when hollow)."""
+    def to_flat(self) -> FlatState:
+        """The pickle-free flattened form written to part files (see the class docstring)."""
+        if self.is_hollow:
+            raise CheckpointingError(
+                f"cannot save a hollow {type(self).__name__}: its tensors were popped "
+                "(insert_tensors first)"
+            )
+        state = getattr(self, "state_dict", _NO_STATE)
+        if callable(state) and not isinstance(state, Mapping):
+            state = state()
+        if state is _NO_STATE:
+            state = dict(vars(self))
+        return flatten(state, allow_pickle=bool(getattr(self, "allow_pickle", False)))
+
+
+_NO_STATE = object()
 
 
 class BasicTensorAwareStateDict(TensorAwareStateDict):
