@@ -2,7 +2,8 @@
 
 Public names live here and in the documented submodules (``tierpoint.fileformat``, ``tierpoint.tree``,
 ``tierpoint.dist``, ``tierpoint.tensor_aware``, ``tierpoint.local``, ``tierpoint.dcp``,
-``tierpoint.asyncsave``). :class:`TieredCheckpointManager` joins the tiers.
+``tierpoint.asyncsave``, ``tierpoint.checkpointer``). :class:`TieredCheckpointManager` joins the
+tiers; :class:`Checkpointer` is OLMo-core's trainer checkpointer.
 """
 
 from .errors import (
@@ -19,9 +20,13 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "BasicTensorAwareStateDict": "tensor_aware",
+    "BasicTrainModule": "checkpointer",
+    "Checkpointer": "checkpointer",
+    "CheckpointerConfig": "checkpointer",
     "RankLocal": "tiered",
     "TensorAwareStateDict": "tensor_aware",
     "TieredCheckpointManager": "tiered",
+    "TrainModule": "checkpointer",
 }
 """Names imported on first use: they import torch (the tiered manager every tier), which
 ``import tierpoint`` alone does not, so that ``tierpoint --help`` answers at once."""
@@ -37,6 +42,9 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "BasicTensorAwareStateDict",
+    "BasicTrainModule",
+    "Checkpointer",
+    "CheckpointerConfig",
     "CheckpointingError",
     "CheckpointingException",
     "CoordinationTimeoutError",
@@ -46,6 +54,7 @@ __all__ = [
     "StateMismatchError",
     "TensorAwareStateDict",
     "TieredCheckpointManager",
+    "TrainModule",
     "UnsupportedStateError",
     "__version__",
 ]

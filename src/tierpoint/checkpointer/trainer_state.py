@@ -1,0 +1,150 @@
+"""Each rank's trainer state: ``train/rank<r>.safetensors``, one pickle-free part file per rank.
+
+OLMo-core ``torch.save``s each rank's trainer state (data-loader position, RNG states, step
+counters) to ``train/rank<r>.pt``, so every rank keeps its own values. tierpoint writes the same
+per-rank files in its part-file format (:mod:`tierpoint.fileformat`: a JSON skeleton and raw tensor
+bytes, checksummed, no pickle); the state may hold what :mod:`tierpoint.tree` stores (dicts, lists,
+tuples, scalars, strings, bytes, tensors, numpy values).
+
+Call order: :func:`encode` (before anything is written: unsupported values raise here), then
+:func:`write` on every rank; on load :func:`read` on every rank.
+
+Invariants:
+- A part file appears under its final name only complete (local: dirty name, fsync, rename; object
+  stores: one upload of the finished file).
+- OLMo-core's ``rank<r>.pt`` pickles are read only when the caller opts in
+  (``allow_pickle=True``), and then through ``torch.load(weights_only=True)``: torch's allow-list
+  unpickler, the one :class:`tierpoint.dcp.SafeLoadPlanner` uses for a DCP checkpoint's non-tensor
+  values (containers, scalars, strings and tensors load; a global outside the list stops the load
+  before it is called). Without the opt-in such a file is refused with an error saying how to opt in.
+- Every failure names the file.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import fileformat, storage
+from ..errors import CheckpointingError, CorruptCheckpointError, UnsupportedStateError
+from ..tree import FlatState, flatten
+
+logger = logging.getLogger("tierpoint")
+
+TRAIN_DIR = "train"
+EXTENSION = ".safetensors"
+PICKLE_EXTENSION = ".pt"
+
+
+def state_files(step_dir: str, rank: int) -> tuple[str, str]:
+    """Rank ``rank``'s trainer-state file in tierpoint's format, and OLMo-core's pickle."""
+    base = storage.join(step_dir, TRAIN_DIR, f"rank{int(rank)}")
+    return base + EXTENSION, base + PICKLE_EXTENSION
+
+
+def encode(state: Any) -> FlatState:
+    """``state`` flattened for writing; raises :class:`UnsupportedStateError` naming the key of a
+    value that cannot be stored without pickle."""
+    if not isinstance(state, Mapping):
+        raise UnsupportedStateError("", f"train_state must be a dict, got {type(state).__name__}")
+    return flatten(dict(state))
+
+
+def write(
+    step_dir: str,
+    rank: int,
+    flat: FlatState,
+    *,
+    work_dir: str,
+    storage_options: Mapping[str, Any] | None = None,
+    upload: storage.UploadOptions = storage.DEFAULT_UPLOAD,
+) -> None:
+    """Write rank ``rank``'s trainer state into ``step_dir``."""
+    target = state_files(step_dir, rank)[0]
+    if storage.is_local(target):
+        storage.makedirs(storage.join(step_dir, TRAIN_DIR))
+        fileformat.write_flat(storage.local_path(target), flat)
+        return
+    with _scratch(work_dir) as tmp:
+        fileformat.write_flat(tmp, flat, fsync=False)
+        with open(tmp, "rb") as f:
+            data = f.read()
+    storage.write_file(target, [data], storage_options=storage_options, upload=upload)
+
+
+def read(
+    step_dir: str,
+    rank: int,
+    *,
+    own: bool,
+    allow_pickle: bool,
+    work_dir: str,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Rank ``rank``'s trainer state if ``own`` and it exists, else rank 0's; ``None`` if neither
+    exists (the checkpoint holds no trainer state)."""
+    for r in dict.fromkeys([rank, 0] if own else [0]):
+        ours, pickled = state_files(step_dir, r)
+        if storage.exists(ours, storage_options):
+            return _read_part(ours, work_dir, storage_options)
+        if storage.exists(pickled, storage_options):
+            if not allow_pickle:
+                raise CheckpointingError(
+                    f"{pickled} is a pickle (OLMo-core's torch.save trainer state): not loaded by "
+                    "default. Pass allow_pickled_trainer_state=True to load it through torch's "
+                    "weights_only allow-list, or load_trainer_state=False to skip it"
+                )
+            return _read_pickle(pickled, storage_options)
+    return None
+
+
+def _read_part(url: str, work_dir: str, storage_options: Mapping[str, Any] | None) -> Any:
+    if storage.is_local(url):
+        state = fileformat.read(storage.local_path(url))
+    else:
+        data = storage.read_bytes(url, storage_options)
+        with _scratch(work_dir) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            state = fileformat.read(tmp)
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(url, f"holds a {type(state).__name__}, not a dict")
+    return state
+
+
+def _read_pickle(url: str, storage_options: Mapping[str, Any] | None) -> Any:
+    data = storage.read_bytes(url, storage_options)
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the allow-list refuses, we refuse
+        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CorruptCheckpointError(
+            url, f"torch.load(weights_only=True) refused it ({reason})"
+        ) from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(url, f"holds a {type(state).__name__}, not a dict")
+    return state
+
+
+class _scratch:
+    """A temporary file name in ``work_dir`` (removed on exit)."""
+
+    def __init__(self, work_dir: str) -> None:
+        os.makedirs(work_dir, exist_ok=True)
+        fd, self.path = tempfile.mkstemp(prefix="trainer-state-", suffix=EXTENSION, dir=work_dir)
+        os.close(fd)
+
+    def __enter__(self) -> str:
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
