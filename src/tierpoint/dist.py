@@ -1,8 +1,11 @@
 """Ranks, nodes, tierpoint's own coordination group, bounded collectives, and error agreement.
 
 Call order: anything collective goes through :func:`coordination_group` (created lazily, once per
-default process group, on every rank at the same call site), then :func:`all_gather_json` /
-:func:`broadcast_json` / :func:`agree`. With ``torch.distributed`` not initialised everything works
+default process group, on every rank at the same call site), then :func:`reduce_ints` /
+:func:`agree` (the common case: O(1) bytes per rank) or :func:`all_gather_json` /
+:func:`broadcast_json` (details, plans). Each of them except the broadcast starts with one all-reduce
+of a few integers that carries a hash of the step it serves, so ranks at different steps get one
+clear error, and agreements gather texts only when some rank failed. With ``torch.distributed`` not initialised everything works
 as a single process (rank 0 of 1) and no collective runs.
 
 Invariants:
@@ -26,6 +29,7 @@ import os
 import re
 import socket
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -193,21 +197,52 @@ def all_gather_json(obj: Any, what: str = "all_gather", group: Any = None) -> li
     """Every rank's ``obj`` (JSON-serialisable), in rank order.
 
     ``what`` names the step; ranks at different steps (e.g. one saving, one loading) get the same
-    clear error instead of a garbled message or a hang.
+    clear error instead of a garbled message or a hang. Two collectives: the step header (which
+    carries the longest payload's size) and one all-gather of the payloads, padded with spaces.
+    Each rank receives O(W) bytes: for the common case use :func:`reduce_ints` or :func:`agree`.
     """
     if not is_distributed():
         return [json.loads(json.dumps(obj))]
     group = group or coordination_group()
-    world = dist.get_world_size(group)
-    gathered = _gather_bytes(json.dumps([what, obj]).encode(), what, group, world)
-    steps, objs = zip(*(json.loads(g) for g in gathered))
-    if len({_step(s) for s in steps}) > 1:
+    data = json.dumps(obj).encode()
+    (longest,) = _header(what, group, [len(data)], "max")
+    payload = torch.full((longest,), ord(" "), dtype=torch.uint8)
+    payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(dist.get_world_size(group))]
+    _run_collective(what, dist.all_gather, gathered, payload, group=group)
+    return [json.loads(bytes(g.numpy())) for g in gathered]
+
+
+def reduce_ints(values: list[int], op: str, what: str, group: Any = None) -> list[int]:
+    """The smallest (``op="min"``) or largest (``"max"``) of each of a few integers over all ranks,
+    in one all-reduce that also checks every rank is at the same step (see :func:`all_gather_json`).
+    O(1) bytes per rank: the common case of every agreement (an iteration, "all done", "none
+    failed")."""
+    if not is_distributed():
+        return [int(v) for v in values]
+    return _header(what, group or coordination_group(), values, op)
+
+
+def _header(what: str, group: Any, values: list[int], op: str) -> list[int]:
+    """One all-reduce (MAX) of ``[h, -h, *values]`` (values negated for ``op="min"``), ``h`` a hash
+    of the kind of step ``what`` names: every rank learns whether all ranks are at the same step
+    and the reduced ``values``. On a mismatch every rank gathers the steps and raises one error."""
+    if op not in ("min", "max"):
+        raise ValueError(f"op must be 'min' or 'max', got {op!r}")
+    sign = -1 if op == "min" else 1
+    h = zlib.crc32(_step(what).encode()) & 0x7FFFFFFF
+    t = torch.tensor([h, -h, *(sign * int(v) for v in values)], dtype=torch.int64)
+    _run_collective(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=group)
+    reduced = t.tolist()
+    if reduced[0] != -reduced[1]:
+        world = dist.get_world_size(group)
+        steps = [g.decode() for g in _gather_bytes(what.encode(), what, group, world)]
         detail = "; ".join(f"rank {r}: {step[:200]!r}" for r, step in enumerate(steps))
         raise CheckpointingError(
             f"ranks are at different tierpoint steps ({detail}): every rank must make the same "
             "tierpoint calls in the same order"
         )
-    return list(objs)
+    return [sign * v for v in reduced[2:]]
 
 
 def _step(what: str) -> str:
@@ -217,6 +252,7 @@ def _step(what: str) -> str:
 
 
 def _gather_bytes(data: bytes, what: str, group: Any, world: int) -> list[bytes]:
+    """Every rank's ``data`` (sizes first: only on the rare paths that cannot use the header)."""
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
@@ -246,7 +282,7 @@ def broadcast_json(obj: Any, src: int = 0, what: str = "broadcast", group: Any =
 
 
 def barrier(what: str = "barrier") -> None:
-    all_gather_json(None, what)
+    reduce_ints([], "max", what)
 
 
 @dataclass(frozen=True)
@@ -292,10 +328,14 @@ def node_layout() -> NodeLayout:
     return layout
 
 
-def raise_if_any_failed(what: str, error: BaseException | str | None) -> None:
-    """Collective: if any rank passes an error, every rank raises the same :class:`CheckpointingError`."""
-    statuses = all_gather_json(failure_status(error), f"{what} (agreeing on the outcome)")
-    raise_failures(what, statuses, error)
+def raise_if_any_failed(what: str, error: BaseException | str | None, group: Any = None) -> None:
+    """Collective: if any rank passes an error, every rank raises the same :class:`CheckpointingError`.
+
+    One all-reduce of a flag when no rank failed; only then are the failures' texts gathered."""
+    what_agreed = f"{what} (agreeing on the outcome)"
+    (failed,) = reduce_ints([error is not None], "max", what_agreed, group)
+    if failed:
+        raise_failures(what, all_gather_json(failure_status(error), what_agreed, group), error)
 
 
 def failure_status(error: BaseException | str | None) -> list[str] | None:
