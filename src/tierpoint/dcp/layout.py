@@ -6,6 +6,13 @@ Layout under a base path or URL::
     <base>/step-<N>/.metadata                    torch DCP metadata; written last: the commit point
     <base>/step-<N>/.unfinished-<rank>           while rank <rank> may still write into step N
 
+ML Flashpoint's layout is recognised too (read, listed, offered as the latest): ``<base>/step-<N>_ckpt/``
+directories, unfinished while a sibling ``<base>/step-<N>_ckpt__<local rank>__unfinished`` marker
+(any name that starts with the directory's name and ends with ``unfinished``) exists, like
+tierpoint's own markers inside it. When both ``step-<N>`` and ``step-<N>_ckpt`` are complete, the
+first is taken. Retention (:mod:`tierpoint.tiered.retention`) and :func:`local_view` know only
+tierpoint's own layout: another program's directories are never removed.
+
 Call order of a save (see :mod:`tierpoint.dcp.writer`): every rank creates its marker before writing
 any data; the coordinator writes ``.metadata`` once every rank's data is durable; markers are
 removed after that. :func:`get_latest_complete_checkpoint` finds the newest step that is committed
@@ -16,7 +23,7 @@ Invariants:
   ``.metadata``, or it still has a marker.
 - Every rank returns the same answer: each lists what it sees, one rank decides from all listings
   and broadcasts the decision (listings may differ between ranks: node-local disks, stale caches).
-- Names that are not ``step-<digits>`` directories are ignored.
+- Names that are not ``step-<digits>`` (or ``step-<digits>_ckpt``) directories are ignored.
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ logger = logging.getLogger("tierpoint")
 
 _STEP = re.compile(r"^step-(\d+)$")
 _MARKER = re.compile(r"^\.unfinished-(\d+)$")
+_FLASHPOINT_STEP = re.compile(r"^step-(\d+)_ckpt$")
+_FLASHPOINT_MARKER = re.compile(r"^(step-\d+_ckpt)(.+)unfinished$")
+_LOCAL_RANK = re.compile(r"__(\d+)__")
+UNKNOWN_RANK = -1
+"""The rank recorded for an unfinished marker whose name gives none."""
 
 
 def step_path(base: str | os.PathLike, step: int) -> str:
@@ -54,6 +66,24 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def step_dir_of(name: str) -> int | None:
+    """The step number of a ``step-<N>`` or ML Flashpoint ``step-<N>_ckpt`` name, else ``None``."""
+    m = _STEP.match(name) or _FLASHPOINT_STEP.match(name)
+    return int(m.group(1)) if m else None
+
+
+def sibling_markers(names: Sequence[str]) -> dict[str, list[int]]:
+    """ML Flashpoint's unfinished markers among the entries ``names`` of a base directory:
+    ``{step directory name: [local ranks]}`` (:data:`UNKNOWN_RANK` where a name gives none)."""
+    out: dict[str, set[int]] = {}
+    for name in names:
+        m = _FLASHPOINT_MARKER.match(name)
+        if m:
+            rank = _LOCAL_RANK.search(m.group(2))
+            out.setdefault(m.group(1), set()).add(int(rank.group(1)) if rank else UNKNOWN_RANK)
+    return {k: sorted(v) for k, v in out.items()}
+
+
 def marker_name(rank: int) -> str:
     """The name of rank ``rank``'s unfinished marker inside a checkpoint directory."""
     return f"{MARKER_PREFIX}{int(rank)}"
@@ -67,29 +97,61 @@ def marker_rank(name: str) -> int | None:
 def local_view(
     base: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
 ) -> list[list]:
-    """What this process sees under ``base``: ``[step, committed, [marker ranks]]`` per step dir."""
+    """What this process sees under ``base``: ``[step, committed, [marker ranks]]`` per ``step-<N>``
+    directory (tierpoint's own layout only)."""
+    return [
+        [step, committed, markers]
+        for name, step, committed, markers in local_listing(base, storage_options)
+        if step_of(name) is not None
+    ]
+
+
+def local_listing(
+    base: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
+) -> list[list]:
+    """``[name, step, committed, [marker ranks]]`` per step directory under ``base``, in either
+    layout (ML Flashpoint's sibling markers count as markers of their directory), oldest first."""
+    names = storage.listdir(base, storage_options)
+    outside = sibling_markers(names)
     out = []
-    for name in storage.listdir(base, storage_options):
-        step = step_of(name)
+    for name in names:
+        step = step_dir_of(name)
         if step is None:
             continue
         entries = storage.listdir(storage.join(base, name), storage_options)
-        markers = sorted(r for r in map(marker_rank, entries) if r is not None)
-        out.append([step, METADATA_NAME in entries, markers])
-    return sorted(out)
+        markers = {r for r in map(marker_rank, entries) if r is not None}
+        markers.update(outside.get(name, ()))
+        out.append([name, step, METADATA_NAME in entries, sorted(markers)])
+    return sorted(out, key=_age)
 
 
-def _merged(views: Sequence[Sequence[Sequence]]) -> tuple[set[int], dict[int, set[int]]]:
-    """The steps committed in some view, and the marker ranks each step has in any view."""
-    committed: set[int] = set()
-    markers: dict[int, set[int]] = {}
+def _age(entry: Sequence) -> tuple[int, bool]:
+    """Order of ``[name, step, ...]`` entries: by step; tierpoint's own name after (newer than)
+    ML Flashpoint's of the same step, so that it is preferred."""
+    return int(entry[1]), step_of(entry[0]) is not None
+
+
+def _merged(views: Sequence[Sequence[Sequence]]) -> tuple[set[Any], dict[Any, set[int]]]:
+    """The steps (or names) committed in some view, and the marker ranks each has in any view."""
+    committed: set[Any] = set()
+    markers: dict[Any, set[int]] = {}
     for view in views:
-        for step, has_metadata, ranks in view:
+        for key, has_metadata, ranks in view:
+            key = key if isinstance(key, str) else int(key)
             if has_metadata:
-                committed.add(int(step))
+                committed.add(key)
             if ranks:
-                markers.setdefault(int(step), set()).update(int(r) for r in ranks)
+                markers.setdefault(key, set()).update(int(r) for r in ranks)
     return committed, markers
+
+
+def complete_dirs(listings: Sequence[Sequence[Sequence]]) -> list[str]:
+    """Names of the step directories committed in some listing and marked unfinished in none,
+    newest first (``listings``: one :func:`local_listing` per rank)."""
+    steps = {str(name): int(step) for listing in listings for name, step, _, _ in listing}
+    committed, markers = _merged([[[e[0], e[2], e[3]] for e in listing] for listing in listings])
+    complete = [[name, steps[name]] for name in committed - set(markers)]
+    return [name for name, _ in sorted(complete, key=_age, reverse=True)]
 
 
 def complete_steps(views: Sequence[Sequence[Sequence]]) -> list[int]:
@@ -104,18 +166,21 @@ def choose_latest(views: Sequence[Sequence[Sequence]]) -> int | None:
     return next(iter(complete_steps(views)), None)
 
 
-def warn_skipped(base: str, views: Sequence[Sequence[Sequence]], latest: int | None) -> None:
-    """A WARNING for each step newer than ``latest`` that is committed in some view but still
-    marked unfinished (a save into it did not finish its clean-up, or a node kept a marker of an
-    earlier one): an older step loads, and the user should know why."""
-    committed, markers = _merged(views)
-    for step in sorted(committed & set(markers), reverse=True):
-        if latest is None or step > latest:
+def warn_skipped(base: str, listings: Sequence[Sequence[Sequence]], latest: str | None) -> None:
+    """A WARNING for each step directory newer than ``latest`` (a name) that is committed in some
+    listing but still marked unfinished (a save into it did not finish its clean-up, or a node kept
+    a marker of an earlier one): an older step loads, and the user should know why."""
+    steps = {str(e[0]): int(e[1]) for listing in listings for e in listing}
+    committed, markers = _merged([[[e[0], e[2], e[3]] for e in listing] for listing in listings])
+    newest = None if latest is None else steps.get(latest)
+    for name in sorted(committed & set(markers), key=lambda n: steps[n], reverse=True):
+        if newest is None or steps[name] > newest:
+            ranks = ["?" if r == UNKNOWN_RANK else str(r) for r in sorted(markers[name])]
             logger.warning(
                 "%s has a .metadata but unfinished markers of rank(s) %s (a save into it did not "
                 "finish): it is not loaded. Save it again (overwrite=True), or remove it",
-                step_path(base, step),
-                ", ".join(map(str, sorted(markers[step]))),
+                storage.join(base, name),
+                ", ".join(ranks),
             )
 
 
@@ -126,7 +191,8 @@ def get_latest_complete_checkpoint(
     group: Any = None,
     node_local: bool = False,
 ) -> str | None:
-    """The path of the newest complete ``step-<N>`` under ``base``, the same on every rank (else
+    """The path of the newest complete step directory under ``base`` (``step-<N>``, or ML
+    Flashpoint's ``step-<N>_ckpt``), the same on every rank (else
     ``None``).
 
     Collective when ``torch.distributed`` is initialised: every rank of ``group`` (default:
@@ -143,12 +209,25 @@ def get_latest_complete_checkpoint(
     views = _gather_views(base, storage_options, group)
     decision = None
     if tpdist.get_rank() == _decider(group):
-        decision = choose_latest([v["view"] for v in views])
+        decision = next(iter(complete_dirs([v["view"] for v in views])), None)
         warn_skipped(base, [v["view"] for v in views], decision)
-    step = tpdist.broadcast_json(
+    name = tpdist.broadcast_json(
         decision, _decider(group), f"agreeing on the latest checkpoint under {base}", group=group
     )
-    return None if step is None else step_path(base, int(step))
+    return None if name is None else storage.join(base, str(name))
+
+
+def complete_checkpoints(
+    base: str | os.PathLike,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    group: Any = None,
+) -> list[str]:
+    """The paths of every complete step directory under ``base``, newest first, decided from every
+    rank's listing (collective, like :func:`get_latest_complete_checkpoint`; no retrieval)."""
+    base = storage.checkpoint_path(base, "base")
+    views = _gather_views(base, storage_options, group)
+    return [storage.join(base, name) for name in complete_dirs([v["view"] for v in views])]
 
 
 def _gather_views(
@@ -157,7 +236,7 @@ def _gather_views(
     mine: list[list] | None = None
     error: str | None = None
     try:
-        mine = local_view(base, storage_options)
+        mine = local_listing(base, storage_options)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = error_text(e)
     views = tpdist.all_gather_json(
@@ -181,13 +260,13 @@ def _latest_node_local(
     views = _gather_views(base, storage_options, group)
     # Every rank holds every view, so every rank walks the same candidates in the same order.
     found = None
-    for step in complete_steps([v["view"] for v in views]):
-        if retrieve_missing(step_path(base, step)):
-            found = step
+    for name in complete_dirs([v["view"] for v in views]):
+        if retrieve_missing(storage.join(base, name)):
+            found = name
             break
     if tpdist.get_rank() == _decider(group):
         warn_skipped(str(base), [v["view"] for v in views], found)
-    return None if found is None else step_path(base, found)
+    return None if found is None else storage.join(base, found)
 
 
 def _decider(group: Any) -> int:
@@ -197,3 +276,18 @@ def _decider(group: Any) -> int:
     import torch.distributed as dist
 
     return dist.get_global_rank(group, 0)
+
+
+def checkpoint_id_or_path(
+    path: str | os.PathLike | None, checkpoint_id: str | os.PathLike | None, where: str
+) -> Any:
+    """The checkpoint location given either positionally (tierpoint's form) or as
+    ``checkpoint_id=`` (torch DCP's keyword); a clear ``TypeError`` when both are given. Neither
+    gives ``None``, which :func:`tierpoint.storage.checkpoint_path` then refuses with a hint (a
+    ``None`` from :func:`get_latest_complete_checkpoint` passed on is the usual cause)."""
+    if path is not None and checkpoint_id is not None:
+        raise TypeError(
+            f"{where}: got the checkpoint location twice, positionally ({path!r:.200}) "
+            f"and as checkpoint_id ({checkpoint_id!r:.200}); give one"
+        )
+    return path if path is not None else checkpoint_id

@@ -54,6 +54,7 @@ from ..errors import (
     error_text,
     failed_on_ranks,
 )
+from .layout import checkpoint_id_or_path
 from .reader import DEFAULT_THREAD_COUNT, PreparedRead, Reader
 from .state_dict_saver import require_state_dict
 
@@ -97,8 +98,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def load(
     state_dict: dict[str, Any],
-    path: str | os.PathLike,
+    path: str | os.PathLike | None = None,
     *,
+    checkpoint_id: str | os.PathLike | None = None,
     process_group: Any = None,
     thread_count: int = DEFAULT_THREAD_COUNT,
     planner: LoadPlanner | None = None,
@@ -110,7 +112,11 @@ def load(
     Same contract as ``torch.distributed.checkpoint.load`` (every rank of ``process_group`` calls
     it with the same keys); see the module docstring for what differs. Raises
     :class:`CheckpointingError` (:class:`CorruptCheckpointError` for damaged files) on every rank.
+    ``checkpoint_id=`` is torch's name for ``path``. A ``Stateful`` value (a module, a
+    torchtitan-style wrapper) is loaded into its ``state_dict()`` and handed back through its
+    ``load_state_dict``, as torch does.
     """
+    path = checkpoint_id_or_path(path, checkpoint_id, "load")
     require_state_dict(state_dict)
     reader = Reader(path, thread_count=thread_count, storage_options=storage_options)
     if planner is None:

@@ -1,6 +1,7 @@
 """A torch DCP ``StorageReader`` that validates everything first, then reads in parallel into place.
 
-``Reader(path_or_url, thread_count=4, storage_options=None)`` reads standard DCP checkpoints
+``Reader(path_or_url, thread_count=4, storage_options=None)`` (or ``Reader(checkpoint_id=...)``, torch's
+keyword) reads standard DCP checkpoints
 (``.metadata`` + ``*.distcp``, as torch's filesystem writer and tierpoint's writer produce them) from
 a local directory or any fsspec URL (``s3://...``: ranged GETs, one per piece). It plugs into
 ``torch.distributed.checkpoint.load(state_dict, storage_reader=Reader(path))``; see
@@ -34,9 +35,14 @@ destination is hashed there, with its record's head and tail, once its bytes hav
 mismatch in it fails the load on every rank with the destination holding the damaged bytes. A data
 file without a manifest (plain torch wrote it) is read unverified.
 
+Items torch wrote through stream transforms (``FileSystemWriter(_extensions=[ZStandard()])``) are
+decoded into memory first (:mod:`tierpoint.dcp.transforms`, bounded by the size the item can have),
+then read like the others; a transform this process cannot decode is refused by name
+(:class:`~tierpoint.errors.UnsupportedStateError`).
+
 Every problem with the files is a :class:`CorruptDCPError` (a :class:`CorruptCheckpointError`)
 naming the file and the reason: missing file, item beyond the end of its file (truncated), malformed
-archive, dtype or shape that contradicts the metadata, unsupported stream transforms, a checksum
+archive or transformed stream, dtype or shape that contradicts the metadata, a checksum
 mismatch (naming the item), a damaged manifest. The
 ``torch.load`` fallback runs only on archives whose entries unpack to about the size the metadata
 gives the chunk, and must produce a dense CPU tensor of that shape.
@@ -60,6 +66,7 @@ from typing import Any
 
 import torch
 import xxhash
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -74,8 +81,10 @@ from torch.futures import Future
 from .. import storage
 from ..errors import CheckpointingError
 from .checksums import MAX_MANIFEST_BYTES, Manifest, manifest_name, mismatch, parse_manifest
+from .layout import checkpoint_id_or_path
 from .safe_pickle import CorruptDCPError, file_name_problem, safe_loads
 from .saved_tensor import WHOLE_ITEM, BadRecord, NeedsTorchLoad, SavedTensor, locate
+from .transforms import decode
 
 METADATA_NAME = ".metadata"
 DEFAULT_THREAD_COUNT = 4
@@ -84,14 +93,21 @@ PIECE_BYTES = 16 << 20
 MAX_METADATA_BYTES = 1 << 30
 UNPACK_SLACK = 1 << 20
 """What the ``torch.load`` fallback may unpack beyond the chunk's tensor bytes (its small entries)."""
+MAX_VALUE_BYTES = 1 << 30
+"""The most a transformed non-tensor value may decode to."""
 
 
 def read_metadata(
-    path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None
+    path: str | os.PathLike | None = None,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Metadata:
-    """The ``Metadata`` of the DCP checkpoint at ``path`` (directory or URL), loaded without
-    running code from the file."""
-    return Reader(path, storage_options=storage_options).read_metadata()
+    """The ``Metadata`` of the DCP checkpoint at ``path`` (directory or URL) as stored, loaded
+    without running code from the file (two reads of one file compare equal; a load through
+    :class:`Reader` stamps its own ``storage_meta.load_id``, as torch's readers do)."""
+    path = checkpoint_id_or_path(path, checkpoint_id, "read_metadata")
+    return Reader(path, storage_options=storage_options).stored_metadata()
 
 
 class Reader(StorageReader):
@@ -99,15 +115,19 @@ class Reader(StorageReader):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike | None = None,
         *,
+        checkpoint_id: str | os.PathLike | None = None,
         thread_count: int = DEFAULT_THREAD_COUNT,
         storage_options: Mapping[str, Any] | None = None,
+        _extension_registry: ExtensionRegistry | None = None,
     ) -> None:
         super().__init__()
+        path = checkpoint_id_or_path(path, checkpoint_id, "Reader")
         if thread_count < 1:
             raise ValueError(f"thread_count must be at least 1, not {thread_count}")
         self.path = storage.checkpoint_path(path)
+        self.extension_registry = _extension_registry
         self.thread_count = thread_count
         self.storage_options = dict(storage_options or {})
         self.load_id = str(uuid.uuid4())
@@ -139,12 +159,29 @@ class Reader(StorageReader):
         return isinstance(os.fspath(checkpoint_id), str)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checkpoint's metadata (cached after the first read); ``rank=r`` reads the rank-local
-        ``__r.metadata`` that torch writes when saving without collectives."""
+        """The checkpoint's metadata (cached after the first read), its ``storage_meta.load_id``
+        set to this reader's (as torch's ``FileSystemReader`` does: it names the load); ``rank=r``
+        reads the rank-local ``__r.metadata`` that torch writes when saving without collectives."""
         rank = kwargs.get("rank")
         if rank is None and self._metadata is not None:
             return self._metadata
-        name = METADATA_NAME if rank is None else f"__{int(rank)}{METADATA_NAME}"
+        metadata = self.stored_metadata(rank)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        if rank is None:
+            self._metadata = metadata
+        return metadata
+
+    def stored_metadata(self, rank: int | None = None, *, name: str | None = None) -> Metadata:
+        """The metadata exactly as stored (read afresh, nothing added); ``name``: another metadata
+        file of the directory than ``.metadata`` (a plain file name)."""
+        if name is not None:
+            problem = file_name_problem(name)
+            if problem:
+                raise CheckpointingError(f"{self.path}: {problem}")
+        else:
+            name = METADATA_NAME if rank is None else f"__{int(rank)}{METADATA_NAME}"
         file = _open(self._location(name), "DCP metadata", self.storage_options)
         try:
             if file.size > MAX_METADATA_BYTES:
@@ -154,13 +191,7 @@ class Reader(StorageReader):
             data = _read_exact(file, 0, file.size)
         finally:
             file.close()
-        metadata = safe_loads(data, file.path, rank_local=rank is not None)
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        if rank is None:
-            self._metadata = metadata
-        return metadata
+        return safe_loads(data, file.path, rank_local=name != METADATA_NAME)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -242,9 +273,10 @@ class Reader(StorageReader):
             return self._manifests[name]
 
     def expected_checksum(self, item: _Item) -> str | None:
-        """The checksum ``item``'s bytes must have, or None if its file has no manifest."""
+        """The checksum ``item``'s bytes must have, or None if its file has no manifest (or the
+        item holds decoded bytes: their stored form was checked)."""
         manifest = self.manifest(item.info.relative_path)
-        if manifest is None:
+        if manifest is None or item.file.data is not None:
             return None
         return manifest.checksum(
             item.info.relative_path, item.info.offset, item.info.length, item.file.path, item.what
@@ -264,18 +296,39 @@ class Reader(StorageReader):
         info = self._storage_info(req)
         file = files.open(info.relative_path)
         what = f"item {req.storage_index.fqn!r}"
-        if info.transform_descriptors:
-            raise CorruptDCPError(
-                file.path,
-                f"{what} uses stream transforms {info.transform_descriptors} (unsupported)",
-            )
         if info.offset + info.length > file.size:
             raise CorruptDCPError(
                 file.path,
                 f"truncated: {what} needs bytes [{info.offset}, {info.offset + info.length})"
                 f" but the file has {file.size}",
             )
-        return _Item(req, info, file)
+        item = _Item(req, info, file)
+        if info.transform_descriptors:
+            return self._decoded(item)
+        return item
+
+    def _decoded(self, item: _Item) -> _Item:
+        """``item`` stored through stream transforms, as an item over its decoded bytes."""
+        descriptors = item.info.transform_descriptors
+        if isinstance(descriptors, str) or not isinstance(descriptors, Sequence):
+            raise CorruptDCPError(
+                item.file.path, f"{item.what}: transform descriptors {descriptors!r:.80}"
+            )
+        raw = item.read_at(0, item.info.length)
+        expected = self.expected_checksum(item)
+        if expected is not None:
+            _verify(item, expected, [raw])
+        fqn = item.req.storage_index.fqn
+        limit = MAX_VALUE_BYTES
+        if item.req.type != LoadItemType.BYTE_IO:
+            sizes = self._chunk_sizes.get(item.req.storage_index)
+            dtype = self._dtypes.get(fqn)
+            nbytes = 0 if sizes is None or dtype is None else math.prod(sizes) * dtype.itemsize
+            limit = nbytes + UNPACK_SLACK
+        data = decode(raw, descriptors, limit, item.file.path, fqn, self.extension_registry)
+        where = f"{item.file.path} (decoded {', '.join(descriptors)})"
+        info = _StorageInfo(item.info.relative_path, 0, len(data))
+        return _Item(item.req, info, _File(where, len(data), data=data))
 
 
 @dataclass
@@ -287,6 +340,8 @@ class _File:
     fd: int = -1
     fs: Any = None
     key: str = ""
+    data: bytes | None = None
+    """The contents, for an item decoded into memory (see ``Reader._decoded``)."""
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -361,6 +416,13 @@ def _read_exact(file: _File, offset: int, n: int) -> bytes:
 def _read_into(file: _File, offset: int, view: memoryview) -> None:
     """Fill ``view`` with the file's bytes from ``offset``; a short file is a truncation."""
     end = offset + len(view)
+    if file.data is not None:
+        if end > len(file.data):
+            raise CorruptDCPError(
+                file.path, f"truncated: needed bytes up to {end}, it has {len(file.data)}"
+            )
+        view[:] = file.data[offset:end]
+        return
     if file.fs is not None:
         try:
             data = storage.request(

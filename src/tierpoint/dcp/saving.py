@@ -4,6 +4,7 @@ the snapshot).
 Call order (every rank)::
 
     tierpoint.dcp.save(state_dict, step_path(base, step))          # returns when committed
+    tierpoint.dcp.save(state_dict, checkpoint_id=step_path(base, step))  # torch DCP's keyword
 
     future = tierpoint.dcp.async_save(state_dict, step_path(base, step), queue=queue)
     ...                                    # train; state may change as soon as async_save returns
@@ -15,6 +16,11 @@ AsyncRequest` on ``queue`` (an :class:`~tierpoint.asyncsave.AsyncCallsQueue`; by
 this module). The files are written by the queue's persistent worker process; ``.metadata`` is
 written and markers removed by the finalize step, once every rank's write succeeded. NVRx-style
 callers who schedule requests themselves use :func:`async_save_request`.
+
+As in torch DCP, a top-level value that is ``Stateful`` (has ``state_dict`` and ``load_state_dict``:
+a module, a torchtitan-style ``ModelWrapper``) is saved as what its ``state_dict()`` returns, called
+when the save is planned (:func:`tierpoint.dcp.load` hands the loaded values to its
+``load_state_dict``).
 
 Invariants: those of :mod:`tierpoint.dcp.state_dict_saver` and :mod:`tierpoint.dcp.writer`;
 finalization (and so :meth:`SaveFuture.result`) is collective: every rank calls it at the same point.
@@ -30,11 +36,13 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue, AsyncRequest
 from ..errors import CheckpointingError
 from ..storage import DEFAULT_UPLOAD, UploadOptions
+from .layout import checkpoint_id_or_path
 from .staging_pool import StagingPool
 from .state_dict_saver import (
     CheckpointMetadataCache,
@@ -46,8 +54,9 @@ from .writer import Writer
 
 def save(
     state_dict: dict[str, Any],
-    path_or_url: str | os.PathLike,
+    path_or_url: str | os.PathLike | None = None,
     *,
+    checkpoint_id: str | os.PathLike | None = None,
     process_group: Any = None,
     thread_count: int = 2,
     storage_options: Mapping[str, Any] | None = None,
@@ -65,10 +74,11 @@ def save(
     written (on the coordinator; ``None`` elsewhere). Raises the same
     :class:`~tierpoint.errors.CheckpointingError` on every rank if any rank failed. A directory that
     holds a committed checkpoint is refused unless ``overwrite=True`` (which un-commits it first: a
-    crash during the new save then leaves no checkpoint there).
+    crash during the new save then leaves no checkpoint there; the refusal says "Checkpoint already
+    exists", as torch's does). ``checkpoint_id=`` is torch's name for ``path_or_url``.
     """
     writer = Writer(
-        path_or_url,
+        checkpoint_id_or_path(path_or_url, checkpoint_id, "save"),
         thread_count=thread_count,
         storage_options=storage_options,
         sync_files=sync_files,
@@ -76,7 +86,7 @@ def save(
         overwrite=overwrite,
     )
     writer, metadata, dist_wrapper = save_state_dict_async_plan(
-        state_dict,
+        stateful_to_state_dict(state_dict),
         writer,
         process_group,
         coordinator_rank,
@@ -91,8 +101,9 @@ def save(
 
 def async_save_request(
     state_dict: dict[str, Any],
-    path_or_url: str | os.PathLike,
+    path_or_url: str | os.PathLike | None = None,
     *,
+    checkpoint_id: str | os.PathLike | None = None,
     process_group: Any = None,
     thread_count: int = 2,
     storage_options: Mapping[str, Any] | None = None,
@@ -113,7 +124,7 @@ def async_save_request(
     change until then.
     """
     writer = Writer(
-        path_or_url,
+        checkpoint_id_or_path(path_or_url, checkpoint_id, "async_save_request"),
         thread_count=thread_count,
         storage_options=storage_options,
         staging_pool=staging_pool,
@@ -122,7 +133,7 @@ def async_save_request(
         overwrite=overwrite,
     )
     planned = save_state_dict_async_plan(
-        state_dict,
+        stateful_to_state_dict(state_dict),
         writer,
         process_group,
         coordinator_rank,
@@ -214,8 +225,9 @@ def _close_default_queue() -> None:
 
 def async_save(
     state_dict: dict[str, Any],
-    path_or_url: str | os.PathLike,
+    path_or_url: str | os.PathLike | None = None,
     *,
+    checkpoint_id: str | os.PathLike | None = None,
     queue: AsyncCallsQueue | None = None,
     process_group: Any = None,
     thread_count: int = 2,
@@ -237,6 +249,7 @@ def async_save(
     ``default_queue().close()``) before the process group is destroyed: at exit the default queue
     is aborted, and a save not yet finalized is discarded.
     """
+    path_or_url = checkpoint_id_or_path(path_or_url, checkpoint_id, "async_save")
     request = async_save_request(
         state_dict,
         path_or_url,
@@ -258,4 +271,19 @@ def async_save(
     return future
 
 
-__all__ = ["SaveFuture", "async_save", "async_save_request", "default_queue", "save"]
+def stateful_to_state_dict(state_dict: Any) -> Any:
+    """A shallow copy of ``state_dict`` with each ``Stateful`` value replaced by its
+    ``state_dict()`` (anything but a dict is returned as it is, for the planner to refuse)."""
+    if not isinstance(state_dict, dict):
+        return state_dict
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+
+
+__all__ = [
+    "SaveFuture",
+    "async_save",
+    "async_save_request",
+    "default_queue",
+    "save",
+    "stateful_to_state_dict",
+]

@@ -80,7 +80,7 @@ from ..pinning import copy_device
 from ..staging import StagingBuffer, copy_from_devices, in_memory_filesystem
 from .checksums import is_manifest, item_ranges, manifest_bytes, manifest_name, range_checksums
 from .file_plan import SUFFIX, RankFiles, file_views, plan_files
-from .layout import MARKER_PREFIX, METADATA_NAME, marker_name
+from .layout import MARKER_PREFIX, METADATA_NAME, checkpoint_id_or_path, marker_name
 from .staging_pool import StagingPool
 
 try:  # the version string torch's own writer records
@@ -125,7 +125,8 @@ class Writer(StorageWriter):
     """Writes a torch DCP checkpoint to ``path_or_url`` (a directory or an fsspec URL prefix).
 
     Args:
-        path_or_url: the checkpoint directory, e.g. ``layout.step_path(base, step)``.
+        path_or_url: the checkpoint directory, e.g. ``layout.step_path(base, step)`` (or
+            ``checkpoint_id=``, torch's keyword; giving both is a ``TypeError``).
         thread_count: files per rank, written in parallel by as many threads (an async save to
             a RAM file system fills one file per rank during the snapshot, see
             :mod:`tierpoint.dcp.staging_pool`).
@@ -137,13 +138,15 @@ class Writer(StorageWriter):
         timeout: seconds a synchronous write may take before it fails (default
             ``TIERPOINT_TIMEOUT``).
         overwrite: allow saving into a directory that holds a committed checkpoint (it is
-            uncommitted first). By default that is refused: the old checkpoint stays intact.
+            uncommitted first). By default that is refused (with torch's words, "Checkpoint
+            already exists"): the old checkpoint stays intact.
     """
 
     def __init__(
         self,
-        path_or_url: str | os.PathLike,
+        path_or_url: str | os.PathLike | None = None,
         *,
+        checkpoint_id: str | os.PathLike | None = None,
         thread_count: int = 2,
         sync_files: bool = True,
         storage_options: Mapping[str, Any] | None = None,
@@ -153,6 +156,7 @@ class Writer(StorageWriter):
         overwrite: bool = False,
     ) -> None:
         super().__init__()
+        path_or_url = checkpoint_id_or_path(path_or_url, checkpoint_id, "Writer")
         if type(thread_count) is not int or thread_count < 1:
             raise CheckpointingError(f"thread_count must be an int >= 1, got {thread_count!r}")
         self.path = _absolute(storage.checkpoint_path(path_or_url, "path_or_url"))
@@ -214,9 +218,9 @@ class Writer(StorageWriter):
             stale = self._visible_markers()
             if not stale:
                 raise CheckpointingError(
-                    f"{self.path} already holds a complete checkpoint: save to a new step "
-                    "directory, or pass overwrite=True (a crash during the new save would then "
-                    "leave none there)"
+                    f"Checkpoint already exists and overwrite=False: {self.path} already holds "
+                    "a complete checkpoint: save to a new step directory, or pass overwrite=True "
+                    "(a crash during the new save would then leave none there)"
                 )
             if is_coordinator:
                 logger.warning(
