@@ -1,6 +1,7 @@
 """Asynchronous saving: the training thread pays only for the snapshot.
 
-Public names: :class:`AsyncRequest` and :class:`AsyncCallsQueue` (NVRx-compatible). Typical use::
+Public names (NVRx's): :class:`AsyncRequest`, :class:`AsyncCallsQueue`, :class:`TorchAsyncCheckpoint`
+(``torch.save`` in the background) and :func:`abort_nvrx_checkpoint`. Typical use::
 
     queue = AsyncCallsQueue()
     request = manager.save(BasicTensorAwareStateDict(state), iteration, is_async=True)
@@ -9,7 +10,8 @@ Public names: :class:`AsyncRequest` and :class:`AsyncCallsQueue` (NVRx-compatibl
     queue.maybe_finalize_async_calls(blocking=False)   # once per training step
 """
 
-from .queue import AsyncCallsQueue
+from .queue import AsyncCallsQueue, abort_nvrx_checkpoint
 from .request import AsyncRequest
+from .torch_ckpt import TorchAsyncCheckpoint
 
-__all__ = ["AsyncCallsQueue", "AsyncRequest"]
+__all__ = ["AsyncCallsQueue", "AsyncRequest", "TorchAsyncCheckpoint", "abort_nvrx_checkpoint"]

@@ -99,6 +99,17 @@ class AsyncCallsQueue:
 
     Args:
         persistent: accepted for NVRx compatibility; the worker is always a persistent process.
+        is_daemon: accepted for NVRx compatibility (NVRx: start its worker as a daemon process, so
+            that it dies with the trainer but cannot start children). No effect: tierpoint's worker
+            always dies with its trainer (``PR_SET_PDEATHSIG``) and may start children.
+        cpu_priority: the worker's nice value, 0-19 (None: ``TIERPOINT_WORKER_NICE`` or 19; NVRx's
+            default is 10). Only raised, never lowered, as with NVRx.
+        io_priority: the worker's I/O scheduling class, 0-3 as ``ionice -c`` takes it (3: idle,
+            which deprioritizes checkpoint I/O); None leaves it unchanged. Set with ``ionice``
+            where installed; a failure is logged by the worker, not fatal (as with NVRx).
+        sigterm_timeout: seconds :meth:`close` waits for the worker to exit before killing it.
+        cpu_shm_mode: accepted for NVRx compatibility (NVRx: stage into CPU shared memory and keep
+            CUDA out of the worker). No effect: that is what tierpoint always does.
         max_in_flight: unfinalized calls allowed before scheduling waits (an int >= 1).
         timeout: seconds any blocking wait may take, finite and > 0 (default: ``TIERPOINT_TIMEOUT``
             or 300); the worker's start-up is not counted.
@@ -114,18 +125,32 @@ class AsyncCallsQueue:
     def __init__(
         self,
         persistent: bool = True,
+        is_daemon: bool = True,
+        cpu_priority: int | None = None,
+        io_priority: int | None = None,
+        sigterm_timeout: float = 30.0,
+        cpu_shm_mode: bool = False,
         *,
         max_in_flight: int = 1,
         timeout: float | None = None,
         overlap_snapshot: bool = False,
     ) -> None:
-        _check_bool("persistent", persistent)
-        _check_bool("overlap_snapshot", overlap_snapshot)
+        for name, flag in (
+            ("persistent", persistent),
+            ("is_daemon", is_daemon),
+            ("cpu_shm_mode", cpu_shm_mode),
+            ("overlap_snapshot", overlap_snapshot),
+        ):
+            _check_bool(name, flag)
+        self.persistent, self.is_daemon, self.cpu_shm_mode = persistent, is_daemon, cpu_shm_mode
+        self.cpu_priority = _check_priority("cpu_priority", cpu_priority, 19)
+        self.io_priority = _check_priority("io_priority", io_priority, 3)
+        self.sigterm_timeout = tpdist.timeout_or(sigterm_timeout, 30.0)
         self.max_in_flight = _check_max_in_flight(max_in_flight)
         # default_timeout() checks TIERPOINT_TIMEOUT
         self.timeout = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds())
         self.overlap_snapshot = overlap_snapshot
-        self._worker: Worker | None = Worker()
+        self._worker: Worker | None = self._new_worker()
         self._calls: deque[_Call] = deque()
         self._ids = itertools.count()
         self._group: Any = None
@@ -152,14 +177,16 @@ class AsyncCallsQueue:
     def schedule_async_request(self, request: AsyncRequest) -> int:
         """Snapshot (``preload_fn``) and dispatch ``request``; returns its call id.
 
-        Raises ``TypeError`` for anything but a valid :class:`AsyncRequest`, and
+        A request built by NVRx's own ``AsyncRequest`` class is converted
+        (:meth:`AsyncRequest.from_nvrx`). Raises ``TypeError`` for anything else that is not a
+        valid :class:`AsyncRequest`, and
         :class:`CheckpointingError` for a request scheduled before (on any queue) or a closed queue,
         all before the queue changes. When the request cannot be taken (a closed or given-up queue,
         or finalizing an earlier call to make room raised), its ``abort_fns`` run before the error
         is raised: a planned save releases what it holds (its directory, staging, markers).
         """
         if not isinstance(request, AsyncRequest):
-            raise TypeError(f"request must be an AsyncRequest, got {type(request).__name__}")
+            request = AsyncRequest.from_nvrx(request)
         request.validate()
         if request.scheduled:
             raise CheckpointingError(
@@ -202,7 +229,10 @@ class AsyncCallsQueue:
             self._group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
         if self._worker is None or self._worker.exitcode is not None:
             logger.warning("starting a new background worker (the previous one exited)")
-            self._worker = Worker()
+            self._worker = self._new_worker()
+
+    def _new_worker(self) -> Worker:
+        return Worker(nice=self.cpu_priority, io_class=self.io_priority)
 
     def _preload_and_dispatch(self, call: _Call) -> None:
         request = call.request
@@ -294,10 +324,15 @@ class AsyncCallsQueue:
         return len(self._calls)
 
     def maybe_finalize_async_calls(
-        self, blocking: bool = False, no_dist: bool = False
+        self, blocking: bool = False, no_dist: bool = False, finalize_timeout: float | None = None
     ) -> list[int]:
-        """Finalize calls that finished on every rank (all of them, waiting, when ``blocking``)."""
-        return self._finalize(blocking=blocking, no_dist=no_dist, limit=None)
+        """Finalize calls that finished on every rank (all of them, waiting, when ``blocking``).
+
+        ``finalize_timeout`` (NVRx's argument): with ``blocking``, raise
+        :class:`CoordinationTimeoutError` on every rank after that many seconds, the calls staying
+        pending (the queue's own ``timeout`` still bounds every wait)."""
+        wait = None if finalize_timeout is None else tpdist.timeout_or(finalize_timeout, 0)
+        return self._finalize(blocking=blocking, no_dist=no_dist, limit=None, wait=wait)
 
     def _finalize(
         self, *, blocking: bool, no_dist: bool, limit: int | None, wait: float | None = None
@@ -468,8 +503,15 @@ class AsyncCallsQueue:
             self._closed = True
             self._drop_pending("close() raised before finalizing it")
             if self._worker is not None:
-                self._worker.stop()
+                self._worker.stop(self.sigterm_timeout)
                 self._worker = None
+
+    def abort(self, why: str = "aborted") -> None:
+        """Kill the worker and undo every pending call on this rank (their ``abort_fns``), without
+        waiting for other ranks; the queue stays usable (a new worker starts with the next call).
+        For fault handling, called on every rank (see :func:`abort_nvrx_checkpoint`)."""
+        if not self._closed:
+            self._abort_pending(why, hint=False)
 
     def _abort_pending(self, why: str, hint: bool = True) -> None:
         """Kill the worker, let the calls' threads end, run every pending call's ``abort_fns``, and
@@ -512,6 +554,14 @@ class AsyncCallsQueue:
             worker.kill()
 
 
+def abort_nvrx_checkpoint() -> None:
+    """Abort the async checkpoints in flight in this process (NVRx's name): every live queue
+    kills its worker and undoes its pending calls (:meth:`AsyncCallsQueue.abort`); the queues stay
+    usable and start a new worker with their next call. Call it on every rank."""
+    for queue in list(_live_queues):
+        queue.abort("aborted by abort_nvrx_checkpoint()")
+
+
 @atexit.register
 def _drop_pending_at_exit() -> None:
     # The worker dies with this process, so whatever is pending now is lost: say so while logging
@@ -523,6 +573,16 @@ def _drop_pending_at_exit() -> None:
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_priority(name: str, value: object, highest: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
+    if not 0 <= value <= highest:
+        raise ValueError(f"{name} must be between 0 and {highest}, got {value}")
+    return int(value)
 
 
 def _check_max_in_flight(value: object) -> int:

@@ -10,6 +10,11 @@ of the training process as soon as ``async_fn`` finished in the worker (whether 
 before the outcome is agreed, for work that needs ``torch.distributed`` (peer replication); raising
 there fails the call like a failed ``async_fn``.
 
+NVRx's own fields ``is_frozen`` and ``call_idx`` and its methods ``freeze()``, ``_replace()`` and
+``_asdict()`` exist too, so code written for NVRx's NamedTuple runs unchanged; a request built by
+NVRx's own class (any NamedTuple with NVRx's fields) is converted by :meth:`AsyncRequest.from_nvrx`
+when scheduled, with NVRx's meaning of ``preload_fn`` (its result replaces ``async_fn_args[1]``).
+
 A request is scheduled once: :meth:`~tierpoint.asyncsave.AsyncCallsQueue.schedule_async_request`
 checks its fields (:meth:`AsyncRequest.validate`) and refuses a request that was scheduled before.
 
@@ -21,6 +26,7 @@ worker can import (not in the script being run, not a lambda): scheduling refuse
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +41,10 @@ class AsyncRequest:
     finalize_fns: Sequence[Callable[[], Any]] = ()
     async_fn_kwargs: dict[str, Any] | None = None
     preload_fn: Callable[[], dict[str, Any] | None] | None = None
+    is_frozen: bool = False
+    """NVRx's flag: set by :meth:`freeze`; a frozen request takes no more finalize functions."""
+    call_idx: int = 0
+    """NVRx's field; the queue numbers calls itself (the id ``schedule_async_request`` returns)."""
     abort_fns: Sequence[Callable[[], Any]] = field(default_factory=list)
     description: str = "async checkpoint call"
     background_fn: Callable[[bool], Any] | None = None
@@ -71,12 +81,52 @@ class AsyncRequest:
         """Run ``fn`` too once the call succeeded on every rank; only before it is scheduled."""
         if not callable(fn):
             raise TypeError(f"finalize function must be callable, got {fn!r}")
-        if self.scheduled:
+        if self.scheduled or self.is_frozen:
             raise CheckpointingError(
-                f"{self.description}: finalize functions cannot be added to a scheduled "
-                "AsyncRequest (add them before schedule_async_request)"
+                f"{self.description}: finalize functions cannot be added to a "
+                f"{'scheduled' if self.scheduled else 'frozen'} AsyncRequest "
+                "(add them before freeze() and schedule_async_request)"
             )
         self.finalize_fns = [*self.finalize_fns, fn]
+
+    def freeze(self) -> AsyncRequest:
+        """A copy that takes no more finalize functions (NVRx's method)."""
+        return self._replace(is_frozen=True)
+
+    def _replace(self, **changes: Any) -> AsyncRequest:
+        """A copy with ``changes`` (NVRx's NamedTuple method); never marked scheduled."""
+        return dataclasses.replace(self, **changes)
+
+    def _asdict(self) -> dict[str, Any]:
+        """The fields by name (NVRx's NamedTuple method)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    @classmethod
+    def from_nvrx(cls, request: Any) -> AsyncRequest:
+        """Convert a request built by NVRx's ``AsyncRequest`` NamedTuple (or any object with its
+        ``_fields``); ``TypeError`` for anything else. ``preload_fn`` keeps NVRx's meaning: its
+        result replaces ``async_fn_args[1]`` in the worker."""
+        fields = getattr(request, "_fields", None)
+        if not isinstance(fields, tuple) or not set(_NVRX_FIELDS) <= set(fields):
+            raise TypeError(
+                f"request must be an AsyncRequest, got {type(request).__name__} (accepted: "
+                "tierpoint.asyncsave.AsyncRequest, or NVRx's AsyncRequest with the fields "
+                f"{', '.join(_NVRX_FIELDS)})"
+            )
+        values = {name: getattr(request, name) for name in fields if name in _NVRX_OPTIONAL}
+        fn, args, preload = request.async_fn, request.async_fn_args, values.pop("preload_fn", None)
+        if preload is not None and callable(preload):
+            _check_importable(fn)
+            args, fn = (fn, *args), call_with_preloaded
+            values["preload_fn"] = lambda: {_PRELOADED: preload()}
+        finalize = request.finalize_fns
+        return cls(
+            fn,
+            args,
+            list(finalize) if isinstance(finalize, (list, tuple)) else finalize,
+            description=f"NVRx async call {getattr(request.async_fn, '__qualname__', '')}".strip(),
+            **values,
+        )
 
     def execute_sync(self) -> Any:
         """Run the whole request in this process (no worker): preload, call, finalize."""
@@ -89,6 +139,18 @@ class AsyncRequest:
         for fn in self.finalize_fns:
             fn()
         return result
+
+
+_NVRX_FIELDS = ("async_fn", "async_fn_args", "finalize_fns")
+_NVRX_OPTIONAL = ("async_fn_kwargs", "preload_fn", "is_frozen", "call_idx")
+_PRELOADED = "_tierpoint_nvrx_preloaded"
+
+
+def call_with_preloaded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Worker side of an NVRx request with a ``preload_fn``: its result replaces ``args[1]``."""
+    if _PRELOADED in kwargs:
+        args = (*args[:1], kwargs.pop(_PRELOADED), *args[2:])
+    return fn(*args, **kwargs)
 
 
 def _check_importable(fn: Callable[..., Any] | None) -> None:

@@ -19,6 +19,7 @@ import gc
 import importlib
 import mmap
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,12 +114,32 @@ def _enter(cwd: str | None) -> None:
         os.chdir(cwd)
 
 
+_IOPRIO_ENV = "TIERPOINT_WORKER_IO_CLASS"
+
+
+def _deprioritize(nice: int, io_class: str | None) -> None:
+    """Raise this process's nice value to ``nice`` (never lower it) and, when given, set its I/O
+    scheduling class with ``ionice``; a failure leaves the priority as it was."""
+    increment = nice - os.nice(0)
+    if increment > 0:
+        os.nice(increment)
+    ionice = shutil.which("ionice") if io_class else None
+    if io_class and ionice is None:
+        print("tierpoint worker: ionice not found; I/O priority unchanged", file=sys.stderr)
+    elif ionice is not None:
+        done = subprocess.run(
+            [ionice, "-c", io_class, "-p", str(os.getpid())], capture_output=True, check=False
+        )
+        if done.returncode:
+            print(f"tierpoint worker: ionice -c {io_class} failed", file=sys.stderr)
+
+
 def worker_main(conn: Any, parent_pid: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     _die_with_parent()
     # Yield the CPU to training: checkpoint writes only need what training leaves idle (and still
     # progress when it leaves none, at a small share).
-    os.nice(int(os.environ.get("TIERPOINT_WORKER_NICE", "19")))
+    _deprioritize(int(os.environ.get("TIERPOINT_WORKER_NICE", "19")), os.environ.get(_IOPRIO_ENV))
     if parent_pid is not None and os.getppid() != parent_pid:
         return  # the trainer died before we were ready
     maps: dict[str, mmap.mmap] = {}
@@ -158,15 +179,20 @@ def worker_main(conn: Any, parent_pid: int | None = None) -> None:
 
 
 class Worker:
-    """Handle on one background worker process.
+    """Handle on one background worker process (``nice``: its nice value, default
+    ``TIERPOINT_WORKER_NICE`` or 19; ``io_class``: its ``ionice`` class, default unchanged).
 
     The worker is started as ``python -m tierpoint.asyncsave._entry`` (not by multiprocessing's spawn,
     which would re-import the user's training script) and talks over an inherited socket pair.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, nice: int | None = None, io_class: int | None = None) -> None:
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        if nice is not None:
+            env["TIERPOINT_WORKER_NICE"] = str(nice)
+        if io_class is not None:
+            env[_IOPRIO_ENV] = str(io_class)
         self.process = subprocess.Popen(
             [
                 sys.executable,

@@ -1,0 +1,110 @@
+"""TorchAsyncCheckpoint: ``torch.save`` in the background worker, with NVRx's names.
+
+Call order (as with NVRx)::
+
+    ckpt = TorchAsyncCheckpoint()
+    ckpt.async_save(state_dict, "ckpt.pt")        # snapshot, then the worker runs torch.save
+    ...
+    ckpt.finalize_async_save(blocking=False)      # each step; blocking=True before exiting
+    ckpt.finalize_async_save(blocking=True, terminate=True)
+
+The snapshot is taken before ``async_save`` returns: the state's tensors (CPU or CUDA) are copied
+into a staging buffer reused from save to save (:mod:`tierpoint.staging`); what is not a tensor
+travels as the skeleton of :func:`tierpoint.tree.flatten`, objects it cannot express pickled (this
+is the caller's own data in memory, never read from a file). The worker rebuilds the state on the
+staging memory and calls ``torch.save(state, *args, **kwargs)``, so the file is an ordinary
+``torch.save`` file (``torch.load`` reads it). Back-pressure is the queue's: a second save waits
+for the first (at most one in flight), so the buffer is never overwritten while the worker reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from ..fileformat import DTYPES, PartPlan, plan_part
+from ..staging import Stager
+from ..tree import flatten, unflatten
+from .queue import AsyncCallsQueue
+from .request import AsyncRequest
+from .worker import BufferRef, resolve_buffer
+
+logger = logging.getLogger("tierpoint")
+
+
+class TorchAsyncCheckpoint:
+    """Asynchronous ``torch.save`` (NVRx's class of the same name; see the module docstring).
+
+    Args:
+        persistent_queue: accepted for NVRx compatibility: tierpoint's worker is always persistent.
+        queue: the :class:`AsyncCallsQueue` to use (default: a new one).
+    """
+
+    def __init__(self, persistent_queue: bool = False, *, queue: AsyncCallsQueue | None = None):
+        if not isinstance(persistent_queue, bool):
+            raise TypeError(f"persistent_queue must be a bool, got {persistent_queue!r}")
+        self.save = torch.save
+        self._async_calls_queue = queue if queue is not None else AsyncCallsQueue()
+        self._stager = Stager()
+
+    def async_save(self, state_dict: Any, *args: Any, **kwargs: Any) -> int:
+        """``torch.save(state_dict, *args, **kwargs)`` in the background; returns the call id.
+        The file argument must be a path (a file object cannot travel to the worker)."""
+        target = args[0] if args else kwargs.get("f")
+        if not isinstance(target, (str, os.PathLike)):
+            raise TypeError(
+                "TorchAsyncCheckpoint.async_save needs a file path (str or os.PathLike) to save to, "
+                f"got {type(target).__name__}: the background worker opens the file itself"
+            )
+        flat = flatten(state_dict, allow_pickle=True)
+        plan = plan_part(flat)
+        stager = self._stager
+
+        def snapshot() -> dict[str, Any]:
+            # Runs inside schedule_async_request, after the previous save was finalized.
+            return {"_staged": stager.stage(flat, plan)} if plan.data_size else {}
+
+        request = AsyncRequest(
+            torch_save_staged,
+            (plan.to_json(), *args),
+            [],
+            dict(kwargs),
+            preload_fn=snapshot,
+            description=f"async torch.save to {os.fspath(target)}",
+        )
+        return self._async_calls_queue.schedule_async_request(request)
+
+    def finalize_async_save(
+        self, blocking: bool = False, no_dist: bool = True, terminate: bool = False
+    ) -> list[int]:
+        """Finalize the saves that finished (all of them, waiting, with ``blocking``); with
+        ``terminate``, close the queue afterwards. Returns the finalized call ids."""
+        done = self._async_calls_queue.maybe_finalize_async_calls(blocking, no_dist=no_dist)
+        if terminate:
+            self._async_calls_queue.close()
+            self._stager.close()
+        return done
+
+
+def torch_save_staged(
+    plan: dict[str, Any], *args: Any, _staged: BufferRef | None = None, **kwargs: Any
+) -> None:
+    """Worker side: rebuild the state on the staging memory and ``torch.save`` it."""
+    part_plan = PartPlan.from_json(plan)
+    data = resolve_buffer(_staged) if _staged is not None else memoryview(b"")
+    tensors = []
+    for (begin, end), dtype_name, shape in zip(
+        part_plan.offsets, part_plan.dtypes, part_plan.shapes
+    ):
+        dtype = DTYPES[dtype_name]
+        # One storage per tensor (torch.save refuses one storage seen as several dtypes, and would
+        # write all of it for each view), each on its bytes of the shared memory: nothing copied.
+        tensors.append(
+            torch.frombuffer(data[begin:end], dtype=dtype).view(shape)
+            if end > begin
+            else torch.empty(shape, dtype=dtype)
+        )
+    torch.save(unflatten(part_plan.skeleton, tensors, allow_pickle=True), *args, **kwargs)

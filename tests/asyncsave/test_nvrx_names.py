@@ -1,0 +1,115 @@
+"""NVRx's async names used the way NVRx code uses them: queue arguments, requests built by NVRx's
+own NamedTuple, TorchAsyncCheckpoint and abort_nvrx_checkpoint."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from tierpoint.asyncsave import (
+    AsyncCallsQueue,
+    AsyncRequest,
+    TorchAsyncCheckpoint,
+    abort_nvrx_checkpoint,
+)
+from tierpoint.errors import CheckpointingError
+
+
+class NVRxAsyncRequest(NamedTuple):
+    """The shape of NVRx's own ``AsyncRequest`` (a NamedTuple), as NVRx code builds it."""
+
+    async_fn: Callable | None
+    async_fn_args: tuple
+    finalize_fns: list
+    async_fn_kwargs: dict = {}
+    preload_fn: Callable | None = None
+    is_frozen: bool = False
+    call_idx: int = 0
+
+    def add_finalize_fn(self, fn: Callable) -> None:
+        if self.is_frozen:
+            raise RuntimeError("Cannot add finalization functions to a frozen AsyncRequest")
+        self.finalize_fns.append(fn)
+
+    def freeze(self) -> NVRxAsyncRequest:
+        return self._replace(is_frozen=True)
+
+
+def write_priorities(path: str) -> None:
+    """Runs in the worker: record its nice value."""
+    Path(path).write_text(str(os.nice(0)))
+
+
+def write_args(path: str, payload: object) -> None:
+    Path(path).write_text(repr(payload))
+
+
+def test_queue_takes_nvrx_arguments_and_nvrx_built_requests(tmp_path):
+    with pytest.raises(TypeError, match="is_daemon must be a bool"):
+        AsyncCallsQueue(is_daemon="yes")
+    with pytest.raises(ValueError, match="cpu_priority must be between 0 and 19"):
+        AsyncCallsQueue(cpu_priority=25)
+    queue = AsyncCallsQueue(
+        persistent=True, is_daemon=True, cpu_priority=12, io_priority=3, sigterm_timeout=5.0
+    )
+    done: list[str] = []
+    # Built the NVRx way, by NVRx's own class: positional fields, add_finalize_fn, freeze.
+    request = NVRxAsyncRequest(
+        write_priorities, (str(tmp_path / "nice"),), [lambda: done.append("a")]
+    )
+    request.add_finalize_fn(lambda: done.append("b"))
+    queue.schedule_async_request(request.freeze())
+    # NVRx's preload_fn: its result replaces async_fn_args[1] in the worker.
+    preloaded = NVRxAsyncRequest(
+        write_args, (str(tmp_path / "args"), "placeholder"), [], preload_fn=lambda: "staged"
+    )
+    queue.schedule_async_request(preloaded)
+    # tierpoint's own AsyncRequest, built the same way.
+    ours = AsyncRequest(write_args, (str(tmp_path / "ours"), 1), [lambda: done.append("c")])
+    ours.add_finalize_fn(lambda: done.append("d"))
+    ours = ours.freeze()
+    with pytest.raises(CheckpointingError, match="frozen"):
+        ours.add_finalize_fn(lambda: None)
+    queue.schedule_async_request(ours)
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=False, finalize_timeout=60)
+    assert done == ["a", "b", "c", "d"]
+    assert int((tmp_path / "nice").read_text()) >= min(12, 19)
+    assert (tmp_path / "args").read_text() == "'staged'"
+    with pytest.raises(TypeError, match="must be an AsyncRequest, got tuple .accepted: tierpoint"):
+        queue.schedule_async_request(("not", "a", "request"))
+    queue.close()
+
+
+def test_torch_async_checkpoint_saves_the_snapshot(tmp_path):
+    ckpt = TorchAsyncCheckpoint()
+    state = {"w": torch.arange(6.0), "nested": {"step": 3, "t": torch.ones(2, dtype=torch.int8)}}
+    ckpt.async_save(state, tmp_path / "a.pt")
+    state["w"].add_(100)  # after async_save returns, the state may change
+    ckpt.finalize_async_save(blocking=True)
+    loaded = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert torch.equal(loaded["w"], torch.arange(6.0)) and loaded["nested"]["step"] == 3
+    with pytest.raises(TypeError, match="needs a file path"):
+        ckpt.async_save(state, object())
+    ckpt.async_save(state, str(tmp_path / "b.pt"))
+    ckpt.finalize_async_save(blocking=True, terminate=True)
+    assert torch.equal(torch.load(tmp_path / "b.pt")["w"], torch.arange(6.0) + 100)
+
+
+def test_abort_nvrx_checkpoint_undoes_pending_calls_and_the_queue_goes_on(tmp_path):
+    queue = AsyncCallsQueue()
+    undone: list[int] = []
+    queue.schedule_async_request(
+        AsyncRequest(time.sleep, (30.0,), [], abort_fns=[lambda: undone.append(1)])
+    )
+    abort_nvrx_checkpoint()
+    assert undone == [1] and queue.get_num_unfinalized_calls() == 0
+    queue.schedule_async_request(AsyncRequest(write_args, (str(tmp_path / "after"), 2)))
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert (tmp_path / "after").read_text() == "2"
+    queue.close()
