@@ -195,10 +195,11 @@ def _join(url: str, *names: str) -> str:
 
 
 def _step_number(name: str) -> int | None:
-    """The step of a DCP ``step-<N>`` or an OLMo-core ``step<N>`` directory name."""
+    """The step of a DCP ``step-<N>`` (ML Flashpoint: ``step-<N>_ckpt``) or an OLMo-core
+    ``step<N>`` directory name."""
     from .dcp import layout
 
-    step = layout.step_of(name)
+    step = layout.step_dir_of(name)
     if step is None and (m := _OLMO_STEP.match(name)):
         step = int(m.group(1))
     return step
@@ -388,16 +389,25 @@ def _session_rows(session: str, holders: Sequence[Path]) -> list[Row]:
 def _dcp_rows(path: str, kind: str, entries: dict[str, _Entry], options: Any) -> list[Row]:
     if kind in ("dcp-step", "olmo-step"):
         return [_step_row(path, path, entries, options)]
+    from .dcp import layout
+
     steps = {
         n: step for n, e in entries.items() if e.is_dir and (step := _step_number(n)) is not None
     }
+    outside = layout.sibling_markers(list(entries))  # ML Flashpoint's, next to the directories
     return [
-        _step_row(path, _join(path, name), None, options)
+        _step_row(path, _join(path, name), None, options, outside.get(name, []))
         for name in sorted(steps, key=steps.__getitem__, reverse=True)
     ]
 
 
-def _step_row(where: str, step_dir: str, entries: dict[str, _Entry] | None, options: Any) -> Row:
+def _step_row(
+    where: str,
+    step_dir: str,
+    entries: dict[str, _Entry] | None,
+    options: Any,
+    sibling_markers: Sequence[int] = (),
+) -> Row:
     from . import storage
     from .dcp import layout
 
@@ -408,7 +418,9 @@ def _step_row(where: str, step_dir: str, entries: dict[str, _Entry] | None, opti
         {int(m.group(1)) for n in found if (m := _DATA_FILE.match(n))}
         | {r for n in found if (r := layout.marker_rank(n)) is not None}
     )
-    markers = sorted(r for n in found if (r := layout.marker_rank(n)) is not None)
+    markers = sorted(
+        {r for n in found if (r := layout.marker_rank(n)) is not None} | set(sibling_markers)
+    )
     meta = found.get(layout.METADATA_NAME)
     size = sum(e.size for e in found.values() if not e.is_dir)
     times = [e.mtime for e in found.values() if e.mtime is not None]

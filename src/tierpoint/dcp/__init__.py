@@ -1,5 +1,15 @@
-"""Persistent tier: torch DCP checkpoints (see the modules for each part)."""
+"""Persistent tier: torch DCP checkpoints (see the modules for each part).
 
+``save`` / ``async_save`` / ``load`` / ``Writer`` / ``Reader`` take torch DCP's ``checkpoint_id=``;
+ML Flashpoint's loader names come from :mod:`tierpoint.dcp.flashpoint`.
+"""
+
+from .flashpoint import (
+    CheckpointContainerId,
+    CheckpointObjectId,
+    DefaultMLFlashpointCheckpointLoader,
+    MLFlashpointCheckpointLoader,
+)
 from .layout import get_latest_complete_checkpoint, marker_name, step_path
 from .loading import SafeLoadPlanner, load
 from .reader import Reader, read_metadata
@@ -18,9 +28,13 @@ from .verify import CheckpointSummary, verify_checkpoint
 from .writer import Writer
 
 __all__ = [
+    "CheckpointContainerId",
     "CheckpointMetadataCache",
+    "CheckpointObjectId",
     "CheckpointSummary",
     "CorruptDCPError",
+    "DefaultMLFlashpointCheckpointLoader",
+    "MLFlashpointCheckpointLoader",
     "Reader",
     "SafeLoadPlanner",
     "SaveFuture",

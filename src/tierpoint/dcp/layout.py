@@ -260,8 +260,9 @@ def _latest_node_local(
     views = _gather_views(base, storage_options, group)
     # Every rank holds every view, so every rank walks the same candidates in the same order.
     found = None
+    alone = not tpdist.is_distributed()  # one process: no peer to fetch from
     for name in complete_dirs([v["view"] for v in views]):
-        if retrieve_missing(storage.join(base, name)):
+        if alone or retrieve_missing(storage.join(base, name)):
             found = name
             break
     if tpdist.get_rank() == _decider(group):

@@ -1,0 +1,134 @@
+"""ML Flashpoint's loader names: a resume the way its users write it finds checkpoints in its
+``step-N_ckpt`` layout (an unfinished marker skips the newest), reads the metadata as stored and
+loads; tierpoint's own ``step-N`` layout is found beside it."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from tierpoint import cli
+from tierpoint.dcp import (
+    CheckpointContainerId,
+    CheckpointObjectId,
+    DefaultMLFlashpointCheckpointLoader,
+    MLFlashpointCheckpointLoader,
+    get_latest_complete_checkpoint,
+    load,
+    save,
+)
+from tierpoint.dcp.flashpoint import default_metadata_object_name
+from tierpoint.errors import UnsupportedStateError
+from tierpoint.spawn import run_ranks
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _state(rank: int, step: int) -> dict:
+    return {
+        "model": {"w": torch.full((4, 8), float(step)), f"own{rank}": torch.arange(3) + 10 * step},
+        "step": step,
+    }
+
+
+def _resume(rank: int, world: int, base: str) -> list:
+    # Saved the ML Flashpoint way: one step-N_ckpt directory per checkpoint.
+    for step in (1, 2, 3):
+        path = os.path.join(base, f"step-{step}_ckpt")
+        save(_state(rank, step), checkpoint_id=path, sync_files=False)
+    if rank == 1:  # step 3's node crashed before its local rank 1 finished: its marker stays
+        open(os.path.join(base, "step-3_ckpt__1__unfinished"), "wb").close()
+    torch.distributed.barrier()
+
+    loader = DefaultMLFlashpointCheckpointLoader()
+    candidates = loader.get_candidate_checkpoints(CheckpointContainerId(base))
+    latest = loader.get_latest_complete_checkpoint(CheckpointContainerId(base))
+    metadata = loader.read_metadata(latest)
+    again = loader.read_metadata(latest, object_name=default_metadata_object_name())
+    objects = loader.get_checkpoint_objects_by_rank(latest)
+    target = _state(rank, 0)
+    load(target, checkpoint_id=latest.data)
+    return [
+        [os.path.basename(c.data) for c in candidates],
+        os.path.basename(latest.data),
+        metadata == again,
+        sorted(metadata.state_dict_metadata),
+        {
+            r: default_metadata_object_name() in [os.path.basename(o.data) for o in objs]
+            for r, objs in objects.items()
+        },
+        target["step"],
+        target["model"]["w"][0, 0].item(),
+        target["model"][f"own{rank}"].tolist(),
+    ]
+
+
+def test_a_flashpoint_style_resume_on_two_ranks_skips_the_unfinished_newest(tmp_path):
+    results = run_ranks(_resume, 2, str(tmp_path), timeout=120)
+    for got in results:
+        candidates, latest, equal, keys, first_object, step, w, own = got
+        assert candidates == ["step-2_ckpt", "step-1_ckpt"]
+        assert latest == "step-2_ckpt"
+        assert equal  # no random load_id added: two reads of one file compare equal
+        assert keys == ["model.own0", "model.own1", "model.w", "step"]
+        assert first_object == {0: True, 1: True}  # every rank sees the metadata object
+        assert (step, w, own) == (2, 2.0, [20, 21, 22])
+    # The marker is ML Flashpoint's sibling file; tierpoint's own discovery skips it the same way.
+    assert get_latest_complete_checkpoint(tmp_path).endswith("step-2_ckpt")
+
+
+def test_both_layouts_are_found_and_tierpoints_wins_a_tie(tmp_path, caplog):
+    save(_state(0, 4), checkpoint_id=tmp_path / "step-4_ckpt")
+    save(_state(0, 4), checkpoint_id=tmp_path / "step-4")
+    save(_state(0, 5), checkpoint_id=tmp_path / "step-5_ckpt")
+    (tmp_path / "step-5_ckpt__0__unfinished").touch()
+    save(_state(0, 3), checkpoint_id=tmp_path / "step-3")
+    latest = DefaultMLFlashpointCheckpointLoader().get_latest_complete_checkpoint(str(tmp_path))
+    assert latest == CheckpointContainerId(str(tmp_path / "step-4"))
+    assert "step-5_ckpt has a .metadata but unfinished markers of rank(s) 0" in caplog.text
+    # The command line lists both layouts and names the marker.
+    rows = {
+        os.path.basename(r.path): r
+        for r in cli._dcp_rows(str(tmp_path), "dcp-base", cli._entries(str(tmp_path), {}), {})
+    }
+    assert rows["step-5_ckpt"].status == "incomplete" and "[0]" in rows["step-5_ckpt"].detail
+    assert rows["step-4_ckpt"].step == 4 and rows["step-4_ckpt"].status != "incomplete"
+
+
+def test_read_data_per_object_and_refusals(tmp_path):
+    path = tmp_path / "step-7_ckpt"
+    state = _state(0, 7)
+    save(state, checkpoint_id=path)
+    loader = DefaultMLFlashpointCheckpointLoader()
+    assert isinstance(loader, MLFlashpointCheckpointLoader)
+    container = CheckpointContainerId(str(path))
+    assert CheckpointContainerId.parse_version_container_step("step-7_ckpt") == 7
+    assert container.get_parent() == CheckpointContainerId(str(tmp_path))
+    metadata = loader.read_metadata(container)
+
+    # What ML Flashpoint's storage reader does: plan, then read_data once per object.
+    target = _state(0, 0)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(target, metadata, True)
+    plan = planner.create_local_plan()
+    by_object: dict[str, list] = {}
+    for item in plan.items:
+        by_object.setdefault(metadata.storage_data[item.storage_index].relative_path, []).append(
+            item
+        )
+    for name, items in by_object.items():
+        obj = CheckpointObjectId.from_container(container, name)
+        assert obj.get_parent() == container
+        loader.read_data(obj, items, planner, metadata.storage_data)
+    assert target["step"] == 7 and torch.equal(target["model"]["w"], state["model"]["w"])
+
+    with pytest.raises(FileNotFoundError, match="does not exist here"):
+        loader.read_data(
+            CheckpointObjectId.from_container(container, "__9_0.distcp"), [], planner, {}
+        )
+    with pytest.raises(UnsupportedStateError, match="pickled header"):
+        loader.read_tensor(open(os.devnull, "rb"), plan.items[0], use_optimized_loader=True)
