@@ -8,12 +8,15 @@ and nested states), and none of them resolves to a torch class or function. Each
 stand-in:
 
 - the DCP dataclasses (``Metadata``, ``TensorStorageMetadata``, ``BytesStorageMetadata``,
-  ``ChunkStorageMetadata``, ``TensorProperties``, ``MetadataIndex``, ``StorageMeta`` and the
-  filesystem writer's ``_StorageInfo``) become private record classes that only keep the state the
+  ``ChunkStorageMetadata``, ``TensorProperties``, ``MetadataIndex``, ``StorageMeta``, the
+  filesystem writer's ``_StorageInfo`` and ``_StoragePrefix``, and the save-plan classes ``SavePlan``,
+  ``WriteItem``, ``TensorWriteData`` and ``BytesIOWriteData`` that NVRx's cached planning stores in
+  ``Metadata.all_local_plans``) become private record classes that only keep the state the
   pickle hands them; a ``BUILD`` aimed at a record class itself (to patch a class) fails;
 - ``torch.Size``, the memory-format enum, ``torch.serialization._get_layout`` and ``pathlib`` paths
   become small functions that check their arguments and return inert values;
-- dtypes resolve to the ``torch.dtype`` objects themselves (immutable, not callable).
+- dtypes resolve to the ``torch.dtype`` objects themselves (immutable, not callable), and
+  ``WriteItemType`` to a function returning one of its three members.
 
 Every other global (``os.system``, ``builtins.eval``, ``getattr``, ``functools.partial``, torch's
 tensor rebuild functions, ``torch.load``, ...) stops the load with :class:`CorruptCheckpointError`
@@ -37,7 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -46,6 +49,13 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
 )
 
 from ..errors import CorruptCheckpointError
@@ -59,7 +69,9 @@ MAX_TILING_CELLS = 1 << 22
 """Most cells the chunk-tiling check may draw beyond one per chunk (see ``_chunks_tile``)."""
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
+_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
+MAX_PLANS = 1 << 20
+"""Most local plans accepted in ``Metadata.all_local_plans`` (one per rank)."""
 
 
 class CorruptDCPError(CorruptCheckpointError):
@@ -102,6 +114,11 @@ _RECORDS: dict[type, type[_Record]] = {
         MetadataIndex,
         StorageMeta,
         _StorageInfo,
+        _StoragePrefix,
+        SavePlan,
+        WriteItem,
+        TensorWriteData,
+        BytesIOWriteData,
     )
 }
 
@@ -152,14 +169,18 @@ def _path_of(flavour: type) -> Callable[..., str]:
     return build
 
 
+def _write_item_type(value: Any) -> WriteItemType:
+    if type(value) is not int or value not in {t.value for t in WriteItemType}:
+        raise _Refused(f"unknown WriteItemType {brief(value, 40)}")
+    return WriteItemType(value)
+
+
 _ALLOWED: dict[tuple[str, str], Any] = {
-    (_METADATA_MODULE, cls.__name__): rec
-    for cls, rec in _RECORDS.items()
-    if cls is not _StorageInfo
+    (cls.__module__, cls.__name__): rec for cls, rec in _RECORDS.items()
 }
 _ALLOWED.update(
     {
-        (_FILESYSTEM_MODULE, "_StorageInfo"): _RECORDS[_StorageInfo],
+        (_PLANNER_MODULE, "WriteItemType"): _write_item_type,
         (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): _mem_format,
         ("torch", "Size"): _size,
         ("torch.serialization", "_get_layout"): _layout,
@@ -248,6 +269,7 @@ def _opt_str(value: Any, field: str) -> str | None:
 
 
 _FIELDS = {real: frozenset(f.name for f in dataclasses.fields(real)) for real in _RECORDS}
+_FIELDS[Metadata] |= {"all_local_plans"}  # an instance attribute NVRx's cached planning sets
 
 
 class _Converter:
@@ -287,13 +309,75 @@ class _Converter:
         storage_meta = state.get("storage_meta")
         if storage_meta is not None:
             storage_meta = self.storage_meta(storage_meta)
-        return Metadata(
+        md = Metadata(
             state_dict_metadata=sdm,
             planner_data=self.plain(state.get("planner_data"), "planner_data"),
             storage_data=storage_data,
             storage_meta=storage_meta,
             version=_opt_str(state.get("version"), "version"),
         )
+        plans = state.get("all_local_plans")
+        if plans is not None:
+            if type(plans) is not list or len(plans) > MAX_PLANS:
+                raise _Bad(f"all_local_plans is {_describe(plans)}, want a list of SavePlans")
+            md.all_local_plans = [self.save_plan(p, sdm, i) for i, p in enumerate(plans)]  # type: ignore[attr-defined]
+        return md
+
+    def save_plan(
+        self, obj: Any, sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata], i: int
+    ) -> SavePlan:
+        """One rank's ``SavePlan`` of ``all_local_plans``: every item names an entry of ``sdm``."""
+        where = f"all_local_plans[{i}]"
+        state = self._state(obj, SavePlan, where)
+        items = state.get("items", [])
+        if type(items) is not list:
+            raise _Bad(f"{where}.items is {_describe(items)}, want a list")
+        storage = state.get("storage_data")
+        if type(storage) is _RECORDS[_StoragePrefix]:
+            prefix = self._state(storage, _StoragePrefix, f"{where}.storage_data").get("prefix")
+            if not isinstance(prefix, str) or file_name_problem(prefix + "x"):
+                raise _Bad(f"{where}.storage_data: prefix {brief(prefix)} is not a name prefix")
+            storage = _StoragePrefix(prefix)
+        else:
+            storage = self.plain(storage, f"{where}.storage_data")
+        usable = state.get("usable", True)
+        if type(usable) is not bool:
+            raise _Bad(f"{where}.usable must be a bool")
+        return SavePlan(
+            items=[
+                self.write_item(item, sdm, f"{where}.items[{j}]") for j, item in enumerate(items)
+            ],
+            storage_data=storage,
+            planner_data=self.plain(state.get("planner_data"), f"{where}.planner_data"),
+            usable=usable,
+        )
+
+    def write_item(
+        self, obj: Any, sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata], where: str
+    ) -> WriteItem:
+        state = self._state(obj, WriteItem, where)
+        kind = state.get("type")
+        if type(kind) is not WriteItemType:
+            raise _Bad(f"{where}.type is {_describe(kind)}, want a WriteItemType")
+        index = self.index(state.get("index"), sdm)
+        tensor_data = state.get("tensor_data")
+        if tensor_data is not None:
+            md = sdm[index.fqn]
+            if type(md) is not TensorStorageMetadata:
+                raise _Bad(f"{where}: tensor data for the bytes item {index.fqn!r}")
+            fields = self._state(tensor_data, TensorWriteData, f"{where}.tensor_data")
+            if fields.get("size") != md.size:
+                raise _Bad(f"{where}.tensor_data.size differs from {index.fqn!r}'s {list(md.size)}")
+            tensor_data = TensorWriteData(
+                chunk=self.chunk(fields.get("chunk"), md.size, index.fqn, 0),
+                properties=self.properties(fields.get("properties"), index.fqn),
+                size=md.size,
+            )
+        bytes_io = state.get("bytes_io_data")
+        if bytes_io is not None:
+            nbytes = self._state(bytes_io, BytesIOWriteData, f"{where}.bytes_io_data").get("nbytes")
+            bytes_io = BytesIOWriteData(nbytes=_int(nbytes, f"{where}.bytes_io_data.nbytes"))
+        return WriteItem(index=index, type=kind, bytes_io_data=bytes_io, tensor_data=tensor_data)
 
     def storage_md(self, obj: Any, fqn: str) -> TensorStorageMetadata | BytesStorageMetadata:
         if type(obj) is _RECORDS[BytesStorageMetadata]:

@@ -16,6 +16,10 @@ whether all local plans are unchanged. If so, the cached central plan and (on th
 the cached metadata are reused: no gather, no scatter. If any rank's layout changed, all ranks plan
 again (a changed layout is never missed).
 
+The global metadata carries every rank's local plan as ``all_local_plans`` (NVRx's attribute), so a
+job resuming from a checkpoint can seed its cache with ``init_checkpoint_metadata_cache(
+read_metadata(step_dir))`` and reuse the loaded plans from its first save (one all-reduce).
+
 Finalize: every rank's write results reach every rank (a rank whose results did not change since a
 previous save sends a short digest the coordinator already knows, and its file token: names differ
 from save to save, see :mod:`tierpoint.dcp.file_plan`), the coordinator writes
@@ -188,6 +192,14 @@ def save_state_dict_async_plan(
 ) -> tuple[Writer, Metadata | None, _DistWrapper]:
     """Plan a save; returns ``(storage_writer, global_metadata or None, dist_wrapper)`` for
     :func:`save_state_dict_async_finalize` (``global_metadata`` only on the coordinator)."""
+    if not isinstance(storage_writer, Writer):
+        raise TypeError(
+            "save_state_dict_async_plan needs a tierpoint.dcp.Writer as storage_writer (it plans, "
+            "stages and commits through it), got "
+            f"{type(storage_writer).__module__}.{type(storage_writer).__qualname__}: use "
+            "Writer(checkpoint_id) in place of torch's FileSystemWriter or NVRx's "
+            "FileSystemWriterAsync"
+        )
     # A writer whose async save is not finalized yet: refused on this rank before anything is
     # touched or agreed (reusing a writer that way is the same mistake on every rank).
     storage_writer.refuse_if_in_flight()
@@ -236,7 +248,9 @@ def save_state_dict_async_plan(
         vote = _FAILED if error is not None else int(_matches_loaded(local_plan, cache, rank))
         verdict, earlier_anywhere = _vote(vote, error, storage_writer, group, use_dist, what)
         if verdict == _REUSE:  # every rank derives the same global plan from the loaded plans
-            all_plans, global_metadata = planner.create_global_plan(list(cache.loaded_all_plans))
+            loaded_plans = list(cache.loaded_all_plans)
+            all_plans, global_metadata = planner.create_global_plan(list(loaded_plans))
+            global_metadata.all_local_plans = loaded_plans  # type: ignore[attr-defined]
             all_plans = storage_writer.prepare_global_plan(all_plans)
             central_plan = all_plans[rank]
             global_metadata = global_metadata if is_coordinator else None
@@ -255,7 +269,11 @@ def save_state_dict_async_plan(
 
         def global_step(all_local_plans: list[SavePlan]) -> list[SavePlan]:
             nonlocal global_metadata
+            local_plans = list(all_local_plans)
             all_local_plans, global_metadata = planner.create_global_plan(all_local_plans)
+            # As NVRx does: every rank's local plan goes into the metadata, so that a job resuming
+            # from this checkpoint can reuse its plan (init_checkpoint_metadata_cache).
+            global_metadata.all_local_plans = local_plans  # type: ignore[attr-defined]
             return storage_writer.prepare_global_plan(all_local_plans)
 
         try:

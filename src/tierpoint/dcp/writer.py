@@ -422,6 +422,8 @@ class Writer(StorageWriter):
         )
         if CURRENT_DCP_VERSION is not None:
             md.version = CURRENT_DCP_VERSION
+        if hasattr(metadata, "all_local_plans"):  # NVRx's attribute (see state_dict_saver)
+            md.all_local_plans = metadata.all_local_plans  # type: ignore[attr-defined]
         storage.publish(
             self._url(METADATA_NAME),
             pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL),
