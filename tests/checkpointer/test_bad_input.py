@@ -1,0 +1,78 @@
+"""Bad input gets a clear error and loses nothing: a damaged ``.metadata.json`` (skipped by
+discovery, refused by load), a step without ``model_and_optim``, a damaged trainer-state file, a
+train module that returns no dict. (Another world size: see test_training_script.py.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from tierpoint import Checkpointer
+from tierpoint.errors import CheckpointingError, CorruptCheckpointError
+
+from .conftest import fresh_module, trained_module
+
+
+@pytest.fixture
+def run(tmp_path, checkpointer) -> str:
+    run = str(tmp_path / "run")
+    checkpointer.save(f"{run}/step1", trained_module(0), {"step": 1})
+    checkpointer.save(f"{run}/step2", trained_module(1), {"step": 2})
+    return run
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'{"ephemeral": "yes"}', b""])
+def test_a_damaged_metadata_json(run, checkpointer, content, caplog):
+    with open(f"{run}/step2/.metadata.json", "wb") as f:
+        f.write(content)
+    with caplog.at_level(logging.WARNING, logger="tierpoint"):
+        assert Checkpointer.latest_checkpoint(run) == f"{run}/step1"  # the older one is chosen
+    assert "step2 is skipped" in caplog.text and ".metadata.json" in caplog.text
+    target = fresh_module()
+    before = target.model.weight.clone()
+    with pytest.raises(CorruptCheckpointError, match=r"step2/\.metadata\.json"):
+        checkpointer.load(f"{run}/step2", target)
+    assert torch.equal(target.model.weight, before)
+    assert checkpointer.load(Checkpointer.latest_checkpoint(run), target) == {"step": 1}
+
+
+def test_a_step_without_model_and_optim(run, checkpointer):
+    shutil.rmtree(f"{run}/step2/model_and_optim")
+    assert Checkpointer.latest_checkpoint(run) == f"{run}/step1"
+    target = fresh_module()
+    before = target.model.weight.clone()
+    with pytest.raises(FileNotFoundError, match="model_and_optim/.metadata"):
+        checkpointer.load(f"{run}/step2", target)
+    assert torch.equal(target.model.weight, before)
+
+
+def test_a_step_without_metadata_json_is_not_loaded(run, checkpointer):
+    os.unlink(f"{run}/step2/.metadata.json")  # the save never finished
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        checkpointer.load(f"{run}/step2", fresh_module())
+
+
+def test_a_damaged_trainer_state_file(run, checkpointer):
+    path = f"{run}/step2/train/rank0.safetensors"
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    target = fresh_module()
+    before = target.model.weight.clone()
+    with pytest.raises(CorruptCheckpointError, match="rank0.safetensors"):
+        checkpointer.load(f"{run}/step2", target)
+    assert torch.equal(target.model.weight, before)
+
+
+def test_a_train_module_that_returns_no_dict(tmp_path, checkpointer):
+    class Broken:
+        def state_dict_to_save(self):
+            return [1, 2]
+
+    with pytest.raises(CheckpointingError, match="state_dict_to_save.. returned a list"):
+        checkpointer.save(f"{tmp_path}/run/step1", Broken(), {})
+    assert not os.path.exists(f"{tmp_path}/run/step1")
