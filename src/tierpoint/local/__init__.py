@@ -1,7 +1,8 @@
 """The node-local tier: part files on a RAM disk or local SSD, one directory per rank.
 
 Public names: :class:`LocalCheckpointManager`, :class:`CkptID`, the replication strategies
-:class:`CliqueReplicationStrategy` and :class:`LazyCliqueReplicationStrategy`, and the NVRx-compatible exception
+:class:`CliqueReplicationStrategy` and :class:`LazyCliqueReplicationStrategy`, the base class
+:class:`ReplicationStrategy` for a user's own strategy (NVRx's ``replicate``), and the NVRx-compatible exception
 names :data:`CheckpointingException` and :class:`SameMachineReplicationException`.
 """
 
@@ -9,7 +10,11 @@ from ..errors import CheckpointingException, SameMachineReplicationException
 from ..tensor_aware import BasicTensorAwareStateDict, TensorAwareStateDict
 from .manager import LocalCheckpointManager
 from .naming import CkptID
-from .replication import CliqueReplicationStrategy, LazyCliqueReplicationStrategy
+from .replication import (
+    CliqueReplicationStrategy,
+    LazyCliqueReplicationStrategy,
+    ReplicationStrategy,
+)
 
 __all__ = [
     "BasicTensorAwareStateDict",
@@ -18,6 +23,7 @@ __all__ = [
     "CliqueReplicationStrategy",
     "LazyCliqueReplicationStrategy",
     "LocalCheckpointManager",
+    "ReplicationStrategy",
     "SameMachineReplicationException",
     "TensorAwareStateDict",
 ]

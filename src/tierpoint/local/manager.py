@@ -51,19 +51,21 @@ from ..staging import Stager, in_memory_filesystem
 from ..tensor_aware import TensorAwareStateDict
 from ..tree import FlatState
 from . import naming
+from .nvrx_names import NVRxFileNames
 from .recovery import PartRecovery, ReceivedPart
-from .replication import CliqueReplicationStrategy
+from .replication import CliqueReplicationStrategy, UserReplication
 
 logger = logging.getLogger("tierpoint")
 
 
-class LocalCheckpointManager(PartRecovery):
+class LocalCheckpointManager(PartRecovery, NVRxFileNames):
     """Saves and restores one part file per rank per iteration under ``root/<session_id>/<rank>/``.
 
     Args:
         root_local_ckpt_dir: node-local root (default: ``/dev/shm/tierpoint-<uid>``).
         session_id: a name separating different jobs sharing a root.
-        repl_strategy: replication across nodes (see :mod:`tierpoint.local.replication`).
+        repl_strategy: replication across nodes: a :class:`CliqueReplicationStrategy`, or a user's
+            strategy with NVRx's ``replicate`` (see :class:`~tierpoint.local.ReplicationStrategy`).
         keep_last: how many complete iterations to keep (the newest ones).
         recycle: reuse the pages of expired part files for new ones (faster; keeps up to one spare
             file per part written per save on disk between saves).
@@ -98,11 +100,15 @@ class LocalCheckpointManager(PartRecovery):
                 f"root_local_ckpt_dir must not contain '..': {self.root_local_ckpt_dir}"
             )
         self.session_id = naming.validate_session_id(session_id)
-        if repl_strategy is not None and not isinstance(repl_strategy, CliqueReplicationStrategy):
+        if repl_strategy is None or isinstance(repl_strategy, CliqueReplicationStrategy):
+            self.repl_strategy = repl_strategy
+        elif UserReplication.accepts(repl_strategy):
+            self.repl_strategy = UserReplication(repl_strategy)
+        else:
             raise CheckpointingError(
-                f"repl_strategy must be a CliqueReplicationStrategy (or None), got {type(repl_strategy).__name__}"
+                "repl_strategy must be a CliqueReplicationStrategy, a ReplicationStrategy (with "
+                f"NVRx's replicate(local_ckpt, id_)) or None, got {type(repl_strategy).__name__}"
             )
-        self.repl_strategy = repl_strategy
         self.keep_last = keep_last
         self.recycle = recycle
         self.verify = verify
@@ -365,6 +371,32 @@ class LocalCheckpointManager(PartRecovery):
             time.perf_counter() - start,
         )
 
+    def _replicate_with_user_strategy(
+        self, ta_state_dict: TensorAwareStateDict, iteration: int
+    ) -> None:
+        """Run the user's ``replicate`` (collective) and write what it gives this rank to keep as
+        replica parts."""
+        assert isinstance(self.repl_strategy, UserReplication)
+        for ckpt, (saved, origin, session) in self.repl_strategy.replicate(
+            ta_state_dict, self._ckpt_id(iteration)
+        ):
+            if origin == self.rank:
+                continue
+            if (
+                saved != iteration
+                or session != self.session_id
+                or type(origin) is not int
+                or not 0 <= origin < self.world_size
+            ):
+                raise CheckpointingError(
+                    f"{type(self.repl_strategy.strategy).__name__}.replicate returned a checkpoint "
+                    f"of {(saved, origin, session)} while saving {self._ckpt_id(iteration)}"
+                )
+            flat = ckpt.to_flat()
+            extra = {**self._extra(iteration), "rank": origin}
+            path = self._part_path(iteration, origin)
+            fileformat.write_flat(path, flat, plan=fileformat.plan_part(flat, extra))
+
     # ------------------------------------------------------------------------------ saving
 
     def save(
@@ -377,8 +409,7 @@ class LocalCheckpointManager(PartRecovery):
         reused staging memory and the worker process writes it; the previous checkpoint is retired only
         when the queue finalizes the request on every rank.
         """
-        if type(iteration) is not int or iteration < 0:
-            raise CheckpointingError(f"iteration must be a non-negative integer, got {iteration!r}")
+        iteration = naming.check_iteration(iteration)
         self.wait_for_restore()
         self._check_world()
         if not isinstance(ta_state_dict, TensorAwareStateDict):
@@ -404,9 +435,13 @@ class LocalCheckpointManager(PartRecovery):
             if not is_async:
                 with tpdist.agree(f"writing local checkpoint iteration {iteration}"):
                     self._write_part(flat, plan, iteration)
-            if not is_async and self.repl_strategy is not None:
+            user_strategy = isinstance(self.repl_strategy, UserReplication)
+            if self.repl_strategy is not None and (user_strategy or not is_async):
                 with tpdist.agree(f"replicating local checkpoint iteration {iteration}"):
-                    self._replicate(iteration, written=True)
+                    if user_strategy:  # as NVRx: in the training process, also for async saves
+                        self._replicate_with_user_strategy(ta_state_dict, iteration)
+                    else:
+                        self._replicate(iteration, written=True)
         except CheckpointingError:
             self._abort_iteration(iteration)
             raise
@@ -521,7 +556,7 @@ class LocalCheckpointManager(PartRecovery):
             abort_fns=[lambda: self._abort_iteration(iteration)],
             description=f"async save of local checkpoint iteration {iteration}",
             background_fn=None
-            if self.repl_strategy is None
+            if self.repl_strategy is None or isinstance(self.repl_strategy, UserReplication)
             else lambda written: self._replicate(iteration, written),
         )
 

@@ -13,11 +13,14 @@ session ids cannot escape the root (no separators, no ``..``).
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
+
+import numpy as np
 
 from .. import fileformat
 from ..errors import CheckpointingError, CorruptCheckpointError
@@ -57,6 +60,17 @@ def validate_session_id(session_id: str) -> str:
             f"invalid session_id {session_id!r}: use letters, digits, '_', '-' and '.', without separators or '..'"
         )
     return session_id
+
+
+def check_iteration(iteration: object) -> int:
+    """``iteration`` as an int: any non-negative integer (numpy's too), never a bool or a float."""
+    if isinstance(iteration, (bool, np.bool_)) or not isinstance(iteration, numbers.Integral):
+        raise CheckpointingError(
+            f"iteration must be a non-negative integer, got {type(iteration).__name__} {iteration!r}"
+        )
+    if iteration < 0:
+        raise CheckpointingError(f"iteration must be a non-negative integer, got {iteration!r}")
+    return int(iteration)
 
 
 def part_name(iteration: int, origin_rank: int) -> str:

@@ -119,6 +119,10 @@ class PartRecovery:
         verify = self.verify if verify is None else verify
         try:
             header, tensors = fileformat.read_flat(path, verify=verify, mmap=self.mmap_load)
+            meta = header.extra
+            if meta.get("iteration") != iteration or meta.get("rank") != self.rank:
+                # another part under this name (swapped or copied over): intact, but not this one
+                raise CorruptCheckpointError(str(path), "file name disagrees with its metadata")
             # validates the skeleton before use
             fileformat.unflatten_checked(header, tensors, allow_pickle=allow_pickle)
             return (header, tensors), "", ""

@@ -11,6 +11,9 @@ use :class:`LazyCliqueReplicationStrategy`, which does the same on first use (in
 collective ``save`` / ``load`` / ``find_latest``). Then hand it to
 :class:`~tierpoint.local.LocalCheckpointManager` as ``repl_strategy``.
 
+A strategy written by the user subclasses :class:`ReplicationStrategy` (NVRx's base class) and
+implements NVRx's ``replicate``; the manager wraps it in :class:`UserReplication`.
+
 Invariants:
 - Parameters are checked against the world size before anything is exchanged; a bad combination
   raises a :class:`CheckpointingError` naming the values.
@@ -26,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch.distributed as dist
@@ -178,3 +182,103 @@ class LazyCliqueReplicationStrategy(CliqueReplicationStrategy):
     """:class:`CliqueReplicationStrategy` that sets itself up (collectively) on first use."""
 
     lazy = True
+
+
+class ReplicationStrategy(ABC):
+    """NVRx's base class for a replication strategy written by the user.
+
+    The protocol tierpoint uses is NVRx's ``replicate``: on every save (collectively, on every rank,
+    in the training process, before an async save's request is returned, as NVRx does) the manager
+    calls ``replicate(local_ckpt, id_)`` with this rank's :class:`TensorAwareStateDict` and its
+    :class:`~tierpoint.local.CkptID`; it returns the checkpoints this rank should keep and their ids
+    (its own may be among them: it is skipped). Each of the others is written as a replica part
+    (checksummed, like any part). On load, tierpoint fetches a missing or corrupt part itself from
+    whichever rank holds a verified copy, so ``retrieve_plan`` / ``retrieve_execute`` are not called
+    (they are kept, not abstract, so a subclass written for NVRx runs unchanged). A subclass may do
+    anything collective in ``replicate``; it must not leave other collectives pending.
+    """
+
+    @abstractmethod
+    def replicate(self, local_ckpt: Any, id_: Any) -> tuple[list[Any], list[Any]]:
+        """The checkpoints (tensor-aware state dicts) this rank keeps, and their ids."""
+
+    def retrieve_plan(self, globally_available_ids: Any, wanted: Any) -> Any:
+        """NVRx's retrieval planning; not called by tierpoint (see the class docstring)."""
+        raise NotImplementedError("tierpoint plans retrieval itself")
+
+    def retrieve_execute(self, *args: Any, **kwargs: Any) -> Any:
+        """NVRx's retrieval; not called by tierpoint (see the class docstring)."""
+        raise NotImplementedError("tierpoint retrieves parts itself")
+
+
+class UserReplication:
+    """The manager's view of a user's strategy (anything with NVRx's ``replicate``): the same
+    attributes as :class:`CliqueReplicationStrategy` where the manager needs them. Holders are
+    unknown in advance (``holders`` is empty): replicas lost with a node are not restored, the next
+    save makes new ones."""
+
+    lazy = True
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.replication_factor = 2  # spares kept per save; refined by each replicate()
+        self._group: Any = None
+        self._restore_group: Any = None
+
+    @staticmethod
+    def accepts(strategy: Any) -> bool:
+        return isinstance(strategy, ReplicationStrategy) or callable(
+            getattr(strategy, "replicate", None)
+        )
+
+    def setup(self) -> None:
+        """Create the groups (collective, inside the manager's collective calls)."""
+        if self._group is None and tpdist.is_distributed():
+            self._group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
+            self._restore_group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
+
+    @property
+    def group(self) -> Any:
+        self.setup()
+        return self._group
+
+    @property
+    def restore_group(self) -> Any:
+        self.setup()
+        return self._restore_group
+
+    def holders(self, origin: int) -> list[int]:
+        return []
+
+    def reset(self) -> None:
+        self._group = self._restore_group = None
+
+    def replicate(self, local_ckpt: Any, ckpt_id: Any) -> list[tuple[Any, tuple[int, int, str]]]:
+        """Run the user's ``replicate``; returns ``(checkpoint, (iteration, origin, session))``
+        pairs, each checked to be a tensor-aware state dict with a well-formed id."""
+        out = self.strategy.replicate(local_ckpt, ckpt_id)
+        name = type(self.strategy).__name__
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise CheckpointingError(
+                f"{name}.replicate must return (checkpoints, ids), got {type(out).__name__}"
+            )
+        ckpts, ids = list(out[0]), list(out[1])
+        if len(ckpts) != len(ids):
+            raise CheckpointingError(
+                f"{name}.replicate returned {len(ckpts)} checkpoints but {len(ids)} ids"
+            )
+        pairs = []
+        for ckpt, id_ in zip(ckpts, ids):
+            if not (isinstance(id_, (tuple, list)) and len(id_) == 3):
+                raise CheckpointingError(f"{name}.replicate returned the id {id_!r}")
+            if not callable(getattr(ckpt, "to_flat", None)):
+                raise CheckpointingError(
+                    f"{name}.replicate returned a {type(ckpt).__name__} for {tuple(id_)}, "
+                    "want a TensorAwareStateDict"
+                )
+            pairs.append((ckpt, (id_[0], id_[1], id_[2])))
+        self.replication_factor = max(2, len(pairs))
+        return pairs
+
+    def __repr__(self) -> str:
+        return f"UserReplication({self.strategy!r})"
