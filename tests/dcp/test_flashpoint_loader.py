@@ -4,6 +4,7 @@ loads; tierpoint's own ``step-N`` layout is found beside it."""
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from tierpoint import cli
+from tierpoint.cli import main
 from tierpoint.dcp import (
     CheckpointContainerId,
     CheckpointObjectId,
@@ -81,7 +82,7 @@ def test_a_flashpoint_style_resume_on_two_ranks_skips_the_unfinished_newest(tmp_
     assert get_latest_complete_checkpoint(tmp_path).endswith("step-2_ckpt")
 
 
-def test_both_layouts_are_found_and_tierpoints_wins_a_tie(tmp_path, caplog):
+def test_both_layouts_are_found_and_tierpoints_wins_a_tie(tmp_path, caplog, capsys):
     save(_state(0, 4), checkpoint_id=tmp_path / "step-4_ckpt")
     save(_state(0, 4), checkpoint_id=tmp_path / "step-4")
     save(_state(0, 5), checkpoint_id=tmp_path / "step-5_ckpt")
@@ -90,13 +91,14 @@ def test_both_layouts_are_found_and_tierpoints_wins_a_tie(tmp_path, caplog):
     latest = DefaultMLFlashpointCheckpointLoader().get_latest_complete_checkpoint(str(tmp_path))
     assert latest == CheckpointContainerId(str(tmp_path / "step-4"))
     assert "step-5_ckpt has a .metadata but unfinished markers of rank(s) 0" in caplog.text
-    # The command line lists both layouts and names the marker.
-    rows = {
-        os.path.basename(r.path): r
-        for r in cli._dcp_rows(str(tmp_path), "dcp-base", cli._entries(str(tmp_path), {}), {})
-    }
-    assert rows["step-5_ckpt"].status == "incomplete" and "[0]" in rows["step-5_ckpt"].detail
-    assert rows["step-4_ckpt"].step == 4 and rows["step-4_ckpt"].status != "incomplete"
+    # The command line lists both layouts, names the marker and agrees on the newest.
+    assert main(["ls", "--json", str(tmp_path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {os.path.basename(r["path"]): r for r in doc["checkpoints"]}
+    assert rows["step-5_ckpt"]["status"] == "incomplete"
+    assert "unfinished on ranks [0]" in rows["step-5_ckpt"]["detail"]
+    assert rows["step-4_ckpt"]["step"] == 4 and rows["step-4_ckpt"]["status"] == "complete"
+    assert doc["newest_restorable"] == {str(tmp_path): str(tmp_path / "step-4")}
 
 
 def test_read_data_per_object_and_refusals(tmp_path):
