@@ -395,23 +395,38 @@ class AsyncCallsQueue:
         return count
 
     def _agree_progress(self, ready: int, late: int) -> tuple[int, int]:
-        """Calls finished on every rank, and the latest any rank is. Collective."""
-        mine = torch.tensor([ready, late], dtype=torch.int64)
-        both = torch.stack(self._all_gather(mine, "ranks could not agree on progress"))
-        return int(both[:, 0].min()), int(both[:, 1].max())
+        """Calls finished on every rank, and the latest any rank is. Collective: one all-reduce of
+        two integers (O(1) bytes per rank at any world size)."""
+        both = self._max_over_ranks([-ready, late], "ranks could not agree on progress")
+        return -both[0], both[1]
 
     def _statuses(self, call: _Call, no_dist: bool) -> dict[int, tuple[bool, str, str | None]]:
-        """Every rank's outcome of ``call``, which every rank finished. Collective."""
+        """The outcome of ``call``, which every rank finished: this rank's alone when no rank failed
+        (one all-reduce of a flag), every rank's when one did (then gathered). Collective."""
         assert call.local is not None
         ok, payload, kind = call.local
         mine = (ok, "" if ok else str(payload), kind)
         if no_dist or self._group is None:
             return {tpdist.get_rank(): mine}
-        self._calls.appendleft(call)  # dropped (named) with the others if the gather fails
+        self._calls.appendleft(call)  # dropped (named) with the others if a collective fails
         why = f"{call.request.description}: ranks could not agree on the outcome"
-        gathered = self._all_gather(_encode(mine), why)
+        (failed,) = self._max_over_ranks([not ok], why)
+        if failed:
+            gathered = self._all_gather(_encode(mine), why)
+            statuses = {rank: _decode(t) for rank, t in enumerate(gathered)}
+        else:
+            statuses = {tpdist.get_rank(): mine}
         self._calls.popleft()
-        return {rank: _decode(t) for rank, t in enumerate(gathered)}
+        return statuses
+
+    def _max_over_ranks(self, values: list[int], why: str) -> list[int]:
+        """The largest of each of ``values`` over the queue's group; a failure gives the queue up."""
+        t = torch.tensor(values, dtype=torch.int64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        except RuntimeError as e:
+            raise CheckpointingError(self._give_up(f"{why} ({e})")) from e
+        return [int(v) for v in t.tolist()]
 
     def _all_gather(self, mine: torch.Tensor, why: str) -> list[torch.Tensor]:
         """Every rank's ``mine`` on the queue's group; a failed gather gives the queue up."""
