@@ -721,7 +721,7 @@ def _skeleton_values(node: Any, path: str, out: dict[str, Any]) -> None:
         elif tag == "tuple":
             for i, v in enumerate(node.get("v", [])):
                 _skeleton_values(v, _child_path(path, i), out)
-        elif tag in ("tensor", "ndarray"):
+        elif tag in ("tensor", "dtensor", "ndarray"):
             return
         elif tag == "pickle":
             out[path or "<root>"] = "<a pickled object: not loaded>"
@@ -743,7 +743,7 @@ def _skeleton_view(doc: dict[str, Any]) -> Any:
         if isinstance(node, list):
             return [view(v) for v in node]
         if isinstance(node, dict):
-            if node.get("~") in ("tensor", "ndarray") and isinstance(node.get("i"), int):
+            if node.get("~") in ("tensor", "dtensor", "ndarray") and isinstance(node.get("i"), int):
                 i = node["i"]
                 return f"<{node['~']} {names[i] if 0 <= i < len(names) else i}>"
             return {k: view(v) for k, v in node.items()}

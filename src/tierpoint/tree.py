@@ -23,6 +23,8 @@ JSON object with a single tag key ``"~"``:
 ``dict`` / ``OrderedDict``     ``{"~": "dict" | "odict", "k": [keys...], "v": [values...]}``
 ``bytes``                      ``{"~": "bytes", "v": "<base64>"}``
 tensor                         ``{"~": "tensor", "i": <index into tensors>}``
+DTensor                        ``{"~": "dtensor", "i": <index of its local shard>, "d": {...}}``
+                               (:mod:`tierpoint.dtensors`: mesh, placements, global shape)
 ``torch.dtype/Size/device``    ``{"~": "dtype" | "size" | "device", "v": ...}``
 numpy array (numeric)          ``{"~": "ndarray", "i": <index>}`` (stored as a tensor)
 numpy array (other, no object) ``{"~": "ndbytes", "dtype": "<U5", "shape": [...], "v": "<base64>"}``
@@ -43,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import dtensors
 from .errors import UnsupportedStateError
 
 MAX_DEPTH = 200
@@ -92,6 +95,9 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
             raise UnsupportedStateError(path, f"nesting deeper than {MAX_DEPTH} levels")
         if obj is None or type(obj) in (bool, str):
             return obj
+        if dtensors.is_dtensor(obj):
+            desc = dtensors.describe(obj, path)
+            return {_TAG: "dtensor", "i": add_tensor(dtensors.local_shard(obj), path), "d": desc}
         if isinstance(obj, torch.Tensor):
             if obj.is_nested:
                 raise UnsupportedStateError(path, "nested tensors are not supported")
@@ -292,6 +298,7 @@ def _dec_ndarray(node: dict, _d: Any, _depth: int, tensor_at: Any, *_: Any) -> n
 
 _DECODERS: dict[Any, Any] = {
     "tensor": lambda node, _d, _depth, tensor_at, *_: tensor_at(node),
+    "dtensor": lambda node, _d, _depth, tensor_at, *_: dtensors.rebuild(tensor_at(node), node["d"]),
     "ndarray": _dec_ndarray,
     "int": _dec_int,
     "float": _dec_float,
@@ -336,7 +343,7 @@ def tensor_count(skeleton: Any) -> int:
             for v in node:
                 walk(v)
         elif isinstance(node, dict):
-            if node.get(_TAG) in ("tensor", "ndarray") and type(node.get("i")) is int:
+            if node.get(_TAG) in ("tensor", "dtensor", "ndarray") and type(node.get("i")) is int:
                 found.add(node["i"])
             for v in node.values():
                 walk(v)
