@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import dcp, storage
 from .. import dist as tpdist
@@ -589,10 +588,7 @@ class TieredCheckpointManager:
         self._watching_signal = True
 
     def _agree_on_signal(self) -> bool:
-        flag = torch.tensor([1 if self._signalled else 0])
-        if tpdist.is_distributed():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=tpdist.coordination_group())
-        return bool(flag.item())
+        return bool(tpdist.reduce_ints([self._signalled], "max", "agreeing on a signal")[0])
 
     def stats(self) -> dict[str, Any]:
         """Counts, blocking time per save and time to durable per tier, and the restores."""
@@ -633,8 +629,11 @@ class TieredCheckpointManager:
         return step
 
     def _agree_on_step(self, step: int) -> None:
-        steps = tpdist.all_gather_json(step, "agreeing on the step to save")
-        if len(set(steps)) != 1:
+        """One all-reduce of two integers; the steps are gathered only when ranks disagree."""
+        what = "agreeing on the step to save"
+        low, high = tpdist.reduce_ints([step, -step], "min", what)
+        if low != -high:
+            steps = tpdist.all_gather_json(step, what)
             raise CheckpointingError(
                 f"ranks disagree on the step to save: {dict(enumerate(steps))}"
             )
