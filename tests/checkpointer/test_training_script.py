@@ -4,7 +4,8 @@ save every 2 steps (every 4th permanent, the others ephemeral), ``done()`` polle
 restart that resumes from ``latest_checkpoint``. Resumed training must end bit-equal to a run that
 never stopped, every rank must get its own trainer state back, and superseded ephemeral
 checkpoints must be gone. Run on a local directory and on the local S3 server (one script run each, in
-the same 2 processes); the local run is then resumed on 3 ranks (another world size: every rank gets rank 0's trainer state)."""
+the same 2 processes); the same processes then load a checkpoint saved by 1 rank (another world
+size: every rank gets rank 0's trainer state)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
-from tierpoint import CheckpointerConfig
+from tierpoint import CheckpointerConfig, fileformat, storage
 from tierpoint.spawn import run_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -172,28 +173,43 @@ def _check(results: list[dict]) -> None:
         assert r["steps"] == [4, 8, 10] and r["ephemeral"] == [10]
 
 
-def _resume_on_other_world(rank: int, world: int, save_folder: str, work_dir: str) -> list:
+def _load_from_another_world_size(rank: int, path: str, work_dir: str) -> list:
     train_module = _build()
-    checkpointer = CheckpointerConfig(work_dir=work_dir).build()
-    state = checkpointer.load(checkpointer.latest_checkpoint(save_folder), train_module)
-    model = get_model_state_dict(train_module.model)
-    return [state["global_step"], state["data_loader"]["rank"], float(model["weight"].sum())]
+    state = CheckpointerConfig(work_dir=work_dir).build().load(path, train_module)
+    return [state, float(get_model_state_dict(train_module.model)["weight"].sum())]
 
 
-def _local_and_s3(rank: int, world: int, local: str, s3: str, work_dir: str) -> list[dict]:
-    return [_run_and_resume(rank, world, folder, work_dir) for folder in (local, s3)]
+def _local_and_s3(
+    rank: int, world: int, local: str, s3: str, work_dir: str, one_rank_step: str
+) -> list:
+    runs = [_run_and_resume(rank, world, folder, work_dir) for folder in (local, s3)]
+    return [*runs, _load_from_another_world_size(rank, one_rank_step, work_dir)]
+
+
+def _save_on_one_rank(folder: str, work_dir: str) -> str:
+    """A checkpoint saved by 1 rank (this process), plus a stray ``rank1`` trainer-state file that
+    is not part of it: its ``.metadata.json`` records 1 rank."""
+    path = f"{folder}/step3"
+    model = torch.nn.Linear(8, 4)
+    train_module = MyTrainModule(model, torch.optim.AdamW(model.parameters()))
+    CheckpointerConfig(work_dir=work_dir).build().save(path, train_module, {"saved_by": 0})
+    fileformat.write(f"{path}/train/rank1.safetensors", {"saved_by": "stray"})
+    return path
 
 
 def test_olmo_style_script_on_a_local_directory_and_on_s3(s3_bucket, tmp_path):  # noqa: F811
     base, options = s3_bucket
     folder, work = str(tmp_path / "run"), str(tmp_path / "work")
     env = {"AWS_ENDPOINT_URL": options["endpoint_url"]}  # the script passes no storage options
-    results = run_ranks(_local_and_s3, 2, folder, f"{base}/run", work, timeout=300, env=env)
+    one_rank = _save_on_one_rank(str(tmp_path / "one"), work)
+    results = run_ranks(
+        _local_and_s3, 2, folder, f"{base}/run", work, one_rank, timeout=300, env=env
+    )
     for backend in (0, 1):
         _check([r[backend] for r in results])
+    # Loaded by another number of ranks: every rank gets rank 0's trainer state, and the same model.
+    assert [r[2][0] for r in results] == [{"saved_by": 0}] * 2
+    assert results[0][2][1] == results[1][2][1]
     assert sorted(os.listdir(folder)) == ["step10", "step4", "step8"]
+    assert storage.listdir(f"{base}/run", options) == ["step10", "step4", "step8"]  # all removed
     assert sorted(os.listdir(f"{folder}/step8/train")) == ["rank0.safetensors", "rank1.safetensors"]
-    # Restarted on 3 ranks: every rank gets rank 0's trainer state, and the same model.
-    results = run_ranks(_resume_on_other_world, 3, folder, work, timeout=120)
-    assert [r[:2] for r in results] == [[10, 0]] * 3
-    assert len({r[2] for r in results}) == 1

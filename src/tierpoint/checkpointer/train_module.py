@@ -54,7 +54,8 @@ class BasicTrainModule:
     """A :class:`TrainModule` over a model, an optional optimizer and an optional LR scheduler.
 
     ``options``: torch's ``StateDictOptions`` for ``get_*_state_dict`` / ``set_*_state_dict``
-    (for example ``full_state_dict=True``); the defaults keep DTensor shards.
+    (for example ``full_state_dict=True``); the defaults keep DTensor shards. The scheduler's
+    state is saved and loaded with the optimizer's (not with ``load_optim_state=False``).
     """
 
     def __init__(
