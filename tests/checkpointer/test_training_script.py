@@ -5,7 +5,8 @@ restart that resumes from ``latest_checkpoint``. Resumed training must end bit-e
 never stopped, every rank must get its own trainer state back, and superseded ephemeral
 checkpoints must be gone. Run on a local directory and on the local S3 server (one script run each, in
 the same 2 processes); the same processes then load a checkpoint saved by 1 rank (another world
-size: every rank gets rank 0's trainer state)."""
+size: every rank gets rank 0's trainer state), save and load an FSDP2 model through
+``BasicTrainModule``, and refuse a ``process_group`` over fewer ranks."""
 
 from __future__ import annotations
 
@@ -179,11 +180,57 @@ def _load_from_another_world_size(rank: int, path: str, work_dir: str) -> list:
     return [state, float(get_model_state_dict(train_module.model)["weight"].sum())]
 
 
-def _local_and_s3(
-    rank: int, world: int, local: str, s3: str, work_dir: str, one_rank_step: str
+def _fsdp2_round_trip(rank: int, world: int, folder: str, work_dir: str) -> list[bool]:
+    """BasicTrainModule over an FSDP2 model (DTensor shards) and its optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tierpoint import BasicTrainModule
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build(seed: int) -> BasicTrainModule:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        fully_shard(model, mesh=mesh)
+        return BasicTrainModule(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+
+    saved = build(0)
+    saved.model(_batch(0, rank)).sum().backward()
+    saved.optim.step()
+    checkpointer = CheckpointerConfig(work_dir=work_dir).build()
+    checkpointer.save(f"{folder}/step1", saved, {"rank": rank})
+    loaded = build(1)
+    state = checkpointer.load(f"{folder}/step1", loaded)
+    weight = saved.model[0].weight
+    exp_avg = [o.optim.state[o.model[0].weight]["exp_avg"].full_tensor() for o in (saved, loaded)]
+    return [
+        type(weight).__name__ == "DTensor",
+        state == {"rank": rank},
+        torch.equal(weight.full_tensor(), loaded.model[0].weight.full_tensor()),
+        torch.equal(*exp_avg),
+    ]
+
+
+def _group_over_fewer_ranks_is_refused(work_dir: str) -> bool:
+    group = dist.new_group(ranks=[0], backend="gloo")
+    try:
+        CheckpointerConfig(work_dir=work_dir).build(process_group=group)
+    except ValueError:
+        return True
+    return False
+
+
+def _in_two_processes(
+    rank: int, world: int, local: str, s3: str, work_dir: str, one_rank_step: str, fsdp: str
 ) -> list:
     runs = [_run_and_resume(rank, world, folder, work_dir) for folder in (local, s3)]
-    return [*runs, _load_from_another_world_size(rank, one_rank_step, work_dir)]
+    return [
+        *runs,
+        _load_from_another_world_size(rank, one_rank_step, work_dir),
+        _fsdp2_round_trip(rank, world, fsdp, work_dir),
+        _group_over_fewer_ranks_is_refused(work_dir),
+    ]
 
 
 def _save_on_one_rank(folder: str, work_dir: str) -> str:
@@ -202,14 +249,18 @@ def test_olmo_style_script_on_a_local_directory_and_on_s3(s3_bucket, tmp_path): 
     folder, work = str(tmp_path / "run"), str(tmp_path / "work")
     env = {"AWS_ENDPOINT_URL": options["endpoint_url"]}  # the script passes no storage options
     one_rank = _save_on_one_rank(str(tmp_path / "one"), work)
+    fsdp = str(tmp_path / "fsdp")
     results = run_ranks(
-        _local_and_s3, 2, folder, f"{base}/run", work, one_rank, timeout=300, env=env
+        _in_two_processes, 2, folder, f"{base}/run", work, one_rank, fsdp, timeout=300, env=env
     )
     for backend in (0, 1):
         _check([r[backend] for r in results])
     # Loaded by another number of ranks: every rank gets rank 0's trainer state, and the same model.
     assert [r[2][0] for r in results] == [{"saved_by": 0}] * 2
     assert results[0][2][1] == results[1][2][1]
+    # BasicTrainModule on FSDP2 (DTensor shards): model and optimizer state back bit-equal.
+    assert [r[3] for r in results] == [[True] * 4] * 2
+    assert [r[4] for r in results] == [True, True]  # process_group over fewer ranks: refused
     assert sorted(os.listdir(folder)) == ["step10", "step4", "step8"]
     assert storage.listdir(f"{base}/run", options) == ["step10", "step4", "step8"]  # all removed
     assert sorted(os.listdir(f"{folder}/step8/train")) == ["rank0.safetensors", "rank1.safetensors"]
