@@ -102,6 +102,8 @@ class Counter:
 def _caller() -> str:
     """The innermost tierpoint (or torch DCP) frame that led to a collective."""
     for frame in traceback.extract_stack()[::-1]:
+        if frame.filename.endswith(("dist.py", "spawn.py", "scale_bench.py")):
+            continue
         if "/tierpoint/" in frame.filename or "/checkpoint/" in frame.filename:
             return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
     return "?"

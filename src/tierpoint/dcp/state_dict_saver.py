@@ -47,8 +47,6 @@ from collections import OrderedDict
 from dataclasses import fields
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -385,23 +383,16 @@ def _min_over_ranks(value: int, group: Any, use_dist: bool, what: str) -> int:
 
 def _mins_over_ranks(values: list[int], group: Any, use_dist: bool, what: str) -> list[int]:
     """One all-reduce of a few integers: the smallest of each over all ranks."""
-    if not use_dist:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.int64)
-    try:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    except (RuntimeError, dist.DistError) as e:
-        raise CheckpointingError(f"{what}: ranks could not agree ({e})") from e
-    return [int(v) for v in t.tolist()]
+    return tpdist.reduce_ints(values, "min", what, group) if use_dist else list(values)
 
 
 def _agree(group: Any, use_dist: bool, what: str, error: BaseException | None) -> None:
-    """Collective: if any rank passes an error, every rank raises the same CheckpointingError."""
-    status = None if error is None else error_text(error)[:2000]
-    statuses = tpdist.all_gather_json(status, what, group=group) if use_dist else [status]
-    failures = {r: s for r, s in enumerate(statuses) if s is not None}
-    if failures:
-        raise CheckpointingError(failed_on_ranks(what, failures), failures) from error
+    """Collective: if any rank passes an error, every rank raises the same CheckpointingError
+    (:func:`tierpoint.dist.raise_if_any_failed` on ``group``; this rank alone without ``use_dist``)."""
+    if use_dist:
+        tpdist.raise_if_any_failed(what, error, group)
+    else:
+        tpdist.raise_failures(what, [tpdist.failure_status(error)], error)
 
 
 def _cleanup_after_failure(writer: Writer, keep_marker: bool = False) -> None:
