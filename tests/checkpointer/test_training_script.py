@@ -6,7 +6,8 @@ never stopped, every rank must get its own trainer state back, and superseded ep
 checkpoints must be gone. Run on a local directory and on the local S3 server (one script run each, in
 the same 2 processes); the same processes then load a checkpoint saved by 1 rank (another world
 size: every rank gets rank 0's trainer state), save and load an FSDP2 model through
-``BasicTrainModule``, and refuse a ``process_group`` over fewer ranks."""
+``BasicTrainModule``, and refuse a ``process_group`` over fewer ranks. Before all that (while the
+worker process still starts), a failed async save and a wait that timed out."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
 from tierpoint import CheckpointerConfig, fileformat, storage
+from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -221,15 +223,48 @@ def _group_over_fewer_ranks_is_refused(work_dir: str) -> bool:
     return False
 
 
+def _failed_save_and_timed_out_wait(rank: int, folder: str, work_dir: str) -> list[bool]:
+    """save_async's future while the worker still starts (first in the process): a wait past its
+    timeout raises TimeoutError and leaves the save pending; a failed commit raises from
+    result() on every rank, reaches done(), exception() and callbacks, and leaves no finished
+    checkpoint."""
+    checkpointer = CheckpointerConfig(work_dir=work_dir).build()
+    called = []
+    model = torch.nn.Linear(8, 4)
+    train_module = MyTrainModule(model, torch.optim.AdamW(model.parameters()))
+    future = checkpointer.save_async(f"{folder}/step1", train_module, {"step": 1})
+    future.add_done_callback(called.append)
+    if rank == 0:
+        os.makedirs(f"{folder}/step1/.metadata.json")  # in the way of the commit
+    out = []
+    try:
+        future.result(timeout=0.01)
+    except TimeoutError:
+        out.append(called == [])
+    try:
+        future.result(timeout=120)
+    except CheckpointingError as e:
+        out.append("step1/.metadata.json" in str(e))
+    out.append(future.done() and called == [future])
+    out.append(isinstance(future.exception(), CheckpointingError) and not future.cancel())
+    try:
+        checkpointer.latest_checkpoint(folder)
+    except FileNotFoundError:
+        out.append(True)
+    return out
+
+
 def _in_two_processes(
     rank: int, world: int, local: str, s3: str, work_dir: str, one_rank_step: str, fsdp: str
 ) -> list:
+    failed = _failed_save_and_timed_out_wait(rank, f"{fsdp}-failed", work_dir)
     runs = [_run_and_resume(rank, world, folder, work_dir) for folder in (local, s3)]
     return [
         *runs,
         _load_from_another_world_size(rank, one_rank_step, work_dir),
         _fsdp2_round_trip(rank, world, fsdp, work_dir),
         _group_over_fewer_ranks_is_refused(work_dir),
+        failed,
     ]
 
 
@@ -261,6 +296,7 @@ def test_olmo_style_script_on_a_local_directory_and_on_s3(s3_bucket, tmp_path): 
     # BasicTrainModule on FSDP2 (DTensor shards): model and optimizer state back bit-equal.
     assert [r[3] for r in results] == [[True] * 4] * 2
     assert [r[4] for r in results] == [True, True]  # process_group over fewer ranks: refused
+    assert [r[5] for r in results] == [[True] * 5] * 2  # a failed save, a wait that timed out
     assert sorted(os.listdir(folder)) == ["step10", "step4", "step8"]
     assert storage.listdir(f"{base}/run", options) == ["step10", "step4", "step8"]  # all removed
     assert sorted(os.listdir(f"{folder}/step8/train")) == ["rank0.safetensors", "rank1.safetensors"]
