@@ -3,7 +3,10 @@ it was sharded, rebuilt on the same device mesh when loaded.
 
 Call order: :func:`tierpoint.tree.flatten` calls :func:`local_shard` and :func:`describe` for each
 DTensor it meets (the mesh is remembered in this process); :func:`tierpoint.tree.unflatten` calls
-:func:`rebuild` with the loaded local shard and that description.
+:func:`rebuild` with the loaded local shard and that description, or only
+:func:`check_description` when it validates a part (of any rank, in any process: no mesh is
+needed). The local tier builds DTensors when the loaded state is first used
+(``ta_state_dict.state_dict``), on every rank at the same point.
 
 Description: ``{"device_type", "mesh": nested list of ranks, "dim_names", "placements", "shape",
 "stride"}``; placements are ``["shard", dim]``, ``["replicate"]`` or ``["partial", op]`` (other kinds,
@@ -82,6 +85,24 @@ def describe(dt: Any, path: str) -> dict[str, Any]:
     }
 
 
+def check_description(local: torch.Tensor, desc: Any) -> tuple[list[int], list[int], list[int]]:
+    """The form of ``desc`` checked without a mesh (any rank, any time): its global shape and
+    stride, and the ranks of its mesh."""
+    if not isinstance(desc, dict):
+        raise _bad("a DTensor node needs a description")
+    shape, stride = _ints(desc.get("shape"), "shape"), _ints(desc.get("stride"), "stride")
+    if len(shape) != len(stride) or len(shape) != local.dim():
+        raise _bad(
+            f"DTensor of {len(shape)} dims (stride {len(stride)}) with a {local.dim()}-dim shard"
+        )
+    ranks = _flat_ranks(desc.get("mesh"), 0)
+    mesh_dims, nested = 0, desc.get("mesh")
+    while isinstance(nested, list):
+        mesh_dims, nested = mesh_dims + 1, nested[0]
+    _placements(desc.get("placements"), mesh_dims, len(shape))
+    return shape, stride, ranks
+
+
 def rebuild(local: torch.Tensor, desc: Any) -> Any:
     """The DTensor described by ``desc`` with ``local`` as this rank's shard (see the module
     docstring for the checks)."""
@@ -90,13 +111,7 @@ def rebuild(local: torch.Tensor, desc: Any) -> Any:
 
     from .tree import SkeletonError
 
-    if not isinstance(desc, dict):
-        raise SkeletonError("a DTensor node needs a description")
-    shape, stride = _ints(desc.get("shape"), "shape"), _ints(desc.get("stride"), "stride")
-    if len(shape) != len(stride) or len(shape) != local.dim():
-        raise SkeletonError(
-            f"DTensor of {len(shape)} dims (stride {len(stride)}) with a {local.dim()}-dim shard"
-        )
+    shape, stride, _ = check_description(local, desc)
     mesh = _mesh(desc)
     placements = _placements(desc.get("placements"), mesh.ndim, len(shape))
     expected, _ = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)

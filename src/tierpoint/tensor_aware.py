@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointingError
-from .tree import FlatState, flatten, unflatten
+from .tree import FlatState, SkeletonError, flatten, unflatten
 
 logger = logging.getLogger("tierpoint")
 
@@ -231,7 +231,10 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         same object on every access; changes made to it are saved, as with NVRx."""
         tensors = self.tensors  # raises when hollow
         if self._state is None:
-            self._state = unflatten(self._skeleton, tensors, allow_pickle=self.allow_pickle)
+            try:
+                self._state = unflatten(self._skeleton, tensors, allow_pickle=self.allow_pickle)
+            except SkeletonError as e:  # a DTensor that does not fit its mesh here
+                raise CheckpointingError(f"cannot rebuild the loaded state: {e}") from None
         self._handed_out = True
         return self._state
 

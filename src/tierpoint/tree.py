@@ -173,8 +173,17 @@ def _enc_ndarray(arr: np.ndarray, path: str, add_tensor: Any, flat: FlatState) -
     return {_TAG: "ndarray", "i": index}
 
 
-def unflatten(skeleton: Any, tensors: list[torch.Tensor], *, allow_pickle: bool = False) -> Any:
-    """Rebuild the state that :func:`flatten` split. Raises :class:`SkeletonError` on bad input."""
+def unflatten(
+    skeleton: Any,
+    tensors: list[torch.Tensor],
+    *,
+    allow_pickle: bool = False,
+    build_dtensors: bool = True,
+) -> Any:
+    """Rebuild the state that :func:`flatten` split. Raises :class:`SkeletonError` on bad input.
+
+    ``build_dtensors=False``: a DTensor's description is only checked for form and its local shard
+    is returned (no device mesh is looked up or made: for checks on any rank, at any time)."""
 
     def tensor_at(node: dict) -> torch.Tensor:
         i = node.get("i")
@@ -193,6 +202,12 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor], *, allow_pickle: bool 
             raise SkeletonError(f"unexpected skeleton node of type {type(node).__name__}")
         tag = node.get(_TAG)
         try:
+            if tag == "dtensor":
+                local = tensor_at(node)
+                if not build_dtensors:
+                    dtensors.check_description(local, node["d"])
+                    return local
+                return dtensors.rebuild(local, node["d"])
             return _DECODERS[tag](node, dec, depth, tensor_at, allow_pickle)
         except KeyError as e:
             if tag not in _DECODERS:
@@ -298,7 +313,7 @@ def _dec_ndarray(node: dict, _d: Any, _depth: int, tensor_at: Any, *_: Any) -> n
 
 _DECODERS: dict[Any, Any] = {
     "tensor": lambda node, _d, _depth, tensor_at, *_: tensor_at(node),
-    "dtensor": lambda node, _d, _depth, tensor_at, *_: dtensors.rebuild(tensor_at(node), node["d"]),
+    "dtensor": None,  # decoded in unflatten (it needs build_dtensors)
     "ndarray": _dec_ndarray,
     "int": _dec_int,
     "float": _dec_float,

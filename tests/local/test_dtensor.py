@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from tierpoint import fileformat
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
@@ -25,7 +26,8 @@ def _training_state(world: int, seed: int) -> tuple[nn.Module, torch.optim.Optim
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(3, 8)).sum().backward()
     optimizer.step()
-    table = distribute_tensor(torch.arange(12.0).reshape(4, 3) * (seed + 1), mesh, [Shard(0)])
+    # 5 rows on 2 ranks: uneven shards (3 and 2 rows)
+    table = distribute_tensor(torch.arange(15.0).reshape(5, 3) * (seed + 1), mesh, [Shard(0)])
     bias = distribute_tensor(torch.full((3,), float(seed)), mesh, [Replicate()])
     return model, optimizer, {"table": table, "bias": bias, "step": seed}
 
@@ -58,7 +60,11 @@ def _resume(rank: int, world: int, root: str) -> list:
     assert ckpt_id.iteration == 2 and loaded["step"] == 1
     table = loaded["table"]
     assert isinstance(table, DTensor) and table.placements == (Shard(0),)
-    assert table.to_local().shape == (2, 3) and table.device_mesh == extra["table"].device_mesh
+    assert table.to_local().shape == (3 - rank, 3)
+    assert table.device_mesh == extra["table"].device_mesh
+    # Any rank checks any rank's part (as replication does on receipt) without its mesh.
+    other = LocalCheckpointManager(root, session_id="dt")._dir_of(1 - rank)
+    fileformat.verify(next(other.glob("iter_0000002_*")))
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optim"])
     # The description is checked against the shard before anything is built.
@@ -68,6 +74,8 @@ def _resume(rank: int, world: int, root: str) -> list:
     desc = dtensors.describe(table, "table")
     with pytest.raises(SkeletonError, match="local shard is \\[4, 3\\]"):
         dtensors.rebuild(torch.zeros(4, 3), desc)
+    with pytest.raises(SkeletonError, match="unknown DTensor placement"):
+        dtensors.rebuild(table.to_local(), {**desc, "placements": [["strided", 0]]})
     with pytest.raises(SkeletonError, match="not a set of distinct ranks below 2"):
         dtensors.rebuild(table.to_local(), {**desc, "mesh": [0, 5]})
     return [
@@ -87,5 +95,12 @@ def test_a_dtensor_part_needs_torch_distributed_to_load(tmp_path):
 
     with pytest.raises(CheckpointingError, match="needs torch.distributed initialised"):
         dtensors.rebuild(
-            torch.zeros(2), {"device_type": "cpu", "mesh": [0, 1], "shape": [4], "stride": [1]}
+            torch.zeros(2),
+            {
+                "device_type": "cpu",
+                "mesh": [0, 1],
+                "shape": [4],
+                "stride": [1],
+                "placements": [["shard", 0]],
+            },
         )

@@ -245,10 +245,16 @@ def read(
 
 
 def unflatten_checked(
-    header: PartHeader, tensors: list[torch.Tensor], *, allow_pickle: bool = False
+    header: PartHeader,
+    tensors: list[torch.Tensor],
+    *,
+    allow_pickle: bool = False,
+    build_dtensors: bool = True,
 ) -> Any:
     try:
-        return unflatten(header.skeleton, tensors, allow_pickle=allow_pickle)
+        return unflatten(
+            header.skeleton, tensors, allow_pickle=allow_pickle, build_dtensors=build_dtensors
+        )
     except SkeletonError as e:
         raise CorruptCheckpointError(header.path, f"bad state skeleton: {e}") from None
 
@@ -334,6 +340,6 @@ def _check_skeleton(header: PartHeader) -> None:
         warnings.simplefilter("ignore", UserWarning)
         stand_ins = [torch.empty((), dtype=r.dtype).expand(r.shape) for r in header.records]
     try:
-        unflatten_checked(header, stand_ins)
+        unflatten_checked(header, stand_ins, build_dtensors=False)  # any rank's part, any process
     except UnsupportedStateError:
         pass

@@ -123,8 +123,11 @@ class PartRecovery:
             if meta.get("iteration") != iteration or meta.get("rank") != self.rank:
                 # another part under this name (swapped or copied over): intact, but not this one
                 raise CorruptCheckpointError(str(path), "file name disagrees with its metadata")
-            # validates the skeleton before use
-            fileformat.unflatten_checked(header, tensors, allow_pickle=allow_pickle)
+            # validates the skeleton before use; DTensors are built (on their mesh, which may create
+            # process groups: every rank at once) when the state is first used
+            fileformat.unflatten_checked(
+                header, tensors, allow_pickle=allow_pickle, build_dtensors=False
+            )
             return (header, tensors), "", ""
         except FileNotFoundError:
             return None, f"{path}: missing", "CheckpointingError"
