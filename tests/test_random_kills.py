@@ -30,7 +30,6 @@ neither job finished.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -56,6 +55,9 @@ from tierpoint.local import (
 from tierpoint.local.naming import parse_part_name, part_name
 from tierpoint.spawn import run_ranks
 
+from .fault.jobs import Log as _Log
+from .fault.jobs import events as _events
+from .fault.jobs import own_process_group as _own_process_group
 from .local.helpers import assert_bitwise_equal
 
 WORLD = 2
@@ -109,20 +111,6 @@ def _dcp_template(ranks: range | list[int]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ the job
 
 
-class _Log:
-    """One JSON line per event, appended and fsynced (a kill may cut only the last line)."""
-
-    def __init__(self, directory: str, rank: int) -> None:
-        os.makedirs(directory, exist_ok=True)
-        self.fd = os.open(
-            os.path.join(directory, f"rank{rank}.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
-        )
-
-    def write(self, **event: Any) -> None:
-        os.write(self.fd, (json.dumps({**event, "t": time.time()}) + "\n").encode())
-        os.fsync(self.fd)
-
-
 def _manager(rank: int, root: str) -> LocalCheckpointManager:
     os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"  # two nodes: the replicas go to the other
     strategy = CliqueReplicationStrategy.from_replication_params(
@@ -169,17 +157,6 @@ def _prune_steps(base: str, below: int) -> None:
         except FileNotFoundError:
             pass
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _own_process_group(rank: int) -> None:
-    """Make the job one process group of its own (collective), so that it can be killed at once:
-    both ranks and the worker processes they start from now on."""
-    leader = [os.getpid()]
-    if rank == 0:
-        os.setpgid(0, 0)
-    dist.broadcast_object_list(leader, src=0)
-    if rank != 0:
-        os.setpgid(0, leader[0])
 
 
 def _job(rank: int, world: int, roots: dict[str, str], job: int, log_dir: str) -> None:
@@ -237,18 +214,6 @@ def _verify(rank: int, world: int, roots: dict[str, str]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ the parent
-
-
-def _events(log_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted(log_dir.glob("rank*.jsonl")):
-        rank = int(path.stem.removeprefix("rank"))
-        for line in path.read_text().splitlines():
-            try:
-                out.append({**json.loads(line), "rank": rank})
-            except ValueError:
-                pass  # the line a kill cut short
-    return out
 
 
 def _newest_finalized(events: list[dict[str, Any]], tier: str) -> int:
