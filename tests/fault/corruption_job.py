@@ -1,9 +1,9 @@
 """Corruption trials on a real 2-rank job (each rank its own simulated node), many per job.
 
-:func:`corruption_trials` (run by :func:`tierpoint.spawn.run_ranks`) saves steps 1..6 with a
-:class:`~tierpoint.TieredCheckpointManager` (local tier every step, replicated to the other node,
-keeping 2; persistent tier every 2 steps, keeping 2: local steps 5 and 6 in two copies each,
-persistent steps 4 and 6), then for each seed: rank 0 draws and applies one mutation
+:func:`corruption_trials` (run by :func:`tierpoint.spawn.run_ranks`) saves steps 1..6 as a
+:class:`~tierpoint.TieredCheckpointManager` lays them out (local tier every step, replicated to the
+other node, keeping 2; persistent tier every 2 steps, keeping 2: local steps 5 and 6 in two copies
+each, persistent steps 4 and 6; written synchronously, see :func:`_save_in_process`), then for each seed: rank 0 draws and applies one mutation
 (:mod:`.corruptions`) and reads the damaged file through tierpoint's checks; both ranks restore
 with the tiered manager and with a manager of the persistent tier alone; the damage is undone.
 One JSON line per trial goes to ``<log>`` as it ends (a hung trial is the seed after the last line).
@@ -27,8 +27,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tierpoint import TieredCheckpointManager
+from tierpoint import TieredCheckpointManager, dcp
 from tierpoint.asyncsave import AsyncCallsQueue
+from tierpoint.dcp.layout import step_path
+from tierpoint.local import CliqueReplicationStrategy, LocalCheckpointManager
+from tierpoint.tensor_aware import BasicTensorAwareStateDict
+from tierpoint.tiered import state as st
+from tierpoint.tiered.retention import retire_persistent_steps
 
 from . import corruptions as cx
 from .states import make_state, matches
@@ -77,16 +82,32 @@ def _restore(root: Path, rank: int, local: bool) -> dict[str, Any]:
     return got
 
 
+def _save_in_process(base: Path, rank: int) -> None:
+    """Steps 1..6 as the tiered manager with :data:`SETTINGS` lays them out (the local tier's form
+    of the state, replicated to the other node, keeping 2; the persistent form every 2 steps,
+    keeping 2), written synchronously: no background worker to start (it imports torch: seconds
+    per job). The kill tests cover the manager's own saves."""
+    local = LocalCheckpointManager(
+        str(base / f"node{rank}"), "s", CliqueReplicationStrategy(None, 2), keep_last=2
+    )
+    persistent = str(base / "persistent")
+    for step in range(1, STEPS + 1):
+        tree = st.template(make_state(rank, step, job=0))
+        local.save(BasicTensorAwareStateDict(st.local_form(tree)), step)
+        if step % SETTINGS["persistent_every"] == 0:
+            dcp.save(st.persistent_form(tree, rank), step_path(persistent, step))
+            if rank == 0:
+                retire_persistent_steps(persistent, SETTINGS["keep_persistent"])
+    dist.barrier()
+
+
 def corruption_trials(
     rank: int, world: int, root: str, seeds: list[int], log: str, kinds: tuple[str, ...] = cx.KINDS
 ) -> list[dict[str, Any]]:
     """See the module docstring. Returns this rank's restores, one dict per seed."""
     os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"
     base = Path(root)
-    with _manager(base, rank) as manager:
-        for step in range(1, STEPS + 1):
-            manager.maybe_save(step, make_state(rank, step, job=0))
-    dist.barrier()
+    _save_in_process(base, rank)
     out = []
     for seed in seeds:
         start = time.monotonic()
