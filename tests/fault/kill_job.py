@@ -40,6 +40,8 @@ WORLD = 2
 STEPS = 6
 """Saves per job (after its restore): 6 local, 3 persistent."""
 JOB_ENV = {"TIERPOINT_TIMEOUT": "10", "TIERPOINT_WORKER_NICE": "0"}
+STOP_TIMEOUT = "5"
+"""``TIERPOINT_TIMEOUT`` of a job in which a rank is stopped."""
 JOB_TIMEOUT_S = 90.0
 MAX_PENDING = 8
 """Files waiting for clean-up at most (dirty parts, markers, steps without .metadata)."""
@@ -140,6 +142,8 @@ def kill_trial(
     phase_dir = log_dir / f"job{job}"
     phase_dir.mkdir(parents=True, exist_ok=True)
     env = {**JOB_ENV, "TIERPOINT_FAULT_PHASES": json.dumps({"log": str(phase_dir), "kill": kill})}
+    if kill is not None and kill["scope"] == "stop":
+        env["TIERPOINT_TIMEOUT"] = STOP_TIMEOUT  # the peer of a stopped rank waits this long
     start = time.monotonic()
     box: dict[str, BaseException] = {}
 
@@ -200,7 +204,7 @@ def _watch_stopped(
     """A rank was SIGSTOPped: the other must raise within the timeout (how long it took and whether
     it named the stopped rank go into ``seen``); then the stopped rank is killed (its worker dies
     with it)."""
-    timeout = float(JOB_ENV["TIERPOINT_TIMEOUT"])
+    timeout = float(STOP_TIMEOUT)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     stopped_at = None
     while time.monotonic() < deadline and thread.is_alive():
