@@ -96,8 +96,13 @@ def test_torch_async_checkpoint_saves_the_snapshot(tmp_path):
     assert torch.equal(loaded["w"], torch.arange(6.0)) and loaded["nested"]["step"] == 3
     with pytest.raises(TypeError, match="needs a file path"):
         ckpt.async_save(state, object())
-    ckpt.async_save(state, str(tmp_path / "b.pt"))
+    ckpt.async_torch_save(state, str(tmp_path / "b.pt"))  # the name some guides use
     ckpt.finalize_async_save(blocking=True, terminate=True)
+    with (
+        AsyncCallsQueue(max_in_flight=2) as deep,
+        pytest.raises(ValueError, match="max_in_flight=1"),
+    ):
+        TorchAsyncCheckpoint(queue=deep)  # its one staging buffer could be overwritten
     assert torch.equal(torch.load(tmp_path / "b.pt")["w"], torch.arange(6.0) + 100)
 
 

@@ -40,13 +40,19 @@ class TorchAsyncCheckpoint:
 
     Args:
         persistent_queue: accepted for NVRx compatibility: tierpoint's worker is always persistent.
-        queue: the :class:`AsyncCallsQueue` to use (default: a new one).
+        queue: the :class:`AsyncCallsQueue` to use (default: a new one); its ``max_in_flight``
+            must be 1 (the staging buffer is reused once the previous save is finalized).
     """
 
     def __init__(self, persistent_queue: bool = False, *, queue: AsyncCallsQueue | None = None):
         if not isinstance(persistent_queue, bool):
             raise TypeError(f"persistent_queue must be a bool, got {persistent_queue!r}")
         self.save = torch.save
+        if queue is not None and queue.max_in_flight != 1:
+            raise ValueError(
+                "TorchAsyncCheckpoint reuses one staging buffer from save to save: give it a queue "
+                f"with max_in_flight=1, not {queue.max_in_flight}"
+            )
         self._async_calls_queue = queue if queue is not None else AsyncCallsQueue()
         self._stager = Stager()
 
@@ -76,6 +82,9 @@ class TorchAsyncCheckpoint:
             description=f"async torch.save to {os.fspath(target)}",
         )
         return self._async_calls_queue.schedule_async_request(request)
+
+    async_torch_save = async_save
+    """Another name for :meth:`async_save` (NVRx's method is ``async_save``)."""
 
     def finalize_async_save(
         self, blocking: bool = False, no_dist: bool = True, terminate: bool = False
