@@ -18,6 +18,7 @@ CHAIN = [  # (kill, steps the job saves after its restore)
     ({"phase": "local.fsync", "nth": 9, "rank": 1, "scope": "rank"}, 3),
     ({"phase": "local.replicate", "nth": 2, "rank": 1, "scope": "stop"}, 3),  # a silent peer
     ({"phase": "restore", "nth": 3, "rank": 0, "scope": "job"}, 1),
+    ({"phase": "restore", "nth": 2, "rank": 1, "scope": "stop"}, 1),  # silent mid-restore
     (None, 1),  # the last job: its restore checks the last kill's aftermath
 ]
 
