@@ -172,7 +172,8 @@ def table(kills: list[dict[str, Any]], corruptions: list[dict[str, Any]], second
         by_mutation[r["mutation"]["kind"] if "mutation" in r else "?"].append(r)
 
     def corruption_row(name: str, rows: list[dict[str, Any]]) -> list[str]:
-        rank_rows = [c for c in corruptions if any(c.get("seed") == r["seed"] for r in rows)]
+        seeds = {r["seed"] for r in rows}
+        rank_rows = [c for c in corruptions if c.get("seed") in seeds]
         detected = sum(r.get("outcome") == "detected" for r in rows)
         harmless = sum(r.get("outcome") == "harmless" for r in rows)
         silent = sum(r.get("outcome") == "silent" for r in rows)
@@ -195,11 +196,11 @@ def table(kills: list[dict[str, Any]], corruptions: list[dict[str, Any]], second
 
     faulted = [k for k in kills if k["kill"] is not None]
     by_phase: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    by_scope: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    names = {"rank": "SIGKILL one rank", "job": "SIGKILL whole job", "stop": "SIGSTOP one rank"}
     for k in faulted:
-        scope = k["kill"]["scope"]
-        by_phase[
-            f"{'SIGSTOP' if scope == 'stop' else 'SIGKILL ' + scope} in {k['killed_in'] or 'never reached'}"
-        ].append(k)
+        by_phase[f"phase: {k['killed_in'] or 'not reached'}"].append(k)
+        by_scope[names[k["kill"]["scope"]]].append(k)
 
     def kill_row(name: str, rows: list[dict[str, Any]]) -> list[str]:
         hit = [k for k in rows if k["killed_in"]]
@@ -223,8 +224,11 @@ def table(kills: list[dict[str, Any]], corruptions: list[dict[str, Any]], second
             str(lost),
         ]
 
-    for phase, rows in sorted(by_phase.items()):
-        t.add_row("kill/stop", *kill_row(phase, rows))
+    for phase in [f"phase: {p}" for p in PHASES] + ["phase: not reached"]:
+        if phase in by_phase:
+            t.add_row("kill/stop", *kill_row(phase, by_phase[phase]))
+    for scope, rows in sorted(by_scope.items()):
+        t.add_row("kill/stop", *kill_row(scope, rows))
     t.add_row("kill/stop", *kill_row("all", faulted))
     return t
 
@@ -238,7 +242,16 @@ def main() -> int:
     parser.add_argument("--replay-corruption", type=int, default=None)
     parser.add_argument("--replay-kill", type=int, default=None)
     parser.add_argument("--log", default="fault_runner.jsonl")
+    parser.add_argument(
+        "--table-from", default=None, help="print the table of a run's log (even an unfinished one)"
+    )
     args = parser.parse_args()
+    if args.table_from is not None:
+        records = [json.loads(line) for line in Path(args.table_from).read_text().splitlines()]
+        kills = [r for r in records if r.get("type") == "kill"]
+        corruptions = [r for r in records if r.get("type") == "corruption"]
+        Console(width=140).print(table(kills, corruptions, 0.0))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="tierpoint-faults-", dir="/dev/shm"))
     log = Path(args.log).resolve()
     start = time.monotonic()
