@@ -14,7 +14,8 @@ Call order::
 File kinds (:func:`kind_of`): ``part`` (a local part, ``iter_<N>_<r>_local.safetensors``),
 ``distcp`` (DCP data), ``metadata`` (DCP ``.metadata``), ``manifest`` (``.checksums-<r>.<t>.json``),
 ``marker`` (a step's ``.unfinished-<r>``: never present in a committed step, so the mutation of that
-kind plants a stale one in a committed step). Mutations (:data:`MUTATIONS`): ``flip`` (1-3 bits of
+kind plants a stale one in a committed step), ``trainer`` (a checkpointer's per-rank trainer state,
+``<step>/train/rank<r>.safetensors``). Mutations (:data:`MUTATIONS`): ``flip`` (1-3 bits of
 one byte; half of them in the first 512 bytes, where headers are), ``truncate`` (to a random
 shorter length, 0 included), ``append`` (1-64 random bytes), ``swap_rank`` (the contents of the same
 kind of file of another rank of the same step, in the same directory, exchanged), ``swap_step`` (the
@@ -42,16 +43,19 @@ from typing import Any
 import torch
 
 from tierpoint import dcp, fileformat
+from tierpoint.checkpointer import trainer_state
 from tierpoint.dcp.layout import MARKER_PREFIX, complete_steps, local_view, step_of
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import naming
 
 MUTATIONS = ("flip", "truncate", "append", "swap_rank", "swap_step")
 KINDS = ("part", "distcp", "metadata", "manifest", "marker")
+"""The kinds a tiered checkpoint holds (``trainer``: a checkpointer's, drawn when asked for)."""
 
 _PART = re.compile(r"^iter_(\d+)_(\d+)_local\.safetensors$")
 _DISTCP = re.compile(r"^__(\d+)_(\d+)\.([0-9a-f]+)\.distcp$")
 _MANIFEST = re.compile(r"^\.checksums-(\d+)\.([0-9a-f]+)\.json$")
+_TRAINER = re.compile(r"^rank(\d+)\.safetensors$")
 
 
 def kind_of(path: Path) -> str | None:
@@ -59,6 +63,8 @@ def kind_of(path: Path) -> str | None:
     name = path.name
     if _PART.match(name):
         return "part"
+    if _TRAINER.match(name) and path.parent.name == "train":
+        return "trainer"
     if _DISTCP.match(name):
         return "distcp"
     if name == ".metadata":
@@ -72,7 +78,7 @@ def kind_of(path: Path) -> str | None:
 
 def rank_of(path: Path) -> int | None:
     """The rank whose data a file holds (a part's origin, a data file's or manifest's writer)."""
-    for pattern in (_PART, _DISTCP, _MANIFEST):
+    for pattern in (_PART, _DISTCP, _MANIFEST, _TRAINER):
         m = pattern.match(path.name)
         if m:
             return int(m.group(2) if pattern is _PART else m.group(1))
@@ -84,7 +90,18 @@ def step_of_file(path: Path) -> int | None:
     m = _PART.match(path.name)
     if m:
         return int(m.group(1))
-    return step_of(path.parent.name)
+    return step_of(_step_dir(path).name)
+
+
+def _step_dir(path: Path) -> Path:
+    """The step directory of a persistent file (a trainer state lies in its ``train/``)."""
+    return path.parent.parent if kind_of(path) == "trainer" else path.parent
+
+
+def _holder(path: Path) -> Path:
+    """Where the files a file may be swapped with lie: a part's holder directory, the base of a
+    persistent file's steps."""
+    return path.parent if kind_of(path) == "part" else _step_dir(path).parent
 
 
 def catalogue(root: Path) -> list[Path]:
@@ -115,12 +132,9 @@ def _partner(path: Path, files: list[Path], same_step: bool) -> Path | None:
     """The file of the same kind of another rank in the same step (``same_step``), or of the same
     rank in another step of the same directory tree."""
     kind, rank, step = kind_of(path), rank_of(path), step_of_file(path)
-    holder = path.parent if kind == "part" else path.parent.parent
     found = []
     for other in files:
-        if other == path or kind_of(other) != kind:
-            continue
-        if (other.parent if kind == "part" else other.parent.parent) != holder:
+        if other == path or kind_of(other) != kind or _holder(other) != _holder(path):
             continue
         if same_step and step_of_file(other) == step and rank_of(other) != rank:
             found.append(other)
@@ -227,6 +241,11 @@ def read_values(path: Path, root: Path) -> Any:
     against the manifests; ``None`` when the step does not count as complete). Raises
     :class:`CheckpointingError` on damage it sees."""
     kind = kind_of(path)
+    if kind == "trainer":
+        step_dir = _step_dir(path)
+        return trainer_state.read(
+            str(step_dir), rank_of(path) or 0, own=True, allow_pickle=False, work_dir=str(root)
+        )
     if kind == "part":
         m = _PART.match(path.name)
         assert m
