@@ -267,9 +267,13 @@ def main() -> int:
                 str(work / "t.jsonl"),
                 timeout=300,
             )
-            for r in ranks:
-                print(json.dumps(r, indent=1))
-                print(corruption_job.problems(r))
+            for rank, records in enumerate(ranks):
+                for r in records:
+                    m = r["mutation"]
+                    print(f"rank {rank}: seed {r['seed']}: {m['kind']} {m['target']} {m['detail']}")
+                    print(f"  {r['outcome']}: {r['reason']}")
+                    print(f"  tiered restore: {r['tiered']}; persistent only: {r['persistent']}")
+                print("  problems:", corruption_job.problems(records) or "none")
             return 0
         if args.replay_kill is not None:
             counts = calibrate(work)
