@@ -2,16 +2,15 @@
 :mod:`tierpoint.checkpointer.trainer_state`), in this process: 2 ranks' files at 2 steps.
 
 Asserts: a bit flip, a truncation or appended bytes is detected when the file is read (a
-:class:`CheckpointingError` naming it) or harmless (every value bit-equal), never silent. Known gap
-(strict xfail): the file records neither its step nor its rank, so one swapped with another rank's
-or step's file (each intact) loads that file's values without an error.
+:class:`CheckpointingError` naming it) or harmless (every value bit-equal), never silent. A file
+swapped with another rank's or step's (each intact) is refused: each records its step directory and
+rank.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from tierpoint.checkpointer import trainer_state
@@ -58,10 +57,6 @@ def test_damaged_trainer_state_is_detected(tmp_path: Path) -> None:
     assert outcomes.get("detected", 0) >= len(SEEDS) // 2, outcomes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 26: a trainer-state file records neither step nor rank: a swapped one loads",
-)
 def test_a_trainer_state_swapped_between_ranks_or_steps_is_detected(tmp_path: Path) -> None:
     files = _layout(tmp_path)
     for seed in range(6):

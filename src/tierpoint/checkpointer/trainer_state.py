@@ -17,6 +17,8 @@ Invariants:
   unpickler, the one :class:`tierpoint.dcp.SafeLoadPlanner` uses for a DCP checkpoint's non-tensor
   values (containers, scalars, strings and tensors load; a global outside the list stops the load
   before it is called). Without the opt-in such a file is refused with an error saying how to opt in.
+- Each file records the step directory and rank it was written for (header ``extra``), checked on
+  read: a file copied or swapped between ranks or steps is refused, not loaded as another's.
 - Every failure names the file.
 """
 
@@ -67,12 +69,13 @@ def write(
 ) -> None:
     """Write rank ``rank``'s trainer state into ``step_dir``."""
     target = state_files(step_dir, rank)[0]
+    extra = _identity(step_dir, rank)
     if storage.is_local(target):
         storage.makedirs(storage.join(step_dir, TRAIN_DIR))
-        fileformat.write_flat(storage.local_path(target), flat)
+        fileformat.write_flat(storage.local_path(target), flat, extra=extra)
         return
     with _scratch(work_dir) as tmp:
-        fileformat.write_flat(tmp, flat, fsync=False)
+        fileformat.write_flat(tmp, flat, extra=extra, fsync=False)
         with open(tmp, "rb") as f:
             data = f.read()
     storage.write_file(target, [data], storage_options=storage_options, upload=upload)
@@ -92,7 +95,7 @@ def read(
     for r in dict.fromkeys([rank, 0] if own else [0]):
         ours, pickled = state_files(step_dir, r)
         if storage.exists(ours, storage_options):
-            return _read_part(ours, work_dir, storage_options)
+            return _read_part(ours, _identity(step_dir, r), work_dir, storage_options)
         if storage.exists(pickled, storage_options):
             if not allow_pickle:
                 raise CheckpointingError(
@@ -104,15 +107,30 @@ def read(
     return None
 
 
-def _read_part(url: str, work_dir: str, storage_options: Mapping[str, Any] | None) -> Any:
+def _identity(step_dir: str, rank: int) -> dict[str, Any]:
+    """What a trainer-state file records of where it belongs: its step directory's name and rank."""
+    return {"step_dir": storage.basename(step_dir), "rank": int(rank)}
+
+
+def _read_part(
+    url: str, identity: dict[str, Any], work_dir: str, storage_options: Mapping[str, Any] | None
+) -> Any:
     if storage.is_local(url):
-        state = fileformat.read(storage.local_path(url))
+        header, tensors = fileformat.read_flat(storage.local_path(url))
     else:
         data = storage.read_bytes(url, storage_options)
         with _scratch(work_dir) as tmp:
             with open(tmp, "wb") as f:
                 f.write(data)
-            state = fileformat.read(tmp)
+            header, tensors = fileformat.read_flat(tmp)
+    recorded = {k: header.extra.get(k) for k in identity}
+    if recorded != identity:
+        raise CorruptCheckpointError(
+            url,
+            f"it was written as the trainer state of {recorded}, not of {identity} (a file "
+            "copied or swapped between ranks or steps)",
+        )
+    state = fileformat.unflatten_checked(header, tensors)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(url, f"holds a {type(state).__name__}, not a dict")
     return state
