@@ -51,6 +51,7 @@ DEFAULT_TIMEOUT_S = 300.0
 """Timeout of tierpoint's collectives; override with ``TIERPOINT_TIMEOUT`` (seconds)."""
 
 _MAX_MESSAGE = 2000
+_HEADER_VALUES = 8  # integers a step header carries (see _header)
 
 _groups: dict[int, Any] = {}
 _layouts: dict[int, NodeLayout] = {}
@@ -229,11 +230,17 @@ def _header(what: str, group: Any, values: list[int], op: str) -> list[int]:
     and the reduced ``values``. On a mismatch every rank gathers the steps and raises one error."""
     if op not in ("min", "max"):
         raise ValueError(f"op must be 'min' or 'max', got {op!r}")
+    if len(values) > _HEADER_VALUES:
+        raise ValueError(f"at most {_HEADER_VALUES} values per all-reduce, got {len(values)}")
     sign = -1 if op == "min" else 1
     h = zlib.crc32(_step(what).encode()) & 0x7FFFFFFF
-    t = torch.tensor([h, -h, *(sign * int(v) for v in values)], dtype=torch.int64)
+    # Always the same length: ranks at different steps must meet in the same collective (gloo
+    # aborts the process on a size mismatch) to learn that they are.
+    t = torch.zeros(2 + _HEADER_VALUES, dtype=torch.int64)
+    t[:2] = torch.tensor([h, -h])
+    t[2 : 2 + len(values)] = torch.tensor([sign * int(v) for v in values], dtype=torch.int64)
     _run_collective(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=group)
-    reduced = t.tolist()
+    reduced = t.tolist()[: 2 + len(values)]
     if reduced[0] != -reduced[1]:
         world = dist.get_world_size(group)
         steps = [g.decode() for g in _gather_bytes(what.encode(), what, group, world)]

@@ -34,11 +34,14 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +124,8 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
         self._world: int | None = None  # the world size this manager works with, once known
         self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int] | None]] = {}
         self._listings: list[list[list[int]]] = []
+        # The iterations complete after this rank's last commit, and its sorted listing then.
+        self._after_commit: tuple[frozenset[int], list[list[int]]] | None = None
         self.last_replication: transfer.MoveStats | None = None
         """Bytes and seconds of this rank's part of the last replication (for monitoring)."""
         self._stager = Stager()
@@ -484,13 +489,17 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
         self._pending = None
         self._requested.discard(iteration)
         self._latest = iteration
+        self._after_commit = None
         self._retire(keep | {iteration})
         self._remember_own_part(iteration)
+        with contextlib.suppress(OSError, CheckpointingError):  # else the next save gathers
+            self._after_commit = (frozenset(keep | {iteration}), sorted(self._scan()))
         tpdist.log_progress(
             f"saved local checkpoint iteration {iteration} (rank {self.rank})", nbytes, start
         )
 
     def _abort_iteration(self, iteration: int) -> None:
+        self._after_commit = None
         if self._pending == iteration:
             self._pending = None
         self._requested.discard(iteration)
@@ -589,7 +598,13 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
         return self._stager.stage_into(flat, plan, data, hash=hash_now)
 
     def _agree_on_iteration(self, iteration: int) -> set[int]:
-        """Check (on every rank alike) that all ranks save the same, new iteration; return what to keep."""
+        """Check (on every rank alike) that all ranks save the same, new iteration; return what to keep.
+
+        The common case is one all-reduce of a few integers (:meth:`_agree_unchanged`); listings are
+        gathered only when some rank's directory changed since the last commit."""
+        keep = self._agree_unchanged(iteration)
+        if keep is not None:
+            return keep
         gathered = self._gather_parts(
             "save: agreeing on the iteration",
             {
@@ -629,8 +644,48 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
                 iteration,
                 ", ".join(map(str, superseded)),
             )
+        return self._keep_before(iteration, complete)
+
+    def _keep_before(self, iteration: int, complete: Iterable[int]) -> set[int]:
         older = sorted((i for i in complete if i < iteration), reverse=True)
         return set(older[: self.keep_last - 1])
+
+    def _agree_unchanged(self, iteration: int) -> set[int] | None:
+        """What to keep when saving ``iteration``, agreed by one all-reduce (O(1) bytes per rank),
+        if every rank's committed parts are as its last commit left them and every rank knows the
+        same complete iterations; ``None`` (listings must be gathered) otherwise, on every rank.
+
+        The all-reduce also carries the requested iteration (equal on every rank) and the newest
+        async save still in flight, so the same refusals as with gathered listings follow."""
+        known = self._after_commit
+        unchanged = known is not None and not self._unloadable
+        if unchanged:
+            try:
+                self._ensure_dir()
+                unchanged = sorted(self._scan()) == known[1]
+            except (OSError, CheckpointingError):
+                unchanged = False  # the gathered path reports it
+        complete = sorted(known[0]) if known is not None and unchanged else []
+        digest = zlib.crc32(json.dumps(complete).encode()) & 0x7FFFFFFF
+        in_flight = max(self._requested, default=naming.NO_CHECKPOINT)
+        low = tpdist.reduce_ints(
+            [unchanged, iteration, -iteration, digest, -digest, -in_flight],
+            "min",
+            "save: agreeing on the iteration",
+        )
+        if not (low[0] == 1 and low[1] == -low[2] and low[3] == -low[4]):
+            return None
+        latest = max(complete, default=naming.NO_CHECKPOINT)
+        if iteration <= latest:
+            raise CheckpointingError(
+                f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
+            )
+        if iteration <= -low[5]:
+            raise CheckpointingError(
+                f"cannot save iteration {iteration}: an async save of iteration {-low[5]} was "
+                "requested and is not finalized; iterations must increase"
+            )
+        return self._keep_before(iteration, complete)
 
     def _remove_leftovers(self, iteration: int) -> None:
         """Remove this rank's parts (own and replicas) of ``iteration`` and newer iterations: once
