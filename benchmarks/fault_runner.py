@@ -202,6 +202,10 @@ def table(kills: list[dict[str, Any]], corruptions: list[dict[str, Any]], second
         by_phase[f"phase: {k['killed_in'] or 'not reached'}"].append(k)
         by_scope[names[k["kill"]["scope"]]].append(k)
 
+    def transient(problem: str) -> bool:
+        """A kill's save left in flight (uncommitted step, dirty part): removed by a later save."""
+        return "wait for clean-up" in problem and "after a clean job" not in problem
+
     def kill_row(name: str, rows: list[dict[str, Any]]) -> list[str]:
         hit = [k for k in rows if k["killed_in"]]
         lost = sum(
@@ -218,7 +222,7 @@ def table(kills: list[dict[str, Any]], corruptions: list[dict[str, Any]], second
             name,
             str(len(rows)),
             detected,
-            str(sum(not k["problems"] for k in rows)),
+            str(sum(all(transient(p) for p in k["problems"]) for k in rows)),
             str(sum(bool(k["hung"]) for k in rows)),
             "-",
             str(lost),
@@ -229,7 +233,19 @@ def table(kills: list[dict[str, Any]], corruptions: list[dict[str, Any]], second
             t.add_row("kill/stop", *kill_row(phase, by_phase[phase]))
     for scope, rows in sorted(by_scope.items()):
         t.add_row("kill/stop", *kill_row(scope, rows))
-    t.add_row("kill/stop", *kill_row("all", faulted))
+    t.add_row("kill/stop", *kill_row("all", faulted), end_section=True)
+    waiting = [k for k in faulted if any(transient(p) for p in k["problems"])]
+    clean = [k for k in kills if k["kill"] is None]
+    t.add_row(
+        "clean-up",
+        "> 8 files waiting after a kill",
+        str(len(waiting)),
+        "-",
+        f"{sum(not k['problems'] for k in clean)}/{len(clean)} clean jobs after",
+        "-",
+        "-",
+        "-",
+    )
     return t
 
 
