@@ -40,7 +40,9 @@ SETTINGS = {"local_every": 1, "persistent_every": 2, "keep_local": 2, "keep_pers
 WORLD = 2
 STEPS = 6
 """Saves per job (after its restore): 6 local, 3 persistent."""
-JOB_ENV = {"TIERPOINT_TIMEOUT": "10", "TIERPOINT_WORKER_NICE": "0"}
+JOB_ENV = {"TIERPOINT_TIMEOUT": "30", "TIERPOINT_WORKER_NICE": "0"}
+"""A peer of a killed rank raises at once (its connections reset); a longer timeout only keeps a
+very busy machine (a save slower than the timeout) from failing a job without a fault."""
 STOP_TIMEOUT = "5"
 """``TIERPOINT_TIMEOUT`` of a job in which a rank is stopped."""
 JOB_TIMEOUT_S = 90.0
@@ -204,8 +206,9 @@ def _watch_stopped(
     log_dir: Path, job: int, stopped: int, thread: threading.Thread, seen: dict[str, Any]
 ) -> list[str]:
     """A rank was SIGSTOPped: the other must raise within the timeout (how long it took and whether
-    it named the stopped rank go into ``seen``); then the stopped rank is killed (its worker dies
-    with it)."""
+    it named the stopped rank go into ``seen``), unless it had nothing left to wait for (it ended
+    its job: a rank stopped in the clean-up after its last commit); then the stopped rank is
+    killed (its worker dies with it)."""
     timeout = float(STOP_TIMEOUT)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     stopped_at = None
@@ -223,7 +226,7 @@ def _watch_stopped(
             (
                 e
                 for e in events(log_dir)
-                if e["job"] == job and e["event"] == "failed" and e["rank"] != stopped
+                if e["job"] == job and e["event"] in ("failed", "done") and e["rank"] != stopped
             ),
             None,
         )
@@ -237,7 +240,10 @@ def _watch_stopped(
                 pass
     if failed is None:
         return [f"job {job}: rank {stopped} stopped, the other rank did not raise (a hang)"]
-    problems = []
+    problems: list[str] = []
+    if failed["event"] == "done":  # the peer finished its job without needing the stopped rank
+        seen["peer_done"] = True
+        return problems
     seen["raised_after_s"] = waited = round(failed["t"] - stopped_at, 2)
     seen["named"] = f"rank {stopped}" in failed["error"] or f"ranks {stopped}" in failed["error"]
     seen["error"] = failed["error"][:300]
