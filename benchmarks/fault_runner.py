@@ -223,7 +223,7 @@ def table(kills: list[dict[str, Any]], corruptions: list[dict[str, Any]], second
             str(len(rows)),
             detected,
             str(sum(all(transient(p) for p in k["problems"]) for k in rows)),
-            str(sum(bool(k["hung"]) for k in rows)),
+            str(sum(k["hung"] or any("did not raise" in p for p in k["problems"]) for k in rows)),
             "-",
             str(lost),
         ]
