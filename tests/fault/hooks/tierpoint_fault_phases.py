@@ -13,8 +13,10 @@ Every process of a rank appends ``<rank> <role> <phase> <count>`` lines to ``<lo
 - ``snapshot`` (the save's copy, on the training thread), ``restore`` (every file read while
   restoring);
 - ``local.write`` / ``persistent.write`` (a part or a ``.distcp`` / manifest opened for writing:
-  the persistent one is the upload), ``local.fsync`` / ``persistent.fsync``, ``local.rename`` /
-  ``persistent.rename``;
+  the persistent one is the upload), ``local.fsync`` / ``persistent.fsync``, ``local.rename``
+  (torch DCP writes its data files in place: the persistent tier's only rename is ``.metadata``'s,
+  part of ``persistent.commit``; ``persistent.rename`` is noted if one ever appears, but is not in
+  :data:`PHASES`, the phases a kill is aimed at);
 - ``local.replicate`` (a part exchanged with the peer), ``local.commit`` (the local commit on every
   rank), ``persistent.commit`` (``.metadata`` written, markers removed);
 - ``local.cleanup`` (retired parts removed or kept as spares), ``persistent.cleanup`` (retention of
@@ -46,7 +48,6 @@ PHASES = (
     "local.cleanup",
     "persistent.write",
     "persistent.fsync",
-    "persistent.rename",
     "persistent.commit",
     "persistent.cleanup",
     "restore",
