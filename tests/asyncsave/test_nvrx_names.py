@@ -98,16 +98,13 @@ def test_torch_async_checkpoint_saves_the_snapshot(tmp_path):
         ckpt.async_save(state, object())
     ckpt.async_torch_save(state, str(tmp_path / "b.pt"))  # the name some guides use
     ckpt.finalize_async_save(blocking=True, terminate=True)
-    with (
-        AsyncCallsQueue(max_in_flight=2) as deep,
-        pytest.raises(ValueError, match="max_in_flight=1"),
-    ):
-        TorchAsyncCheckpoint(queue=deep)  # its one staging buffer could be overwritten
     assert torch.equal(torch.load(tmp_path / "b.pt")["w"], torch.arange(6.0) + 100)
 
 
 def test_abort_nvrx_checkpoint_undoes_pending_calls_and_the_queue_goes_on(tmp_path):
-    queue = AsyncCallsQueue()
+    queue = AsyncCallsQueue(max_in_flight=2)
+    with pytest.raises(ValueError, match="max_in_flight=1"):
+        TorchAsyncCheckpoint(queue=queue)  # its one staging buffer could be overwritten
     undone: list[int] = []
     queue.schedule_async_request(
         AsyncRequest(time.sleep, (30.0,), [], abort_fns=[lambda: undone.append(1)])
