@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -233,10 +234,11 @@ def complete_checkpoints(
 def _gather_views(
     base: str | os.PathLike, storage_options: Mapping[str, Any] | None, group: Any
 ) -> list[dict]:
-    mine: list[list] | None = None
+    mine: list[list] | None = []
     error: str | None = None
     try:
-        mine = local_listing(base, storage_options)
+        if _lists_for_others(base, group):
+            mine = local_listing(base, storage_options)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = error_text(e)
     views = tpdist.all_gather_json(
@@ -248,6 +250,25 @@ def _gather_views(
             failed_on_ranks(f"listing checkpoints under {base}", failures), failures
         )
     return views
+
+
+def _lists_for_others(base: str | os.PathLike, group: Any) -> bool:
+    """Whether this rank lists ``base`` (the listings are merged, so an empty one is neutral).
+
+    When every rank names the same ``base`` (one all-reduce of its hash tells): on an object store
+    only the decider lists (one listing serves the job), on a local path the first rank of each
+    node (a node's ranks see one directory: a listing per node, not per rank). Otherwise (per-rank
+    paths), or with a ``group`` of the caller's (its ranks need not cover a node), every rank lists.
+    """
+    if not tpdist.is_distributed() or group is not None:
+        return True
+    h = zlib.crc32(os.fspath(base).encode()) & 0x7FFFFFFF
+    low, high = tpdist.reduce_ints([h, -h], "min", f"comparing checkpoint bases {base}")
+    if low != -high:
+        return True
+    if not storage.is_local(base):
+        return tpdist.get_rank() == _decider(group)
+    return tpdist.node_layout().local_rank == 0
 
 
 def _latest_node_local(

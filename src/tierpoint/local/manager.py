@@ -123,7 +123,8 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
         self._unloadable: set[int] = set()  # complete iterations a load found no good copy of
         self._world: int | None = None  # the world size this manager works with, once known
         self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int] | None]] = {}
-        self._listings: list[list[list[int]]] = []
+        # Every rank's listing as of the last find_latest; None when it decided without them.
+        self._listings: list[list[list[int]]] | None = []
         # The iterations complete after this rank's last commit, and its sorted listing then.
         self._after_commit: tuple[frozenset[int], list[list[int]]] | None = None
         self.last_replication: transfer.MoveStats | None = None
@@ -247,8 +248,14 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
         self._check_world()
         start = time.perf_counter()
         self._setup_replication()
-        gathered = self._gather_parts("find_latest: gathering local checkpoint listings", {})
-        listings = self._listings = [g["parts"] for g in gathered]
+        intact = self._latest_if_intact()
+        if intact is not None:
+            self._latest, self._listings = intact, None
+            self._newest_seen = (intact, self.rank, self.world_size)
+            logger.debug("find_latest: %d (%.3f s)", intact, time.perf_counter() - start)
+            return intact
+        self._listings = self._gather_listings()
+        listings = self._listings
         complete = self._complete_iterations(listings)
         usable = [i for i, world in complete.items() if world == self.world_size]
         self._latest = max(usable, default=naming.NO_CHECKPOINT)
@@ -260,6 +267,36 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
             self._warn_other_ranks_parts()
         logger.debug("find_latest: %d (%.3f s)", self._latest, time.perf_counter() - start)
         return self._latest
+
+    def _gather_listings(self) -> list[list[list[int]]]:
+        """Every rank's committed parts (collective, O(W·P) bytes per rank)."""
+        gathered = self._gather_parts("find_latest: gathering local checkpoint listings", {})
+        return [g["parts"] for g in gathered]
+
+    def _latest_if_intact(self) -> int | None:
+        """The newest iteration, when every rank holds its own part of it and no rank holds a newer
+        part (one all-reduce of a few integers, O(1) bytes per rank): it is then complete, and the
+        newest that is. ``None`` on every rank otherwise: the listings must be gathered."""
+        try:
+            parts = self._scan()
+            readable = True
+        except (OSError, CheckpointingError):
+            parts, readable = [], False  # the gathered path reports it
+        newest = max((p[0] for p in parts), default=naming.NO_CHECKPOINT)
+        own = max(
+            (i for i, origin, world in parts if origin == self.rank and world == self.world_size),
+            default=naming.NO_CHECKPOINT,
+        )
+        # A part of another world size at the newest iteration makes it ambiguous: gathered.
+        one_world = all(world == self.world_size for i, _, world in parts if i == newest)
+        low = tpdist.reduce_ints(
+            [readable and one_world, own, -own, -newest],
+            "min",
+            "find_latest: comparing the newest local parts",
+        )
+        if low[0] == 1 and low[1] >= 0 and low[1] == -low[2] == -low[3]:
+            return low[1]
+        return None
 
     def _warn_other_ranks_parts(self) -> None:
         """Nothing is complete and this rank holds no parts, yet directories of other ranks under

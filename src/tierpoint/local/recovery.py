@@ -67,7 +67,7 @@ class PartRecovery:
     _session_dir: Path
     _latest: int | None
     _newest_seen: tuple[int, int, int] | None
-    _listings: list[list[list[int]]]
+    _listings: list[list[list[int]]] | None
     _unloadable: set[int]
     _scan_cache: dict[str, Any]
     _mappings: transfer.MappingCache
@@ -91,18 +91,25 @@ class PartRecovery:
                     f"parts (iteration {seen[0]}) were saved with world size {seen[2]}"
                 )
             raise CheckpointingError(f"no complete local checkpoint under {where}")
-        older = self._complete_iterations(self._listings)  # as of the last find_latest
-        candidates = sorted(
-            {iteration} | {i for i, w in older.items() if w == self.world_size and i < iteration},
-            reverse=True,
-        )
         failures: dict[int, str] = {}
         kinds: set[str] = set()
-        for candidate in candidates:
+        candidates = [iteration]
+        while candidates:
+            candidate = candidates.pop(0)
             loaded = self._load_iteration(candidate, failures, kinds, allow_pickle)
             if loaded is not None:
                 return loaded
             self._unloadable.add(candidate)  # newer than what the job resumes from: not kept
+            if candidate == iteration:
+                # Every rank alike (_load_iteration agrees): the older candidates, from the
+                # listings find_latest saw, or gathered now if it decided without them.
+                if self._listings is None:
+                    self._listings = self._gather_listings()
+                older = self._complete_iterations(self._listings)
+                candidates = sorted(
+                    (i for i, w in older.items() if w == self.world_size and i < iteration),
+                    reverse=True,
+                )
         where = self._session_dir
         detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
         raise agreed_error(
@@ -244,7 +251,10 @@ class PartRecovery:
         self, status: HolderStatus, holders: Any, what: str, **extra: str
     ) -> tuple[list[dict[str, Any]], RetrievalPlan]:
         """Every rank's status (with ``extra``) and the retrieval plan rank 0 made from them.
-        Collective."""
+        Collective. When every rank has its own part and every replica it should hold, one
+        all-reduce of a flag says so and nothing is gathered (an empty plan, no statuses)."""
+        if self._nothing_to_plan(status, holders):
+            return [], RetrievalPlan([], [], [])
         statuses = tpdist.all_gather_json(
             {**vars(status), **extra}, f"{what}: gathering what is held"
         )
@@ -253,6 +263,19 @@ class PartRecovery:
             plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], holders).to_json()
         shared = tpdist.broadcast_json(plan, 0, f"{what}: sharing the retrieval plan")
         return statuses, RetrievalPlan.from_json(shared)
+
+    def _nothing_to_plan(self, status: HolderStatus, holders: Any) -> bool:
+        """Collective: whether no rank lacks its own part or a replica it should hold."""
+        complete = status.own_ok and not status.bad_sources
+        if complete and holders is not None:
+            held = set(status.holds)
+            complete = all(
+                origin in held
+                for origin in range(self.world_size)
+                if origin != self.rank and self.rank in holders(origin)
+            )
+        flag = tpdist.reduce_ints([complete], "min", "agreeing whether anything must be fetched")
+        return bool(flag[0])
 
     def _log_plan(self, iteration: int, plan: RetrievalPlan, what: str) -> None:
         if self.rank == 0:
