@@ -55,6 +55,7 @@ def test_queue_takes_nvrx_arguments_and_nvrx_built_requests(tmp_path):
         AsyncCallsQueue(is_daemon="yes")
     with pytest.raises(ValueError, match="cpu_priority must be between 0 and 19"):
         AsyncCallsQueue(cpu_priority=25)
+    AsyncCallsQueue.warmup_persistent_caller(0, is_daemon=True)  # NVRx's; a queue starts its own
     queue = AsyncCallsQueue(
         persistent=True, is_daemon=True, cpu_priority=12, io_priority=3, sigterm_timeout=5.0
     )

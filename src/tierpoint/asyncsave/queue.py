@@ -160,6 +160,11 @@ class AsyncCallsQueue:
         self._results: dict[int, tuple[bool, Any, str | None]] = {}  # by call id, not yet claimed
         _live_queues.add(self)
 
+    @classmethod
+    def warmup_persistent_caller(cls, rank: int, *args: Any, **kwargs: Any) -> None:
+        """NVRx's pre-start of the worker: nothing to do, a queue starts its worker when it is
+        constructed (in the background; :meth:`wait_ready` waits for it)."""
+
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the worker process has started (it imports torch, which takes a few seconds)."""
         if self._worker is not None:
