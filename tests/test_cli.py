@@ -144,9 +144,12 @@ def test_ls_a_dcp_base_and_an_olmo_style_run(tmp_path: Path, capsys: pytest.Capt
 
     run = tmp_path / "run"  # OLMo-core: <run>/step<N>/model_and_optim is the DCP checkpoint
     dcp.save({"w": torch.ones(3)}, run / "step100" / "model_and_optim")
+    (run / "step100" / ".metadata.json").write_text("{}")  # written last: the step is finished
+    dcp.save({"w": torch.ones(3)}, run / "step150" / "model_and_optim")  # no .metadata.json
     (run / "step200" / "model_and_optim").mkdir(parents=True)
     assert main(["ls", str(run)]) == 0
     out = capsys.readouterr().out
+    assert "no .metadata.json: the Checkpointer's save never finished" in out
     assert f"persistent step 100: {run / 'step100' / 'model_and_optim'}" in out
     assert main(["verify", str(run)]) == 0
     out = capsys.readouterr().out

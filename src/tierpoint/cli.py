@@ -409,11 +409,14 @@ def _step_row(
     sibling_markers: Sequence[int] = (),
 ) -> Row:
     from . import storage
+    from .checkpointer.metadata import METADATA_FNAME as OLMO_METADATA
     from .dcp import layout
 
     step = _step_number(storage.basename(step_dir))
-    dcp_dir = _dcp_dir(step_dir, entries, options)
-    found = _entries(dcp_dir, options) if dcp_dir != step_dir or entries is None else entries
+    step_entries = entries if entries is not None else _entries(step_dir, options)
+    dcp_dir = _dcp_dir(step_dir, step_entries, options)
+    olmo = dcp_dir != step_dir
+    found = _entries(dcp_dir, options) if olmo else step_entries
     ranks = sorted(
         {int(m.group(1)) for n in found if (m := _DATA_FILE.match(n))}
         | {r for n in found if (r := layout.marker_rank(n)) is not None}
@@ -429,6 +432,8 @@ def _step_row(
         status, detail = "incomplete", "no .metadata: the save never committed"
     elif markers:
         status, detail = "incomplete", f"unfinished on ranks {markers}"
+    elif olmo and OLMO_METADATA not in step_entries:
+        status, detail = "incomplete", f"no {OLMO_METADATA}: the Checkpointer's save never finished"
     else:
         status, detail = _check_step(dcp_dir, found, options)
     return Row(
