@@ -205,13 +205,34 @@ def all_gather_json(obj: Any, what: str = "all_gather", group: Any = None) -> li
     if not is_distributed():
         return [json.loads(json.dumps(obj))]
     group = group or coordination_group()
+    payload, longest = _padded_json(obj, what, group)
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(dist.get_world_size(group))]
+    _run_collective(what, dist.all_gather, gathered, payload, group=group)
+    return [json.loads(bytes(g.numpy())) for g in gathered]
+
+
+def gather_json(obj: Any, dst: int, what: str = "gather", group: Any = None) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on global rank ``dst``, ``None`` on the others: only
+    ``dst`` receives O(W) bytes (the step header as in :func:`all_gather_json`)."""
+    if not is_distributed():
+        return [json.loads(json.dumps(obj))]
+    group = group or coordination_group()
+    payload, longest = _padded_json(obj, what, group)
+    mine = dist.get_rank() == dst
+    world = dist.get_world_size(group)
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)] if mine else None
+    _run_collective(what, dist.gather, payload, gathered, dst=dst, group=group)
+    return [json.loads(bytes(g.numpy())) for g in gathered] if gathered is not None else None
+
+
+def _padded_json(obj: Any, what: str, group: Any) -> tuple[torch.Tensor, int]:
+    """``obj`` as JSON bytes padded with spaces to the longest any rank sends (the step header
+    agrees on that length), and the length."""
     data = json.dumps(obj).encode()
     (longest,) = _header(what, group, [len(data)], "max")
     payload = torch.full((longest,), ord(" "), dtype=torch.uint8)
     payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(dist.get_world_size(group))]
-    _run_collective(what, dist.all_gather, gathered, payload, group=group)
-    return [json.loads(bytes(g.numpy())) for g in gathered]
+    return payload, longest
 
 
 def reduce_ints(values: list[int], op: str, what: str, group: Any = None) -> list[int]:

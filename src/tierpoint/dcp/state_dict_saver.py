@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import posixpath
+import zlib
 from collections import OrderedDict
 from dataclasses import fields
 from typing import Any
@@ -475,10 +476,11 @@ def _commit(
     payload["directory"] = posixpath.basename(os.fspath(path).rstrip("/"))
     what = f"writing the checkpoint {path}"
     try:
-        gathered = tpdist.all_gather_json(payload, what, group=group) if use_dist else [payload]
+        gathered = _gather_results(payload, dist_wrapper, what) if use_dist else [payload]
     except CheckpointingError:
         _fail_everywhere(storage_writer, cache)
         raise
+    gathered = gathered or []  # not the coordinator, and no rank failed: nothing to learn
     failures = {r: p["error"] for r, p in enumerate(gathered) if "error" in p}
     names = [p.get("directory") for p in gathered]
     if not failures and len(set(names)) > 1:  # node-local paths may differ, the step may not
@@ -514,6 +516,18 @@ def _commit(
     except Exception as e:  # noqa: BLE001 - agreed below
         error = e
     _agree(group, use_dist, f"removing the unfinished markers of {path} (committed)", error)
+
+
+def _gather_results(payload: dict, dist_wrapper: _DistWrapper, what: str) -> list[dict] | None:
+    """Every rank's write results on the coordinator alone (``None`` elsewhere) when no rank
+    failed and every rank saved into the same directory (one all-reduce says so); on every rank
+    otherwise, so that each raises the same error."""
+    group = dist_wrapper.group
+    h = zlib.crc32(payload["directory"].encode()) & 0x7FFFFFFF
+    low = tpdist.reduce_ints(["error" not in payload, h, -h], "min", what, group)
+    if low[0] == 1 and low[1] == -low[2]:
+        return tpdist.gather_json(payload, dist_wrapper.global_coordinator_rank, what, group)
+    return tpdist.all_gather_json(payload, what, group=group)
 
 
 def _results_payload(
