@@ -23,6 +23,7 @@ import collections
 import concurrent.futures
 import datetime
 import json
+import os
 import random
 import shutil
 import sys
@@ -257,7 +258,11 @@ def main() -> int:
     parser.add_argument("--chains", type=int, default=4)
     parser.add_argument("--replay-corruption", type=int, default=None)
     parser.add_argument("--replay-kill", type=int, default=None)
-    parser.add_argument("--log", default="fault_runner.jsonl")
+    parser.add_argument(
+        "--log",
+        default=os.path.join(tempfile.gettempdir(), f"fault_runner-{os.getpid()}.jsonl"),
+        help="where each trial's record goes (JSON lines)",
+    )
     parser.add_argument(
         "--table-from", default=None, help="print the table of a run's log (even an unfinished one)"
     )
