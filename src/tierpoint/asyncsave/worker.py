@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
+import logging
 import mmap
 import os
 import shutil
@@ -34,6 +35,8 @@ from typing import Any
 from ..errors import CheckpointingError, CoordinationTimeoutError, error_text
 from ..fileformat import PartPlan, seal_planned, write_planned
 from ..staging import StagingBuffer
+
+logger = logging.getLogger("tierpoint")
 
 _buffers: dict[str, memoryview] = {}
 """Worker side: staging buffers mapped from the trainer, by id."""
@@ -284,6 +287,14 @@ class Worker:
         self._conn.close()
 
     def kill(self) -> None:
+        """SIGKILL the worker and reap it; a worker that does not end within 10 s (a process stuck
+        in the kernel, e.g. on a hung file system) is left to the system, with a WARNING."""
         if self.process.poll() is None:
             self.process.kill()
-        self.process.wait(10)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            logger.warning(
+                "the background worker (pid %d) did not end within 10 s of SIGKILL; left behind",
+                self.process.pid,
+            )
