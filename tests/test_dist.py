@@ -94,6 +94,7 @@ def test_wait_for_absent_rank_times_out_and_later_steps_say_why_they_cannot_run(
     results = run_ranks(_late_rank, 2, env={"TIERPOINT_TIMEOUT": "3"}, timeout=90)
     first, later, seconds = results[1].split(" | ")
     assert "waiting for a late rank" in first and "timeout" in first
+    assert "no word from rank 0 " in first  # the silent rank is named
     assert "the next step: tierpoint's coordination group failed earlier" in later
     assert "waiting for a late rank" in later and "restart the job" in later
     assert float(seconds) < 1.0  # at once, not after another timeout

@@ -182,12 +182,43 @@ def _run_collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if group is not None:
             _broken[id(group)] = (group, f"{what}: {_first_line(text)}"[:300])
         if "timed out" in text.lower() or "timeout" in text.lower():
+            silent = _silent_ranks(what, group)
+            who = ""
+            if silent:
+                names = "rank " if len(silent) == 1 else "ranks "
+                who = f"; no word from {names}{', '.join(map(str, silent))} (stopped or too slow)"
             raise CoordinationTimeoutError(
-                f"{what}: ranks did not all arrive within the timeout ({_first_line(text)})"
+                f"{what}: ranks did not all arrive within the timeout{who} ({_first_line(text)})"
             ) from e
         raise CheckpointingError(
             f"{what}: collective failed, a peer rank is probably gone ({_first_line(text)})"
         ) from e
+
+
+_SILENT_GRACE_S = 3.0
+
+
+def _silent_ranks(what: str, group: Any) -> list[int]:
+    """After a collective on ``group`` timed out: the ranks that did not report themselves alive
+    through the job's store within a short grace (gloo's timeout does not say who is missing).
+    Only on this failure path: one key per rank, read back rank by rank. ``[]`` when unknown."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        ranks = dist.get_process_group_ranks(group) if group is not None else []
+        if not ranks:
+            ranks = list(range(dist.get_world_size()))
+        step = zlib.crc32(f"{_step(what)}|{ranks}".encode()) & 0x7FFFFFFF
+        prefix = f"tierpoint/alive/{step}/"
+        store.set(prefix + str(dist.get_rank()), "1")
+        missing = list(ranks)
+        deadline = time.monotonic() + _SILENT_GRACE_S
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([prefix + str(r)])]
+            if missing:
+                time.sleep(0.1)
+        return missing
+    except Exception:  # noqa: BLE001 - naming the silent ranks is a courtesy; the timeout stands
+        return []
 
 
 def _first_line(text: str) -> str:

@@ -3,7 +3,8 @@
 SIGKILLs one rank or the whole job, or SIGSTOPs a rank, at the n-th entry into a phase.
 
 Asserts, for every job: no rank hangs (a peer of a killed or stopped rank raises within the
-timeout; for a stop, within 3 x ``TIERPOINT_TIMEOUT`` + 10 s, with a 5 s timeout); disk use stays
+timeout; for a stop, within 3 x ``TIERPOINT_TIMEOUT`` + 10 s, with a 5 s timeout, naming the
+stopped rank); disk use stays
 bounded; the next job's restore returns on both ranks a step no older than any step committed
 before, bit-equal to what one job saved there (never a mix, never a partial step). After the last
 job, which runs without a fault, nothing waits for clean-up (dirty parts, markers, uncommitted
@@ -32,5 +33,7 @@ def test_kills_and_stops_in_each_phase_lose_no_committed_step(shm_dir) -> None:
         problems += trial.problems
         killed_in.append(trial.killed_in)
         assert not trial.hung, trial.problems
+        if trial.stop.get("raised_after_s") is not None:  # the peer raised: it names who is silent
+            assert trial.stop["named"], trial.stop
     assert not problems, "\n".join(problems)
     assert killed_in == [k["phase"] if k else None for k, _ in CHAIN]  # every kill hit its phase
