@@ -14,10 +14,10 @@ uncounted barriers:
 - ``latest complete``: ``tierpoint.dcp.get_latest_complete_checkpoint``.
 
 ``TIERPOINT_SCALE_TRACE=1`` prints every collective with its bytes and the tierpoint frame that
-issued it. For each operation it prints, per W, the number of collectives and the bytes received per rank (the largest
-over ranks; point-to-point bytes apart: they are the replicas themselves), then the growth factor per
-doubling of W. Run: ``./run bench scale`` or ``.venv/bin/python benchmarks/scale_bench.py --worlds
-2 4 8 16``. Everything is written under a temporary directory in /dev/shm and removed at the end.
+issued it. For each operation it prints, per W, the number of collectives and the bytes received by
+the busiest rank and by the median one (point-to-point bytes apart: they are the replicas
+themselves), then the busiest rank's growth per doubling of W. Run: ``./run bench scale`` or
+``.venv/bin/python benchmarks/scale_bench.py --worlds 2 4 8 16``. Everything is written under a temporary directory in /dev/shm and removed at the end.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import argparse
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import traceback
 from collections import defaultdict
@@ -173,7 +174,7 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--ranks-per-node", type=int, default=2)
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=200)
     by_world: dict[int, dict[str, dict[str, int]]] = {}
     for world in args.worlds:
         base = tempfile.mkdtemp(prefix="tierpoint-scale-", dir="/dev/shm")
@@ -183,8 +184,8 @@ def main() -> None:
             shutil.rmtree(base, ignore_errors=True)
         by_world[world] = {
             op: {
-                k: max(r[op].get(k, 0) for r in ranks)
-                for k in ("collectives", "bytes", "p2p bytes")
+                **{k: max(r[op].get(k, 0) for r in ranks) for k in ("collectives", "bytes")},
+                "median bytes": int(statistics.median(r[op].get("bytes", 0) for r in ranks)),
             }
             for op in OPERATIONS
         }
@@ -192,13 +193,13 @@ def main() -> None:
     table = Table(title=f"coordination per rank ({args.ranks_per_node} ranks per simulated node)")
     table.add_column("operation")
     for world in args.worlds:
-        table.add_column(f"W={world}\ncoll / bytes", justify="right")
-    table.add_column("bytes growth\nper doubling", justify="right")
+        table.add_column(f"W={world}\ncoll / busiest / median", justify="right")
+    table.add_column("busiest's bytes\nper doubling", justify="right")
     for op in OPERATIONS:
         row = [op]
         for world in args.worlds:
             c = by_world[world][op]
-            row.append(f"{c['collectives']} / {c['bytes']:,}")
+            row.append(f"{c['collectives']} / {c['bytes']:,} / {c['median bytes']:,}")
         first, last = by_world[args.worlds[0]][op], by_world[args.worlds[-1]][op]
         doublings = max(1.0, math.log2(args.worlds[-1] / args.worlds[0]))
         growth = (last["bytes"] / max(1, first["bytes"])) ** (1 / doublings)
