@@ -60,8 +60,8 @@ def default_metadata_object_name() -> str:
 
 
 @dataclass(frozen=True)
-class CheckpointContainerId:
-    """A checkpoint directory (or a base directory holding them); ``data`` is its path or URL."""
+class _Location:
+    """A path or URL (``data``), checked on construction; usable wherever a path is."""
 
     data: str
 
@@ -73,6 +73,11 @@ class CheckpointContainerId:
 
     def __fspath__(self) -> str:
         return self.data
+
+
+@dataclass(frozen=True)
+class CheckpointContainerId(_Location):
+    """A checkpoint directory (or a base directory holding them); ``data`` is its path or URL."""
 
     def get_parent(self) -> CheckpointContainerId:
         return CheckpointContainerId(_parent(self.data))
@@ -85,19 +90,8 @@ class CheckpointContainerId:
 
 
 @dataclass(frozen=True)
-class CheckpointObjectId:
+class CheckpointObjectId(_Location):
     """A file inside a checkpoint directory; ``data`` is its path or URL."""
-
-    data: str
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "data", storage.checkpoint_path(self.data, "data"))
-
-    def __str__(self) -> str:
-        return self.data
-
-    def __fspath__(self) -> str:
-        return self.data
 
     @classmethod
     def from_container(

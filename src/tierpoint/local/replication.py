@@ -46,7 +46,29 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-class CliqueReplicationStrategy:
+class _ReplicaGroups:
+    """The gloo groups a strategy's replica traffic runs on, created by ``setup()`` on first use."""
+
+    _group: Any = None
+    _restore_group: Any = None
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def group(self) -> Any:
+        """The gloo group replica traffic runs on (set up on first use)."""
+        self.setup()
+        return self._group
+
+    @property
+    def restore_group(self) -> Any:
+        """The gloo group replicas restored in the background after a load run on."""
+        self.setup()
+        return self._restore_group
+
+
+class CliqueReplicationStrategy(_ReplicaGroups):
     """Replicate each rank's part to the other members of its clique (see the module docstring).
 
     Args:
@@ -127,18 +149,6 @@ class CliqueReplicationStrategy:
                 logger.warning(message)
                 return
 
-    @property
-    def group(self) -> Any:
-        """The gloo group replica traffic runs on (set up on first use)."""
-        self.setup()
-        return self._group
-
-    @property
-    def restore_group(self) -> Any:
-        """The gloo group replicas restored in the background after a load run on."""
-        self.setup()
-        return self._restore_group
-
     def reset(self) -> None:
         """Forget the groups (after a failed exchange every rank does this, so all agree)."""
         self._group = None
@@ -211,7 +221,7 @@ class ReplicationStrategy(ABC):
         raise NotImplementedError("tierpoint retrieves parts itself")
 
 
-class UserReplication:
+class UserReplication(_ReplicaGroups):
     """The manager's view of a user's strategy (anything with NVRx's ``replicate``): the same
     attributes as :class:`CliqueReplicationStrategy` where the manager needs them. Holders are
     unknown in advance (``holders`` is empty): replicas lost with a node are not restored, the next
@@ -236,16 +246,6 @@ class UserReplication:
         if self._group is None and tpdist.is_distributed():
             self._group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
             self._restore_group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
-
-    @property
-    def group(self) -> Any:
-        self.setup()
-        return self._group
-
-    @property
-    def restore_group(self) -> Any:
-        self.setup()
-        return self._restore_group
 
     def holders(self, origin: int) -> list[int]:
         return []
