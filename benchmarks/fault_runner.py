@@ -39,7 +39,7 @@ from rich.table import Table  # noqa: E402
 
 from tests.fault import corruption_job, kill_job  # noqa: E402
 from tests.fault.hooks.tierpoint_fault_phases import PHASES  # noqa: E402
-from tierpoint.spawn import RankFailure, run_ranks  # noqa: E402
+from tierpoint.spawn import RankFailure  # noqa: E402
 
 SCOPES = ("rank", "job", "stop")
 SCOPE_WEIGHTS = (0.46, 0.46, 0.08)
@@ -120,15 +120,7 @@ def run_corruptions(args: argparse.Namespace, work: Path, log: Path) -> list[dic
         root = Path(tempfile.mkdtemp(prefix="tierpoint-faults-", dir="/dev/shm"))
         trials = work / f"corruptions-{first}.jsonl"
         try:
-            ranks = run_ranks(
-                corruption_job.corruption_trials,
-                2,
-                str(root / "ckpt"),
-                seeds,
-                str(trials),
-                timeout=600,
-                env={"TIERPOINT_TIMEOUT": "20"},
-            )
+            ranks = corruption_job.run_corruption_trials(root / "ckpt", seeds, trials, timeout=600)
             records = [r for rank in ranks for r in rank]
             hung = None
         except RankFailure as e:
@@ -280,13 +272,8 @@ def main() -> int:
         if args.replay_corruption is not None:
             args.seed, args.corruptions, args.kills = 0, 0, 0
             root = work / "ckpt"
-            ranks = run_ranks(
-                corruption_job.corruption_trials,
-                2,
-                str(root),
-                [args.replay_corruption],
-                str(work / "t.jsonl"),
-                timeout=300,
+            ranks = corruption_job.run_corruption_trials(
+                root, [args.replay_corruption], work / "t.jsonl", timeout=300
             )
             for rank, records in enumerate(ranks):
                 for r in records:

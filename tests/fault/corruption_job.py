@@ -31,6 +31,7 @@ from tierpoint import TieredCheckpointManager, dcp
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp.layout import step_path
 from tierpoint.local import CliqueReplicationStrategy, LocalCheckpointManager
+from tierpoint.spawn import run_ranks
 from tierpoint.tensor_aware import BasicTensorAwareStateDict
 from tierpoint.tiered import state as st
 from tierpoint.tiered.retention import retire_persistent_steps
@@ -99,6 +100,22 @@ def _save_in_process(base: Path, rank: int) -> None:
             if rank == 0:
                 retire_persistent_steps(persistent, SETTINGS["keep_persistent"])
     dist.barrier()
+
+
+def run_corruption_trials(
+    root: str | os.PathLike, seeds: list[int], log: str | os.PathLike, timeout: float
+) -> list[list[dict[str, Any]]]:
+    """:func:`corruption_trials` on 2 real ranks (each its own simulated node); every rank's
+    records, in rank order. The one launcher of the CI test and the long runner."""
+    return run_ranks(
+        corruption_trials,
+        2,
+        str(root),
+        list(seeds),
+        str(log),
+        timeout=timeout,
+        env={"TIERPOINT_TIMEOUT": "20"},
+    )
 
 
 def corruption_trials(

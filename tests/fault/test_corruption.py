@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import os
 
-from tierpoint.spawn import run_ranks
-
-from .corruption_job import corruption_trials, problems
+from .corruption_job import problems, run_corruption_trials
 
 FIRST = int(os.environ.get("TIERPOINT_FAULT_SEED", 0))
 TRIALS = 30
@@ -32,15 +30,7 @@ checks a part's metadata against its name and fetches the replica)."""
 def test_damaged_files_are_detected_and_restore_falls_back(shm_dir) -> None:
     seeds = sorted({*REGRESSIONS, *range(FIRST, FIRST + TRIALS)})
     log = shm_dir / "trials.jsonl"
-    results = run_ranks(
-        corruption_trials,
-        2,
-        str(shm_dir / "ckpt"),
-        seeds,
-        str(log),
-        timeout=120,
-        env={"TIERPOINT_TIMEOUT": "20"},
-    )
+    results = run_corruption_trials(shm_dir / "ckpt", seeds, log, timeout=120)
     records = [r for rank in results for r in rank]
     assert len(records) == 2 * len(seeds)
     bad = problems(records)

@@ -662,17 +662,7 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
             for i, world in self._complete_iterations([g["parts"] for g in gathered]).items()
             if world == self.world_size and i not in unloadable
         }
-        latest = max(complete, default=naming.NO_CHECKPOINT)
-        if iteration <= latest:
-            raise CheckpointingError(
-                f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
-            )
-        in_flight = max(g["requested"] for g in gathered)
-        if iteration <= in_flight:
-            raise CheckpointingError(
-                f"cannot save iteration {iteration}: an async save of iteration {in_flight} was "
-                "requested and is not finalized; iterations must increase"
-            )
+        keep = self._keep_for(iteration, complete, max(g["requested"] for g in gathered))
         superseded = sorted({p[0] for g in gathered for p in g["parts"] if p[0] >= iteration})
         if superseded and self.rank == 0:
             logger.warning(
@@ -681,9 +671,22 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
                 iteration,
                 ", ".join(map(str, superseded)),
             )
-        return self._keep_before(iteration, complete)
+        return keep
 
-    def _keep_before(self, iteration: int, complete: Iterable[int]) -> set[int]:
+    def _keep_for(self, iteration: int, complete: Iterable[int], in_flight: int) -> set[int]:
+        """The complete iterations to keep when saving ``iteration`` (``keep_last`` counts it);
+        refuses an iteration that is not newer than every complete one and than ``in_flight``
+        (the newest async save requested on any rank and not finalized)."""
+        latest = max(complete, default=naming.NO_CHECKPOINT)
+        if iteration <= latest:
+            raise CheckpointingError(
+                f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
+            )
+        if iteration <= in_flight:
+            raise CheckpointingError(
+                f"cannot save iteration {iteration}: an async save of iteration {in_flight} was "
+                "requested and is not finalized; iterations must increase"
+            )
         older = sorted((i for i in complete if i < iteration), reverse=True)
         return set(older[: self.keep_last - 1])
 
@@ -712,17 +715,7 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
         )
         if not (low[0] == 1 and low[1] == -low[2] and low[3] == -low[4]):
             return None
-        latest = max(complete, default=naming.NO_CHECKPOINT)
-        if iteration <= latest:
-            raise CheckpointingError(
-                f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
-            )
-        if iteration <= -low[5]:
-            raise CheckpointingError(
-                f"cannot save iteration {iteration}: an async save of iteration {-low[5]} was "
-                "requested and is not finalized; iterations must increase"
-            )
-        return self._keep_before(iteration, complete)
+        return self._keep_for(iteration, complete, -low[5])
 
     def _remove_leftovers(self, iteration: int) -> None:
         """Remove this rank's parts (own and replicas) of ``iteration`` and newer iterations: once
