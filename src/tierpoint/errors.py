@@ -28,10 +28,23 @@ class CheckpointingError(RuntimeError):
 
 
 def _rebuild(cls: type, message: str, attributes: dict) -> CheckpointingError:
-    err = cls.__new__(cls)
+    err = _bare(cls)
     CheckpointingError.__init__(err, message)
     err.__dict__.update(attributes)
     return err
+
+
+def _bare(cls: type) -> CheckpointingError:
+    """An uninitialised instance of the error class ``cls``. A class that also derives from a
+    built-in error with its own layout (``FileExistsError``: ``OSError``) can only be made by that
+    error's ``__new__``, so the built-in bases are tried in order."""
+    for base in cls.__mro__:
+        if base.__module__ == "builtins" and issubclass(base, BaseException):
+            try:
+                return base.__new__(cls)
+            except TypeError:
+                continue
+    raise TypeError(f"cannot create an instance of {cls.__name__}")
 
 
 class CorruptCheckpointError(CheckpointingError):
@@ -70,9 +83,16 @@ def agreed_error(type_name: str, message: str, failures: Mapping[int, str]) -> C
     """An error of the tierpoint class named ``type_name`` (else :class:`CheckpointingError`) built
     from an agreed message, as every rank raises it after :func:`tierpoint.dist.agree`."""
     cls = _BY_NAME.get(type_name, CheckpointingError)
-    err = cls.__new__(cls)
+    err = _bare(cls)
     CheckpointingError.__init__(err, message, failures)
     return err
+
+
+def register_agreed(cls: type[CheckpointingError]) -> type[CheckpointingError]:
+    """Make ``cls`` (a :class:`CheckpointingError` subclass of a higher floor) one that agreed errors
+    keep: when every failing rank raised it, every rank raises it (see :func:`agreed_error`)."""
+    _BY_NAME[cls.__name__] = cls
+    return cls
 
 
 def error_text(error: BaseException) -> str:
