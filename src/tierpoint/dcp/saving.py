@@ -22,6 +22,10 @@ a module, a torchtitan-style ``ModelWrapper``) is saved as what its ``state_dict
 when the save is planned (:func:`tierpoint.dcp.load` hands the loaded values to its
 ``load_state_dict``).
 
+The three entry points take the same keywords, declared once in :mod:`tierpoint.dcp.options`
+(each call gathers them into one ``SaveOptions``); every save starts in ``_plan``, which builds the
+:class:`~tierpoint.dcp.writer.Writer` and plans.
+
 Invariants: those of :mod:`tierpoint.dcp.state_dict_saver` and :mod:`tierpoint.dcp.writer`;
 finalization (and so :meth:`SaveFuture.result`) is collective: every rank calls it at the same point.
 """
@@ -31,42 +35,27 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue, AsyncRequest
 from ..errors import CheckpointingError
-from ..storage import DEFAULT_UPLOAD, UploadOptions
 from .layout import checkpoint_id_or_path
-from .staging_pool import StagingPool
-from .state_dict_saver import (
-    CheckpointMetadataCache,
-    save_state_dict_async_finalize,
-    save_state_dict_async_plan,
-)
+from .options import SaveOptions, takes_save_options
+from .state_dict_saver import save_state_dict_async_finalize, save_state_dict_async_plan
 from .writer import Writer
 
 
+@takes_save_options(without=("staging_pool",))
 def save(
     state_dict: dict[str, Any],
     path_or_url: str | os.PathLike | None = None,
     *,
     checkpoint_id: str | os.PathLike | None = None,
-    process_group: Any = None,
-    thread_count: int = 2,
-    storage_options: Mapping[str, Any] | None = None,
-    planner: SavePlanner | None = None,
-    coordinator_rank: int = 0,
-    enable_cache: bool = True,
-    metadata_cache: CheckpointMetadataCache | None = None,
-    sync_files: bool = True,
-    upload: UploadOptions = DEFAULT_UPLOAD,
-    overwrite: bool = False,
+    options: SaveOptions,
 ) -> Metadata | None:
     """Save ``state_dict`` as a torch DCP checkpoint at ``path_or_url``; returns when it is committed.
 
@@ -76,71 +65,64 @@ def save(
     holds a committed checkpoint is refused unless ``overwrite=True`` (which un-commits it first: a
     crash during the new save then leaves no checkpoint there; the refusal says "Checkpoint already
     exists", as torch's does). ``checkpoint_id=`` is torch's name for ``path_or_url``.
+
+    The keywords after ``checkpoint_id`` (:class:`~tierpoint.dcp.options.SaveOptions`):
+    ``process_group``, ``thread_count`` (writer threads per rank), ``storage_options`` (fsspec's,
+    for URLs), ``planner``, ``coordinator_rank``, ``enable_cache`` and ``metadata_cache`` (cached
+    planning), ``sync_files``, ``upload`` (multipart upload settings), ``overwrite``.
     """
-    writer = Writer(
-        checkpoint_id_or_path(path_or_url, checkpoint_id, "save"),
-        thread_count=thread_count,
-        storage_options=storage_options,
-        sync_files=sync_files,
-        upload=upload,
-        overwrite=overwrite,
-    )
-    writer, metadata, dist_wrapper = save_state_dict_async_plan(
-        stateful_to_state_dict(state_dict),
-        writer,
-        process_group,
-        coordinator_rank,
-        planner,
-        enable_cache,
-        metadata_cache,
-    )
+    path = checkpoint_id_or_path(path_or_url, checkpoint_id, "save")
+    writer, metadata, dist_wrapper = _plan(state_dict, path, options)
     writer.write_now()
     save_state_dict_async_finalize(writer, metadata, dist_wrapper)
     return metadata
 
 
+@takes_save_options()
 def async_save_request(
     state_dict: dict[str, Any],
     path_or_url: str | os.PathLike | None = None,
     *,
     checkpoint_id: str | os.PathLike | None = None,
-    process_group: Any = None,
-    thread_count: int = 2,
-    storage_options: Mapping[str, Any] | None = None,
-    planner: SavePlanner | None = None,
-    coordinator_rank: int = 0,
-    enable_cache: bool = True,
-    metadata_cache: CheckpointMetadataCache | None = None,
-    staging_pool: StagingPool | None = None,
-    sync_files: bool = True,
-    upload: UploadOptions = DEFAULT_UPLOAD,
-    overwrite: bool = False,
+    options: SaveOptions,
 ) -> AsyncRequest:
     """Plan an async save now and return the request to schedule (NVRx style)::
 
         queue.schedule_async_request(async_save_request(state_dict, path))
 
     The snapshot happens when the request is scheduled (its ``preload_fn``); the state must not
-    change until then.
+    change until then. The keywords are :func:`save`'s and ``staging_pool`` (where snapshots go).
     """
+    path = checkpoint_id_or_path(path_or_url, checkpoint_id, "async_save_request")
+    return _request(state_dict, path, options)
+
+
+def _plan(state_dict: dict[str, Any], path: Any, options: SaveOptions) -> tuple[Writer, Any, Any]:
+    """The writer for ``path`` and the collective plan of ``state_dict`` (every save's start)."""
     writer = Writer(
-        checkpoint_id_or_path(path_or_url, checkpoint_id, "async_save_request"),
-        thread_count=thread_count,
-        storage_options=storage_options,
-        staging_pool=staging_pool,
-        sync_files=sync_files,
-        upload=upload,
-        overwrite=overwrite,
+        path,
+        thread_count=options.thread_count,
+        storage_options=options.storage_options,
+        staging_pool=options.staging_pool,
+        sync_files=options.sync_files,
+        upload=options.upload,
+        overwrite=options.overwrite,
     )
-    planned = save_state_dict_async_plan(
+    return save_state_dict_async_plan(
         stateful_to_state_dict(state_dict),
         writer,
-        process_group,
-        coordinator_rank,
-        planner,
-        enable_cache,
-        metadata_cache,
+        options.process_group,
+        options.coordinator_rank,
+        options.planner,
+        options.enable_cache,
+        options.metadata_cache,
     )
+
+
+def _request(state_dict: dict[str, Any], path: Any, options: SaveOptions) -> AsyncRequest:
+    """Plan now; the request writes (its worker), then finalizes or aborts the save."""
+    planned = _plan(state_dict, path, options)
+    writer = planned[0]
     async_fn, preload_fn, args = writer.get_save_function_and_args()
 
     def finalize() -> None:
@@ -223,23 +205,14 @@ def _close_default_queue() -> None:
             _default_queue = None
 
 
+@takes_save_options()
 def async_save(
     state_dict: dict[str, Any],
     path_or_url: str | os.PathLike | None = None,
     *,
     checkpoint_id: str | os.PathLike | None = None,
     queue: AsyncCallsQueue | None = None,
-    process_group: Any = None,
-    thread_count: int = 2,
-    storage_options: Mapping[str, Any] | None = None,
-    planner: SavePlanner | None = None,
-    coordinator_rank: int = 0,
-    enable_cache: bool = True,
-    metadata_cache: CheckpointMetadataCache | None = None,
-    staging_pool: StagingPool | None = None,
-    sync_files: bool = True,
-    upload: UploadOptions = DEFAULT_UPLOAD,
-    overwrite: bool = False,
+    options: SaveOptions,
 ) -> SaveFuture:
     """Save asynchronously: plan, snapshot into staging memory, hand the writing to ``queue``'s
     worker; returns a :class:`SaveFuture` once the snapshot is taken (unless the queue overlaps
@@ -247,24 +220,11 @@ def async_save(
 
     Collective, like :func:`save`. With the default queue, call ``result()`` on the future (or
     ``default_queue().close()``) before the process group is destroyed: at exit the default queue
-    is aborted, and a save not yet finalized is discarded.
+    is aborted, and a save not yet finalized is discarded. The other keywords are
+    :func:`async_save_request`'s.
     """
     path_or_url = checkpoint_id_or_path(path_or_url, checkpoint_id, "async_save")
-    request = async_save_request(
-        state_dict,
-        path_or_url,
-        process_group=process_group,
-        thread_count=thread_count,
-        storage_options=storage_options,
-        planner=planner,
-        coordinator_rank=coordinator_rank,
-        enable_cache=enable_cache,
-        metadata_cache=metadata_cache,
-        staging_pool=staging_pool,
-        sync_files=sync_files,
-        upload=upload,
-        overwrite=overwrite,
-    )
+    request = _request(state_dict, path_or_url, options)
     q = queue if queue is not None else default_queue()
     future = SaveFuture(q, request, os.fspath(path_or_url))
     future.call_id = q.schedule_async_request(request)
