@@ -7,12 +7,13 @@ persistent id ``('storage', <type>, key, location, numel)``), ``<prefix>/byteord
 storage bytes in ``<prefix>/data/<key>``, all stored uncompressed; the central directory at the end
 says where each entry starts (local headers carry no sizes: bit 3 of their flags is set).
 
-``locate(read_at, length, what)`` reads the central directory, the data pickle (through a stand-in
-unpickler: the only globals it accepts are the rebuild functions, storage types, ``OrderedDict`` and
-dtypes, and each resolves to a recorder, so nothing named in the file is called) and the entry
-headers, checks every offset and size against ``length``, and returns a :class:`SavedTensor`: where
-the storage bytes are and how the tensor views them. The caller then reads those bytes straight into
-its destination.
+``locate(read_at, length, what)`` reads the central directory, the data pickle (through the
+restricted unpickler of :mod:`tierpoint.dcp.restricted_pickle`, with an allow-list of its own: the
+only globals it accepts are the rebuild functions, storage types, ``OrderedDict`` and dtypes, and
+each resolves to a recorder, so nothing named in the file is called) and the entry headers, checks
+every offset and size against ``length``, and returns a :class:`SavedTensor`: where the storage
+bytes are and how the tensor views them. The caller then reads those bytes straight into its
+destination.
 
 Archives that are valid but unusual (big-endian bytes, conj/neg view bits, compressed entries) raise
 :class:`NeedsTorchLoad`, which says how many bytes the entries unpack to (what ``torch.load`` would
@@ -22,8 +23,6 @@ Anything malformed raises :class:`BadRecord` with the reason.
 
 from __future__ import annotations
 
-import io
-import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .safe_pickle import MAX_INT, brief
+from .restricted_pickle import DTYPES, MAX_DIMS, MAX_INT, AllowList, brief, restricted_load
 
 MAX_ENTRIES = 64
 MAX_PICKLE_BYTES = 1 << 20
@@ -39,7 +38,6 @@ TAIL_WINDOW = 8192
 HEAD_WINDOW = 4096
 WHOLE_ITEM = 64 * 1024
 """Items up to this size are read in one go and parsed from memory."""
-MAX_DIMS = 64
 MAX_DIRECTORY_BYTES = 1 << 20
 """Largest central directory accepted (a saved tensor's has a few short entries)."""
 
@@ -251,27 +249,28 @@ _DATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): _ordered_dict,
 }
 _DATA_GLOBALS.update({("torch", n): _StorageType(d) for n, d in _TYPED_STORAGES.items()})
-_DATA_GLOBALS.update(
-    {("torch", n): obj for n, obj in vars(torch).items() if isinstance(obj, torch.dtype)}
+_DATA_GLOBALS.update(DTYPES)
+
+
+def _storage_ref(pid: Any) -> _StorageRef:
+    """The persistent id ``('storage', <type>, key, location, numel)`` of the tensor's storage."""
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise BadRecord(f"unexpected persistent id {brief(pid)}")
+    _, stype, key, _location, numel = pid
+    if type(stype) is not _StorageType or not isinstance(key, str):
+        raise BadRecord(f"unexpected storage reference {brief(pid)}")
+    if type(numel) is not int or not 0 <= numel <= MAX_INT:
+        raise BadRecord(f"storage size {brief(numel, 40)} is not an int in [0, 2**63)")
+    return _StorageRef(stype, key, numel)
+
+
+_DATA_PICKLE = AllowList(
+    globals=_DATA_GLOBALS,
+    refuse=BadRecord,
+    where=" in the tensor's data.pkl",
+    persistent=_storage_ref,
 )
-
-
-class _DataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _DATA_GLOBALS[(module, name)]
-        except (KeyError, TypeError):
-            raise BadRecord(f"forbidden global {module}.{name} in the tensor's data.pkl") from None
-
-    def persistent_load(self, pid: Any) -> _StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise BadRecord(f"unexpected persistent id {brief(pid)}")
-        _, stype, key, _location, numel = pid
-        if type(stype) is not _StorageType or not isinstance(key, str):
-            raise BadRecord(f"unexpected storage reference {brief(pid)}")
-        if type(numel) is not int or not 0 <= numel <= MAX_INT:
-            raise BadRecord(f"storage size {brief(numel, 40)} is not an int in [0, 2**63)")
-        return _StorageRef(stype, key, numel)
+"""What a tensor's ``data.pkl`` may name: the rebuild recorders, storage types, dtypes."""
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
@@ -283,9 +282,8 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
 
 
 def _parse_data_pickle(data: bytes) -> tuple[_StorageRef, int, tuple, tuple, torch.dtype]:
-    stream = io.BytesIO(data)
     try:
-        root = _DataUnpickler(stream).load()
+        root, _ = restricted_load(data, _DATA_PICKLE)
     except (BadRecord, NeedsTorchLoad):
         raise
     except Exception as e:  # noqa: BLE001 - only recorders ran; any failure is a format error
