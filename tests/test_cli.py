@@ -433,7 +433,7 @@ def test_bench_chart_draws_every_contender(tmp_path: Path, monkeypatch: pytest.M
 
     import numpy as np
 
-    from tierpoint import cli
+    from tierpoint.cli import bench as cli
 
     plt = mock.MagicMock()
     axes = np.empty((2, 1), dtype=object)  # what subplots(2, 1, squeeze=False) returns

@@ -1,0 +1,194 @@
+"""``tierpoint convert``: a part file, a local-tier iteration, a DCP step, a ``.safetensors`` or a
+``.pt`` file to one ``.safetensors`` or ``.pt`` file, or back to a DCP checkpoint.
+
+Call order: :func:`cmd_convert` reads the source's state (its kind from
+:func:`~tierpoint.cli.locate.classify` and the file's suffix), then writes it in the kind of
+``DST``'s suffix (none: a DCP checkpoint) and prints one line.
+
+Invariants: nothing is replaced without ``--force``; ``.safetensors`` and ``.pt`` files are
+written locally only; a safetensors file written here keeps the state's structure in its
+metadata, so converting it back restores the same tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointingError
+from .files import kind_of_file, load_pt, safetensors_metadata
+from .listing import local_rows
+from .locate import classify, find_dcp_dir, store_options
+from .output import CommandError
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """``tierpoint convert``: ``args.src`` written as ``args.dst``; 0 on success."""
+    from .. import storage
+
+    options = store_options(args)
+    dst = args.dst
+    out_kind = kind_of_file(dst) or "dcp"
+    if out_kind != "dcp" and not storage.is_local(dst):
+        raise CommandError(f"{dst}: a .safetensors or .pt file is written locally only")
+    if out_kind != "dcp" and os.path.exists(dst) and not args.force:
+        raise CommandError(f"{dst}: exists (--force to replace it)")
+    state, source = _read_state(args, options)
+    if out_kind == "safetensors":
+        how = _write_safetensors(state, dst)
+    elif out_kind == "pt":
+        import torch
+
+        torch.save(state, dst)
+        how = "torch.save"
+    else:
+        how = _write_dcp(state, dst, options, args.force)
+    tensors, nbytes = _count_tensors(state)
+    print(f"{source} -> {dst} ({how}): {tensors} tensors, {nbytes} bytes")
+    return 0
+
+
+def _read_state(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[Any, str]:
+    """The state held by ``args.src`` and a description of it."""
+    try:
+        return _read_source(args, options)
+    except CheckpointingError as e:
+        if args.src in str(e):
+            raise
+        raise CommandError(f"{args.src}: {e}") from e  # an error that does not name the file
+
+
+def _read_source(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[Any, str]:
+    src = args.src
+    kind, entries = classify(src, options)
+    if kind == "part":
+        file_kind = kind_of_file(src)
+        if file_kind == "pt":
+            return load_pt(src), "torch.save file"
+        return _read_safetensors(src)
+    if kind in ("dcp-step", "olmo-step"):
+        return _read_dcp(find_dcp_dir(src, entries, options), options), "DCP checkpoint"
+    if kind == "local":
+        return _read_iteration(src, args.iteration, args.rank)
+    raise CommandError(f"{src}: a DCP base directory: convert one of its steps")
+
+
+def _read_safetensors(path: str) -> tuple[Any, str]:
+    """A tierpoint part file (checked, its skeleton restored) or any safetensors file."""
+    from .. import fileformat
+
+    meta = safetensors_metadata(path)
+    if meta.get("format") == "tierpoint":
+        return fileformat.read(path), "part file"
+    try:
+        from safetensors.torch import load_file
+    except ImportError as e:
+        raise CommandError(
+            f"{path}: not a tierpoint part file; reading other safetensors files needs the "
+            "safetensors package"
+        ) from e
+    try:
+        tensors = load_file(path)
+    except Exception as e:  # noqa: BLE001 - a damaged file: one line
+        raise CommandError(f"{path}: not a readable safetensors file: {e}") from e
+    if "tierpoint_skeleton" in meta:  # written by `tierpoint convert`: the structure comes back
+        from ..tree import unflatten
+
+        names = json.loads(meta["tierpoint_names"])
+        state = unflatten(json.loads(meta["tierpoint_skeleton"]), [tensors[n] for n in names])
+        return state, "safetensors file"
+    return tensors, "safetensors file"
+
+
+def _read_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..dcp.loading import load
+    from ..dcp.reader import read_metadata
+
+    metadata = read_metadata(path, storage_options=options)
+    state: dict[str, Any] = {}
+    for fqn, md in sorted(metadata.state_dict_metadata.items()):
+        is_tensor = isinstance(md, TensorStorageMetadata)
+        state[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype) if is_tensor else None
+    load(state, path, storage_options=options)
+    return state
+
+
+def _read_iteration(root: str, iteration: int | None, rank: int | None) -> tuple[Any, str]:
+    """One local-tier iteration (the newest complete by default): ``{"rank<r>": state}`` for every
+    rank, or one rank's state."""
+    from .. import fileformat
+    from ..local.naming import parse_part_name
+
+    rows = [r for r in local_rows(root) if iteration is None or r.step == iteration]
+    sessions = {r.where for r in rows}
+    if len(sessions) > 1:
+        raise CommandError(f"{root}: holds sessions {sorted(sessions)}: name one's directory")
+    complete = [r for r in rows if r.status == "complete" or (rank is not None and rank in r.ranks)]
+    if not complete:
+        which = f"iteration {iteration}" if iteration is not None else "a complete iteration"
+        raise CommandError(f"{root}: no {which} to convert")
+    row = max(complete, key=lambda r: r.step)
+    parts: dict[int, Path] = {}
+    for p in sorted(Path(root).glob("**/*")):
+        parsed = parse_part_name(p.name)
+        if parsed is not None and parsed[0] == row.step:
+            parts.setdefault(parsed[1], p)
+    ranks = [rank] if rank is not None else sorted(parts)
+    if any(r not in parts for r in ranks):
+        raise CommandError(f"{root}: iteration {row.step} has no part of rank {rank}")
+    if rank is not None:
+        return fileformat.read(parts[rank]), f"iteration {row.step}, rank {rank}"
+    state = {f"rank{r}": fileformat.read(parts[r]) for r in ranks}
+    return state, f"iteration {row.step}, ranks {ranks[0]}..{ranks[-1]}"
+
+
+def _write_safetensors(state: Any, dst: str) -> str:
+    from .. import fileformat
+    from ..fileformat.header import NATIVE_CODES
+    from ..fileformat.plan import _unique_names
+    from ..tree import flatten
+
+    flat = flatten(state)
+    names = _unique_names(flat.paths)
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        save_file = None
+    if save_file is None or any(t.dtype not in NATIVE_CODES for t in flat.tensors):
+        fileformat.write(dst, state)  # the same layout, with tierpoint's checksums and skeleton
+        return "safetensors layout, by tierpoint.fileformat"
+    metadata = {
+        "format": "pt",
+        "tierpoint_skeleton": json.dumps(flat.skeleton),
+        "tierpoint_names": json.dumps(names),
+    }
+    tensors = {n: t.detach().cpu().contiguous().clone() for n, t in zip(names, flat.tensors)}
+    save_file(tensors, dst, metadata=metadata)
+    return "safetensors"
+
+
+def _write_dcp(state: Any, dst: str, options: Mapping[str, Any], force: bool) -> str:
+    from .. import storage
+    from ..dcp import layout
+    from ..dcp.saving import save
+
+    if storage.exists(storage.join(dst, layout.METADATA_NAME), options) and not force:
+        raise CommandError(f"{dst}: holds a DCP checkpoint already (--force to replace it)")
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        state = {"state": state}
+    save(state, dst, storage_options=options, overwrite=force)
+    return "DCP"
+
+
+def _count_tensors(state: Any) -> tuple[int, int]:
+    from ..tree import flatten
+
+    tensors = flatten(state).tensors
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,65 @@
+"""Single files the commands read besides part files: ``torch.save`` files and other writers'
+safetensors files.
+
+Call order: :func:`kind_of_file` by the name's suffix; then :func:`safetensors_header` /
+:func:`safetensors_metadata` (the JSON header, its length checked against the file first) or
+:func:`load_pt` (``torch.load(weights_only=True)``).
+
+Invariants: no code in a file runs; a damaged file is a :class:`~tierpoint.cli.output.CommandError`
+naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .output import CommandError
+
+
+def kind_of_file(path: str) -> str | None:
+    """``"safetensors"`` or ``"pt"`` by the name's suffix, else None."""
+    lower = path.lower()
+    if lower.endswith(".safetensors"):
+        return "safetensors"
+    if lower.endswith((".pt", ".pth")):
+        return "pt"
+    return None
+
+
+def safetensors_metadata(path: str) -> dict[str, Any]:
+    """The ``__metadata__`` of a safetensors file's header."""
+    meta = safetensors_header(path).get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise CommandError(f"{path}: not a safetensors file: __metadata__ is not a map")
+    return meta
+
+
+def safetensors_header(path: str) -> dict[str, Any]:
+    """A safetensors file's JSON header (its length checked against the file before reading)."""
+    from ..fileformat import MAX_HEADER_BYTES
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+                raise ValueError(f"a header length of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        return header
+    except ValueError as e:
+        raise CommandError(f"{path}: not a safetensors file: {e}") from e
+
+
+def load_pt(path: str) -> Any:
+    """A ``torch.save`` file's state, loaded with ``weights_only=True`` (no code runs)."""
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - a damaged or unsafe file: one line
+        raise CommandError(f"{path}: cannot load with weights_only=True: {e}") from e

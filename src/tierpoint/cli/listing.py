@@ -1,0 +1,270 @@
+"""``tierpoint ls``: every checkpoint under a path, its step, tier, ranks, replicas, size, age and
+status, and the newest restorable one.
+
+Call order: :func:`cmd_ls` classifies the path (:mod:`tierpoint.cli.locate`), builds one
+:class:`Row` per checkpoint (:func:`local_rows` for the local tier, :func:`dcp_rows` for DCP steps),
+then prints a table or JSON. ``verify`` and ``convert`` reuse the row builders.
+
+Invariants: only headers, listings and DCP metadata are read (``verify`` reads every byte); a
+status is ``complete``, ``incomplete`` (never committed, ranks missing) or ``corrupt`` with the
+reason in ``detail``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointingError
+from .locate import (
+    Entry,
+    classify,
+    find_dcp_dir,
+    join_url,
+    list_entries,
+    step_number,
+    store_options,
+)
+from .output import CommandError, human_age, human_size, make_console, make_table, print_json
+
+_DATA_FILE = re.compile(r"^__(\d+)_\d+(?:\.[0-9a-f]+)?\.distcp$")
+
+
+@dataclass
+class Row:
+    """One checkpoint as ``ls`` shows it."""
+
+    tier: str
+    where: str
+    step: int
+    ranks: list[int]
+    world_size: int | None
+    replicas: int
+    size: int
+    mtime: float | None
+    status: str
+    detail: str = ""
+    path: str = ""
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``tierpoint ls``: a table (or JSON) of the checkpoints under ``args.path``; 0 on success."""
+    options = store_options(args)
+    path = args.path
+    kind, entries = classify(path, options)
+    if kind == "part":
+        raise CommandError(f"{path}: a file; `tierpoint inspect` shows one part file")
+    rows = local_rows(path) if kind == "local" else dcp_rows(path, kind, entries, options)
+    newest: dict[str, Row] = {}
+    for row in rows:
+        if row.status == "complete" and (
+            row.where not in newest or row.step > newest[row.where].step
+        ):
+            newest[row.where] = row
+    if args.json:
+        print_json(
+            {
+                "path": path,
+                "checkpoints": [asdict(r) for r in rows],
+                "newest_restorable": {w: r.path for w, r in newest.items()},
+            }
+        )
+        return 0
+    console = make_console()
+    if not rows:
+        console.print(f"{path}: no checkpoints")
+        return 0
+    columns = ["where", "step", "tier", "ranks", "replicas", "size", "age", "status"]
+    table_rows = [
+        (
+            r.where,
+            r.step,
+            r.tier,
+            _ranks_text(r),
+            r.replicas if r.tier == "local" else "-",
+            human_size(r.size),
+            human_age(r.mtime),
+            r.status + (f": {r.detail}" if r.detail else ""),
+        )
+        for r in rows
+    ]
+    console.print(make_table(f"checkpoints under {path}", columns, table_rows))
+    for where in dict.fromkeys(r.where for r in rows):
+        found = newest.get(where)
+        unit = "iteration" if found and found.tier == "local" else "step"
+        text = f"{found.tier} {unit} {found.step}: {found.path}" if found else "none"
+        console.print(f"newest restorable ({where}): {text}")
+    return 0
+
+
+def _ranks_text(row: Row) -> str:
+    if row.world_size is None:
+        return ",".join(map(str, row.ranks)) or "-"
+    return f"{len(row.ranks)}/{row.world_size}"
+
+
+def local_rows(root: str) -> list[Row]:
+    """Every iteration of every session under a local-tier root, session or rank directory."""
+    from ..local.naming import parse_part_name
+
+    base = Path(root)
+    subdirs = sorted(p for p in base.iterdir() if p.is_dir())
+
+    def holds(directory: Path) -> bool:
+        return any(parse_part_name(n) is not None for n in os.listdir(directory))
+
+    if holds(base):  # a rank's directory
+        return _session_rows(base.parent.name, [base])
+    holders = [p for p in subdirs if holds(p)]
+    rows = _session_rows(base.name, holders) if holders else []  # a session's directory
+    for session in (p for p in subdirs if p not in holders):  # a root of sessions
+        rows += _session_rows(session.name, sorted(p for p in session.iterdir() if p.is_dir()))
+    return rows
+
+
+def _session_rows(session: str, holders: Sequence[Path]) -> list[Row]:
+    from ..local.naming import parse_part_name, part_world_size
+
+    files: dict[int, list[tuple[int, Path]]] = {}
+    for holder in holders:
+        for name in os.listdir(holder):
+            parsed = parse_part_name(name)
+            if parsed is not None:
+                files.setdefault(parsed[0], []).append((parsed[1], holder / name))
+    rows = []
+    for iteration in sorted(files, reverse=True):
+        present: dict[int, int] = {}  # origin rank -> good copies
+        worlds: set[int] = set()
+        damaged: dict[int, str] = {}  # origin rank -> a damaged copy and why
+        size, mtime = 0, 0.0
+        for origin, path in files[iteration]:
+            try:
+                st = path.stat()
+                worlds.add(part_world_size(path, iteration, origin))
+            except (OSError, CheckpointingError) as e:
+                damaged.setdefault(origin, f"{path}: {e}")
+                continue
+            present[origin] = present.get(origin, 0) + 1
+            size, mtime = size + st.st_size, max(mtime, st.st_mtime)
+        world = next(iter(worlds)) if len(worlds) == 1 else None
+        missing = sorted(set(range(world)) - set(present)) if world is not None else []
+        if len(worlds) > 1:
+            status, detail = "corrupt", f"parts disagree on the world size: {sorted(worlds)}"
+        elif lost := sorted(set(damaged) - set(present)):  # no good copy of these ranks
+            status, detail = "corrupt", f"rank {lost[0]}'s part damaged: {damaged[lost[0]]}"
+        elif missing:
+            status, detail = "incomplete", f"missing ranks {missing}"
+        else:
+            status = "complete"
+            detail = f"damaged copies of ranks {sorted(damaged)} ignored" if damaged else ""
+        rows.append(
+            Row(
+                tier="local",
+                where=session,
+                step=iteration,
+                ranks=sorted(present),
+                world_size=world,
+                replicas=sum(present.values()) - len(present),
+                size=size,
+                mtime=mtime or None,
+                status=status,
+                detail=detail,
+                path=str(holders[0].parent) if holders else "",
+            )
+        )
+    return rows
+
+
+def dcp_rows(path: str, kind: str, entries: dict[str, Entry], options: Any) -> list[Row]:
+    """One row per step of a DCP base, newest first, or the row of one DCP or OLMo-core step."""
+    if kind in ("dcp-step", "olmo-step"):
+        return [_step_row(path, path, entries, options)]
+    from ..dcp import layout
+
+    steps = {
+        n: step for n, e in entries.items() if e.is_dir and (step := step_number(n)) is not None
+    }
+    outside = layout.sibling_markers(list(entries))  # ML Flashpoint's, next to the directories
+    return [
+        _step_row(path, join_url(path, name), None, options, outside.get(name, []))
+        for name in sorted(steps, key=steps.__getitem__, reverse=True)
+    ]
+
+
+def _step_row(
+    where: str,
+    step_dir: str,
+    entries: dict[str, Entry] | None,
+    options: Any,
+    sibling_markers: Sequence[int] = (),
+) -> Row:
+    from .. import storage
+    from ..checkpointer.metadata import METADATA_FNAME as OLMO_METADATA
+    from ..dcp import layout
+
+    step = step_number(storage.basename(step_dir))
+    step_entries = entries if entries is not None else list_entries(step_dir, options)
+    dcp_dir = find_dcp_dir(step_dir, step_entries, options)
+    olmo = dcp_dir != step_dir
+    found = list_entries(dcp_dir, options) if olmo else step_entries
+    ranks = sorted(
+        {int(m.group(1)) for n in found if (m := _DATA_FILE.match(n))}
+        | {r for n in found if (r := layout.marker_rank(n)) is not None}
+    )
+    markers = sorted(
+        {r for n in found if (r := layout.marker_rank(n)) is not None} | set(sibling_markers)
+    )
+    meta = found.get(layout.METADATA_NAME)
+    size = sum(e.size for e in found.values() if not e.is_dir)
+    times = [e.mtime for e in found.values() if e.mtime is not None]
+    detail = ""
+    if meta is None:
+        status, detail = "incomplete", "no .metadata: the save never committed"
+    elif markers:
+        status, detail = "incomplete", f"unfinished on ranks {markers}"
+    elif olmo and OLMO_METADATA not in step_entries:
+        status, detail = "incomplete", f"no {OLMO_METADATA}: the Checkpointer's save never finished"
+    else:
+        status, detail = _check_step(dcp_dir, found, options)
+    return Row(
+        tier="persistent",
+        where=where,
+        step=-1 if step is None else step,
+        ranks=ranks,
+        world_size=None,
+        replicas=0,
+        size=size,
+        mtime=meta.mtime if meta and meta.mtime else (max(times) if times else None),
+        status=status,
+        detail=detail,
+        path=dcp_dir,
+    )
+
+
+def _check_step(dcp_dir: str, found: dict[str, Entry], options: Any) -> tuple[str, str]:
+    """Cheap checks of a committed step: metadata readable, every data file it names there and
+    long enough, checksum manifests for all data files or none."""
+    from ..dcp.checksums import manifest_name
+    from ..dcp.reader import read_metadata
+
+    try:
+        metadata = read_metadata(dcp_dir, storage_options=options)
+    except (OSError, CheckpointingError) as e:
+        return "corrupt", str(e)
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        if name not in found:
+            return "corrupt", f"data file {name} missing"
+        if found[name].size < end:
+            return "corrupt", f"{name} truncated ({found[name].size} of {end} bytes)"
+    manifests = [manifest_name(n) in found for n in ends]
+    if any(manifests) and not all(manifests):
+        return "corrupt", "a checksum manifest is missing"
+    return "complete", "" if all(manifests) else "no checksum manifests (written by plain torch)"

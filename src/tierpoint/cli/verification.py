@@ -1,0 +1,140 @@
+"""``tierpoint verify``: check every checksum of part files, directories of them, DCP steps and
+DCP bases; exit status 0 only when everything verified.
+
+Call order: :func:`cmd_verify` turns each path into checks (one per part file or DCP step; an
+uncommitted step is skipped), runs them with a progress bar, prints one line per check
+(``ok`` / ``skip`` / ``FAIL`` and why) and a summary, or JSON.
+
+Invariants: a path that cannot be checked is one line on stderr and the others go on; a DCP step
+without checksum manifests (plain torch) is read completely and reported unverified, which fails
+only with ``--strict``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointingError
+from .listing import dcp_rows
+from .locate import classify, find_dcp_dir, store_options
+from .output import CommandError, make_console, print_json, progress_bar
+
+
+@dataclass
+class _Check:
+    target: str
+    kind: str
+    run: Callable[[], tuple[str, str]] | None
+    """Returns (status, detail); None: skipped (see ``detail``)."""
+    detail: str = ""
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``tierpoint verify``: check ``args.paths``; 0 only when everything verified."""
+    options = store_options(args)
+    checks: list[_Check] = []
+    results: list[dict[str, Any]] = []
+    for path in args.paths:  # a path that is not there is one line on stderr; the others go on
+        try:
+            checks += _checks(path, options)
+        except (CommandError, CheckpointingError, OSError) as e:
+            print(f"tierpoint verify: {' '.join(str(e).split())}", file=sys.stderr)
+            results.append({"target": path, "kind": "?", "status": "FAIL", "detail": str(e)})
+    console = make_console()
+    with progress_bar(console, not args.json) as progress:
+        task = progress.add_task("verifying", total=len(checks))
+        for check in checks:
+            progress.update(task, description=f"verifying {check.target}")
+            if check.run is None:
+                status, detail = "skipped", check.detail
+            else:
+                try:
+                    status, detail = check.run()
+                except (OSError, CheckpointingError, ValueError) as e:
+                    status, detail = "FAIL", str(e)
+            results.append({"target": check.target, "kind": check.kind, "status": status,
+                            "detail": detail})  # fmt: skip
+            if not args.json:
+                console.print(f"{_MARKS[status]} {check.target}: {detail}", soft_wrap=True)
+            progress.update(task, advance=1)
+    passing = ("ok", "skipped") if args.strict else ("ok", "skipped", "unverified")
+    ok = all(r["status"] in passing for r in results)
+    if args.json:
+        print_json({"ok": ok, "results": results})
+    else:
+        counts = {s: sum(r["status"] == s for r in results) for s in _MARKS}
+        console.print(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing checked")
+    return 0 if ok else 1
+
+
+_MARKS = {"ok": "ok  ", "unverified": "ok  ", "skipped": "skip", "FAIL": "FAIL"}
+"""Each status's mark at the start of its line (an unverified checkpoint read fine)."""
+
+
+def _checks(path: str, options: Mapping[str, Any]) -> list[_Check]:
+    from .. import storage
+
+    if storage.is_local(path) and path.endswith(".distcp"):
+        parent = os.path.dirname(path) or "."
+        raise CommandError(f"{path}: a DCP data file: verify its checkpoint directory ({parent})")
+    kind, entries = classify(path, options)
+    if kind == "part":
+        return [_Check(path, "part", lambda: _verify_part(path))]
+    if kind in ("dcp-step", "olmo-step"):
+        step_dir = find_dcp_dir(path, entries, options)
+        return [_Check(step_dir, "dcp", lambda: _verify_dcp(step_dir, options))]
+    if kind == "dcp-base":
+        checks = []
+        for row in dcp_rows(path, kind, entries, options):
+            if row.status == "incomplete":
+                checks.append(_Check(row.path, "dcp", None, f"not committed ({row.detail})"))
+            else:
+                checks.append(_Check(row.path, "dcp", lambda p=row.path: _verify_dcp(p, options)))
+        return checks
+    from ..local.naming import parse_part_name
+
+    local = Path(path)
+    parts = sorted(  # a rank's directory, a session's or a root's
+        p
+        for pattern in ("*", "*/*", "*/*/*")
+        for p in local.glob(pattern)
+        if parse_part_name(p.name) is not None and p.is_file()
+    )
+    if not parts:
+        raise CommandError(
+            f"{path}: neither a DCP checkpoint (no .metadata) nor a directory of part files"
+        )
+    return [_Check(str(p), "part", lambda p=p: _verify_part(str(p))) for p in parts]
+
+
+def _verify_part(path: str) -> tuple[str, str]:
+    from .. import fileformat
+    from ..local.naming import parse_part_name, part_world_size
+
+    header = fileformat.verify(path)
+    parsed = parse_part_name(os.path.basename(path))
+    if parsed is not None:  # a part file's name must agree with its metadata, as the manager checks
+        part_world_size(path, *parsed)
+    return "ok", f"{len(header.records)} tensors, {header.file_size} bytes, every checksum matches"
+
+
+def _verify_dcp(path: str, options: Mapping[str, Any]) -> tuple[str, str]:
+    from ..dcp.verify import verify_checkpoint
+
+    summary = verify_checkpoint(path, storage_options=options)
+    read = (
+        f"{summary.tensors} tensors ({summary.tensor_bytes} bytes) and {summary.values} other "
+        "values read and decoded"
+    )
+    if summary.verified:
+        return "ok", f"DCP checkpoint: {read}; every item matches its checksum"
+    return (
+        "unverified",
+        f"DCP checkpoint: {read}; unverified: no checksum manifest (not written by tierpoint)",
+    )
