@@ -9,7 +9,8 @@ import tempfile
 
 import pytest
 
-from tierpoint import direct_write, storage
+from tierpoint import storage
+from tierpoint.storage import direct as direct_write
 
 pytestmark = pytest.mark.skipif(not direct_write._O_DIRECT, reason="no O_DIRECT on this system")
 

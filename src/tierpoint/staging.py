@@ -43,11 +43,11 @@ import torch
 import xxhash
 
 from .fileformat import DTYPES, PartPlan, byte_view, checksum
+from .files import in_memory_filesystem as in_memory_filesystem  # re-exported
 from .pinning import PinnedRange, copy_device
 from .tree import FlatState
 
 _ids = itertools.count(1)
-_RAM_FILESYSTEMS = {0x01021994, 0x858458F6}  # tmpfs, ramfs (statfs f_type)
 _HASH_PIECE = 512 << 10
 """Bytes copied then hashed at a time: small enough to be hashed from the CPU cache."""
 
@@ -154,19 +154,6 @@ def _populate(m: mmap.mmap, address: int) -> None:
     for at in range(0, len(m), mmap.PAGESIZE):
         view[at] = 0
     view.release()
-
-
-def in_memory_filesystem(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is on tmpfs or ramfs (where a file's pages are plain shared memory: filling
-    them through a mapping costs no more than filling a memfd). False when it cannot tell."""
-    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field
-    try:
-        if _libc().statfs(os.fsencode(path), buf) != 0:
-            return False
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return False
-    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
-    return f_type in _RAM_FILESYSTEMS
 
 
 def planned_views(data: torch.Tensor, plan: PartPlan) -> list[torch.Tensor]:

@@ -49,7 +49,8 @@ import torch.distributed as dist
 import xxhash
 
 from .errors import CheckpointingError, CoordinationTimeoutError, CorruptCheckpointError
-from .fileformat import dirty_name, fsync_dir, reserve
+from .files import dirty_name, fsync_dir, reserve
+from .files import unlink_quietly as _unlink
 
 logger = logging.getLogger("tierpoint")
 
@@ -565,10 +566,3 @@ def _commit(
         except (BufferError, ValueError):  # pragma: no cover - a view still in use: left to the GC
             pass
         raise
-
-
-def _unlink(path: str | os.PathLike) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -80,7 +80,7 @@ def _views_then_killed_mid_write(rank: int, world: int, root: str) -> list:
     root = os.path.join(root, "killed")
     save({"a": torch.full((1 << 16,), float(rank)), "step": 1}, step_path(root, 1))
     if rank == 1:
-        original = storage._write_local
+        original = storage.local._write_local
 
         def die_halfway(path, views, fsync):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -89,7 +89,7 @@ def _views_then_killed_mid_write(rank: int, world: int, root: str) -> list:
             os.kill(os.getpid(), signal.SIGKILL)
             return original(path, views, fsync)  # never reached
 
-        storage._write_local = die_halfway
+        storage.local._write_local = die_halfway
     try:
         save({f"r{rank}": torch.full((1 << 16,), float(rank)), "step": 2}, step_path(root, 2))
     except CheckpointingError as e:

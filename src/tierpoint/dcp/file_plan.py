@@ -17,7 +17,7 @@ Invariants:
 - The tensor section of every file is a fixed byte layout (heads, tails and padding depend only on
   dtypes and shapes): :attr:`RankFiles.staging_bytes` bytes hold all files' tensor sections back to
   back, each starting page-aligned (so the staged range of a file can go to the device as it is,
-  see :mod:`tierpoint.direct_write`); a staged copy of a file is one contiguous range.
+  see :mod:`tierpoint.storage.direct`); a staged copy of a file is one contiguous range.
 - A save's data files carry its token in their names, so a file of an earlier save into the same
   directory never passes for one of this save's: not on a node that missed the save (node-local
   disks), not under any name ``.metadata`` refers to.
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import direct_write
+from ..storage import direct as direct_write
 from .tensor_record import RecordTemplate, aligned, record_template
 
 SUFFIX = ".distcp"

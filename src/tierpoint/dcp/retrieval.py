@@ -40,6 +40,7 @@ import xxhash
 from .. import dist as tpdist
 from .. import transfer
 from ..errors import CheckpointingError, error_text
+from ..files import DIRTY_SUFFIX
 from .checksums import manifest_name
 from .layout import METADATA_NAME
 
@@ -60,7 +61,9 @@ def _listing(step_dir: str) -> dict[str, int]:
     except FileNotFoundError:
         return {}
     return {
-        e.name: e.stat().st_size for e in entries if e.is_file() and not e.name.endswith(".dirty")
+        e.name: e.stat().st_size
+        for e in entries
+        if e.is_file() and not e.name.endswith(DIRTY_SUFFIX)
     }
 
 

@@ -31,6 +31,7 @@ Invariants:
   is allocated. Every failure is a :class:`CorruptCheckpointError` naming the file and the reason.
 """
 
+from ..files import dirty_name, fsync_dir, reserve  # the ground floor's, for older callers
 from .header import (
     CHECKSUM_KEY,
     DATA_ALIGNMENT,
@@ -54,10 +55,7 @@ from .reading import (
 from .tensor_bytes import byte_view, checksum
 from .writing import (
     WriteResult,
-    dirty_name,
-    fsync_dir,
     prepare_planned,
-    reserve,
     seal_planned,
     write,
     write_flat,

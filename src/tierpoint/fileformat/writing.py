@@ -26,19 +26,12 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointingError
+from ..files import SMALL, dirty_name, fsync_dir, reserve, unlink_quietly, write_all
+from ..files import write_views as _write_data  # looked up at each call: crash tests replace it
 from ..tree import FlatState, flatten
 from .plan import PartPlan, plan_part
 from .reading import is_mapped
-from .tensor_bytes import (
-    HASH_CHUNK,
-    IO_CHUNK,
-    ChunkHasher,
-    byte_view,
-    cpu_contiguous,
-    mapped_checksums,
-)
-
-_SMALL_TENSOR = 1 << 20
+from .tensor_bytes import HASH_CHUNK, ChunkHasher, byte_view, cpu_contiguous, mapped_checksums
 
 
 @dataclass(frozen=True)
@@ -46,37 +39,6 @@ class WriteResult:
     path: str
     nbytes: int
     seconds: float
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while len(view):
-        n = os.write(fd, view[:IO_CHUNK])
-        view = view[n:]
-
-
-def _write_data(fd: int, views: Sequence[memoryview]) -> None:
-    """Write the views back to back: small ones gathered into one writev, large ones straight."""
-    batch: list[memoryview] = []
-    batch_bytes = 0
-
-    def flush() -> None:
-        nonlocal batch, batch_bytes
-        if batch:
-            written = os.writev(fd, batch)
-            if written != batch_bytes:  # rare partial writev: finish byte by byte of what is left
-                _write_all(fd, memoryview(b"".join(bytes(v) for v in batch))[written:])
-            batch, batch_bytes = [], 0
-
-    for v in views:
-        if len(v) >= _SMALL_TENSOR:
-            flush()
-            _write_all(fd, v)
-        else:
-            batch.append(v)
-            batch_bytes += len(v)
-            if len(batch) >= 512 or batch_bytes >= _SMALL_TENSOR:
-                flush()
-    flush()
 
 
 def _write_and_hash(fd: int, views: Sequence[memoryview]) -> list[str]:
@@ -87,7 +49,7 @@ def _write_and_hash(fd: int, views: Sequence[memoryview]) -> list[str]:
     try:
         small: list[memoryview] = []
         for v, hasher in zip(views, hashers):
-            if len(v) < _SMALL_TENSOR:
+            if len(v) < SMALL:
                 small.append(v)
                 hasher.update(v)
                 continue
@@ -95,26 +57,13 @@ def _write_and_hash(fd: int, views: Sequence[memoryview]) -> list[str]:
             small = []
             for offset in range(0, len(v), HASH_CHUNK):
                 piece = v[offset : offset + HASH_CHUNK]
-                _write_all(fd, piece)
+                write_all(fd, piece)
                 chunks.update(hasher, piece)
         _write_data(fd, small)
         chunks.drain()
     finally:
         chunks.close()
     return [h.hexdigest() for h in hashers]
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def dirty_name(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    return path.with_name(path.name + ".dirty")
 
 
 def write(
@@ -194,7 +143,7 @@ def write_planned(
         os.ftruncate(fd, plan.file_size())
     except BaseException:
         os.close(fd)
-        _unlink_quietly(dirty)
+        unlink_quietly(dirty)
         raise
     return _seal(fd, dirty, path, plan, sums, fsync, start)
 
@@ -224,23 +173,11 @@ def prepare_planned(
     try:
         reserve(fd, total)
     except BaseException:
-        _unlink_quietly(dirty)
+        unlink_quietly(dirty)
         raise
     finally:
         os.close(fd)
     return total
-
-
-def reserve(fd: int, nbytes: int) -> None:
-    """Make the open file ``nbytes`` long with its space allocated, so that filling it through a
-    mapping cannot fail later (ENOSPC now instead of SIGBUS then). A longer file is cut; one of the
-    right size is taken as allocated already (a recycled spare was a complete file): reserving
-    256 MiB that exist again costs 15-90 ms on tmpfs here."""
-    size = os.fstat(fd).st_size
-    if size > nbytes:
-        os.ftruncate(fd, nbytes)
-    elif size < nbytes:
-        os.posix_fallocate(fd, 0, nbytes)
 
 
 def seal_planned(
@@ -267,7 +204,7 @@ def seal_planned(
             sums = _hash_planned(fd, plan)
     except BaseException:
         os.close(fd)
-        _unlink_quietly(dirty)
+        unlink_quietly(dirty)
         raise
     return _seal(fd, dirty, path, plan, sums, fsync, start)
 
@@ -303,17 +240,10 @@ def _seal(
             os.fsync(fd)
     except BaseException:
         os.close(fd)
-        _unlink_quietly(dirty)
+        unlink_quietly(dirty)
         raise
     os.close(fd)
     os.replace(dirty, path)
     if fsync:
         fsync_dir(path.parent)
     return WriteResult(str(path), plan.file_size(), time.perf_counter() - start)
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass

@@ -50,7 +50,9 @@ from .. import fileformat, storage, transfer
 from ..asyncsave.request import AsyncRequest
 from ..asyncsave.worker import seal_staged_part, write_staged_part
 from ..errors import CheckpointingError
-from ..staging import Stager, in_memory_filesystem
+from ..files import in_memory_filesystem
+from ..files import unlink_quietly as _unlink
+from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from ..tree import FlatState
 from . import naming
@@ -802,13 +804,3 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
             if saved == iteration:
                 _unlink(entry.path)
         self._forget_removed_files()
-
-
-def _unlink(path: str | os.PathLike) -> None:
-    """Remove a file; clean-up never raises (a leftover is logged and retried by the next save)."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        logger.warning("could not remove %s: %s", path, e)

@@ -24,9 +24,9 @@ import numpy as np
 
 from .. import fileformat
 from ..errors import CheckpointingError, CorruptCheckpointError
+from ..files import DIRTY_SUFFIX
 
 EXTENSION = ".safetensors"
-DIRTY_SUFFIX = ".dirty"
 _PART_RE = re.compile(r"iter_(\d{7,})_(\d+)_local" + re.escape(EXTENSION))
 _SPARE_RE = re.compile(r"spare_(\d+)\.free")
 _SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]*")

@@ -1,0 +1,147 @@
+"""Requests to object stores: how often each is tried, how long a try may take, what is retried.
+
+Call order: :func:`request` (an fsspec filesystem method) or :func:`s3_request` (one S3 API call),
+with the caller's :class:`UploadOptions`; :func:`with_retries` for anything else worth retrying.
+
+Invariants:
+- Every object-store request is tried :class:`UploadOptions` ``attempts`` times (the S3 client's
+  own retries are off unless ``storage_options`` configure them), waiting ``backoff * 2**k``
+  seconds between tries, each try bounded by the client's connect and read timeouts and by
+  ``request_timeout``: a server that stops answering is an error, not a hang.
+- Only transient errors are retried (connection and timeout errors, throttling, a body cut short);
+  a 4xx reply that the store would give again, a missing file or a refused permission fails at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from .store import reason
+
+logger = logging.getLogger("tierpoint")
+
+
+@dataclass(frozen=True)
+class UploadOptions:
+    """How objects are sent to object stores.
+
+    Objects larger than ``part_size`` are sent as a multipart upload (S3) with up to ``concurrency``
+    parts in flight; each request is tried ``attempts`` times, waiting ``backoff * 2**k`` seconds.
+    One try of a request may take ``request_timeout`` seconds in all, sending its body included
+    (on fsspec's async filesystems, s3fs among them: the client's own read timeout does not bound
+    sending a body to a server that stopped reading).
+    """
+
+    part_size: int = 32 << 20
+    concurrency: int = 4
+    attempts: int = 5
+    backoff: float = 0.2
+    request_timeout: float = 120.0
+
+
+DEFAULT_UPLOAD = UploadOptions()
+
+
+def transient(e: BaseException) -> bool:
+    """Whether an object-store error is worth retrying."""
+    if isinstance(e, (PermissionError, FileNotFoundError, IsADirectoryError, ValueError)):
+        return False
+    status, code = _http_status(e)
+    if status is not None and 400 <= status < 500:
+        return status in (408, 429) or code in _RETRIED_CLIENT_ERRORS
+    if isinstance(e, (OSError, ConnectionError, TimeoutError)):
+        return True
+    if {c.__name__ for c in type(e).__mro__} & _TRANSIENT_CLASSES:
+        return True
+    name = type(e).__name__
+    return any(k in name for k in ("Timeout", "Connection", "Throttl", "Endpoint", "Payload"))
+
+
+def _http_status(e: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and S3 error code of the reply behind ``e`` (s3fs keeps botocore's error as
+    the cause of the one it raises), or ``(None, None)``: no reply came."""
+    seen: BaseException | None = e
+    for _ in range(4):
+        if seen is None:
+            break
+        reply = getattr(seen, "response", None)
+        if isinstance(reply, dict):
+            status = reply.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return (int(status) if status else None), reply.get("Error", {}).get("Code")
+        seen = seen.__cause__ or seen.__context__
+    return None, None
+
+
+_RETRIED_CLIENT_ERRORS = {
+    "RequestTimeout",
+    "IncompleteBody",
+    "BadDigest",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "OperationAborted",
+}
+"""4xx replies that a later try may not get (the body was cut short or damaged on the way, the
+store throttles); any other 4xx will be answered again and fails at once."""
+
+_TRANSIENT_CLASSES = {"HTTPClientError", "IncompleteRead", "ResponseParserError"}
+"""Client errors s3fs itself retries (botocore's HTTPClientError covers a reply cut short); the
+client tierpoint uses leaves every retry to :func:`with_retries`."""
+
+
+def with_retries(what: str, options: UploadOptions, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, tried again after transient errors as ``options`` say; ``what``
+    names the request in the warning logged before each new try."""
+    for attempt in range(options.attempts):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - classified below
+            if attempt + 1 >= options.attempts or not transient(e):
+                raise
+            wait = options.backoff * (2**attempt)
+            logger.warning("%s failed (%s); retrying in %.1f s", what, reason(e), wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _bounded(fn: Any, timeout: float, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` where ``fn`` is a blocking method of an fsspec async filesystem
+    (its ``timeout`` cancels the request); an expired deadline becomes a :class:`TimeoutError`."""
+    from fsspec.exceptions import FSTimeoutError
+
+    try:
+        return fn(*args, timeout=timeout, **kwargs)
+    except FSTimeoutError:
+        raise TimeoutError(f"no reply within {timeout:g} s") from None
+
+
+def request(
+    what: str,
+    fs: Any,
+    method: str,
+    *args: Any,
+    upload: UploadOptions = DEFAULT_UPLOAD,
+    **kwargs: Any,
+) -> Any:
+    """``fs.<method>(*args, **kwargs)``: one request to an object store, retried on transient errors
+    as ``upload`` says, each try bounded by ``upload.request_timeout`` on async filesystems."""
+    from fsspec.asyn import AsyncFileSystem
+
+    fn = getattr(fs, method)
+    if isinstance(fs, AsyncFileSystem) and not fs.asynchronous:
+        return with_retries(what, upload, _bounded, fn, upload.request_timeout, *args, **kwargs)
+    return with_retries(what, upload, fn, *args, **kwargs)
+
+
+def s3_request(what: str, fs: Any, method: str, options: UploadOptions, **kwargs: Any) -> Any:
+    """One S3 API call (botocore's ``method``), retried and bounded like :func:`request`."""
+    from fsspec.asyn import sync
+
+    call = partial(_bounded, partial(sync, fs.loop, fs._call_s3), options.request_timeout)
+    return with_retries(what, options, call, method, **kwargs)
