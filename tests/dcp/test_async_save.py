@@ -24,7 +24,8 @@ from tierpoint.dcp import (
     get_latest_complete_checkpoint,
     step_path,
 )
-from tierpoint.dcp.writer import Writer, write_staged
+from tierpoint.dcp.jobs import write_staged
+from tierpoint.dcp.writer import Writer
 from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
 

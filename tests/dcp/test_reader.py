@@ -18,10 +18,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-import tierpoint.dcp.reader as reader_mod
+import tierpoint.dcp.read_files as reader_mod
 from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
 from tierpoint.dcp import Reader, load, read_metadata
-from tierpoint.dcp.reader import _File, _read_into, _region_is_contiguous
+from tierpoint.dcp.read_files import File as _File
+from tierpoint.dcp.read_files import _read_into
+from tierpoint.dcp.verified_read import _region_is_contiguous
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError, UnsupportedStateError
 from tierpoint.spawn import run_ranks
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tierpoint.asyncsave import AsyncCallsQueue
-from tierpoint.dcp import StagingPool, async_save, async_save_request, save, step_path, writer
+from tierpoint.dcp import StagingPool, async_save, async_save_request, save, step_path
+from tierpoint.dcp import snapshot as writer  # the snapshot's copying and in-place naming
 from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
 from tierpoint.staging import StagingBuffer

@@ -8,6 +8,11 @@ Public names (NVRx's): :class:`AsyncRequest`, :class:`AsyncCallsQueue`, :class:`
     queue.schedule_async_request(request)
     ...
     queue.maybe_finalize_async_calls(blocking=False)   # once per training step
+
+Invariants: the async layer runs calls; it knows no tier and no checkpoint file format (a tier's
+work for the worker lives in that tier's ``jobs`` module). Modules: :mod:`~.queue` (scheduling and
+finalizing), :mod:`~.agreement` (the finalize rounds' collectives), :mod:`~.worker` (the process),
+:mod:`~.request`, :mod:`~.torch_ckpt` (``torch.save`` in the background).
 """
 
 from .queue import AsyncCallsQueue, abort_nvrx_checkpoint

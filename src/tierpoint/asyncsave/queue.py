@@ -13,10 +13,11 @@ Invariants:
 - Back-pressure: at most ``max_in_flight`` (default 1) unfinalized calls; scheduling another first
   finalizes the oldest (blocking, bounded by the timeout) instead of allocating more memory.
 - Agreement: while calls are pending, each finalize round (one per non-blocking poll; repeated
-  while blocking) is one small all-gather on the queue's own gloo group of how many leading calls
-  each rank finished; the calls finished everywhere are then concluded, each after an all-gather of
-  every rank's outcome. Every rank thus concludes the same calls in the same round, so finalize
-  functions may run collectives (as NVRx's do). With nothing pending a poll runs no collective.
+  while blocking) agrees on the queue's own gloo group how many leading calls every rank finished;
+  the calls finished everywhere are then concluded, each after agreeing on its outcome (the rounds'
+  collectives: :mod:`tierpoint.asyncsave.agreement`). Every rank thus concludes the same calls in
+  the same round, so finalize functions may run collectives (as NVRx's do). With nothing pending a
+  poll runs no collective.
 - A failure anywhere makes every rank run the call's ``abort_fns`` and raise the same
   :class:`CheckpointingError`; finalize functions run only when every rank succeeded.
 - Every blocking wait has a deadline (``timeout``, default ``TIERPOINT_TIMEOUT``); whether it has
@@ -31,13 +32,16 @@ Invariants:
 - A call dropped before it was finalized (``close(abort=True)``, a failing ``close()``, the queue
   garbage-collected, or the process exiting) is named in a WARNING on the ``tierpoint`` logger; the
   warning changes nothing on disk (an aborted save leaves the previous checkpoint intact).
+
+Over 400 lines: one class whose parts (scheduling, finalizing, timing out, shutting down) all act on
+the same pending calls and worker; the worker process is :mod:`~tierpoint.asyncsave.worker`, the
+rounds' collectives :mod:`~tierpoint.asyncsave.agreement`.
 """
 
 from __future__ import annotations
 
 import atexit
 import itertools
-import json
 import logging
 import numbers
 import threading
@@ -48,7 +52,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import dist as tpdist
 from ..errors import (
@@ -59,20 +62,25 @@ from ..errors import (
     failed_on_ranks,
 )
 from ..staging import StagingBuffer
+from .agreement import (
+    NOT_LATE,
+    TIMED_OUT,
+    WAIT_OVER,
+    RoundFailed,
+    Status,
+    agree_outcome,
+    agree_progress,
+    new_group,
+)
 from .request import AsyncRequest
 from .worker import Worker
 
 logger = logging.getLogger("tierpoint")
 
-_STATUS_BYTES = 2048
-
 _GAVE_UP_HINT = (
     "the queue accepts no more calls: its ranks cannot agree any more (a rank is gone or stopped). "
     "Restart the job; it resumes from the last complete checkpoint"
 )
-
-_NOT_LATE, _WAIT_OVER, _TIMED_OUT = 0, 1, 2
-"""How late a blocking finalize round is on a rank (the ranks agree on the largest)."""
 
 WORKER_START_TIMEOUT = 120.0
 """Seconds a worker process may take to start (import torch) on a loaded machine."""
@@ -231,7 +239,7 @@ class AsyncCallsQueue:
                 blocking=True, no_dist=False, limit=len(self._calls) - self.max_in_flight + 1
             )
         if tpdist.is_distributed() and self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
+            self._group = new_group()
         if self._worker is None or self._worker.exitcode is not None:
             logger.warning("starting a new background worker (the previous one exited)")
             self._worker = self._new_worker()
@@ -342,9 +350,10 @@ class AsyncCallsQueue:
     def _finalize(
         self, *, blocking: bool, no_dist: bool, limit: int | None, wait: float | None = None
     ) -> list[int]:
-        """Conclude the leading calls that every rank finished. Each round is one agreement (a
-        16-byte all-gather on the queue's group), so every rank concludes the same calls in the same
-        round and finalize functions may run collectives; rounds repeat while ``blocking``.
+        """Conclude the leading calls that every rank finished. Each round is one agreement
+        (:func:`~tierpoint.asyncsave.agreement.agree_progress`), so every rank concludes the same
+        calls in the same round and finalize functions may run collectives; rounds repeat while
+        ``blocking``.
 
         ``wait``: seconds the caller waits at most (agreed too); when over, every rank raises
         :class:`CoordinationTimeoutError` and the calls stay pending. Past the queue's own timeout
@@ -354,17 +363,17 @@ class AsyncCallsQueue:
         while self._calls and (limit is None or len(done) < limit):
             ready = self._ready_count()
             now = time.monotonic()
-            late = _NOT_LATE
+            late = NOT_LATE
             if blocking and now > self._deadline(start):
-                late = _TIMED_OUT
+                late = TIMED_OUT
             elif blocking and wait is not None and now > start + wait:
-                late = _WAIT_OVER
+                late = WAIT_OVER
             if not (no_dist or self._group is None):
-                ready, late = self._agree_progress(ready, late)
+                ready, late = self._agreed(agree_progress, self._group, ready, late)
             if ready == 0:
-                if late == _TIMED_OUT:
+                if late == TIMED_OUT:
                     raise CoordinationTimeoutError(self._time_out())
-                if late == _WAIT_OVER:
+                if late == WAIT_OVER:
                     raise CoordinationTimeoutError(
                         f"{self._calls[0].request.description}: not finished on every rank "
                         f"within {wait:g} s (still pending)"
@@ -399,49 +408,25 @@ class AsyncCallsQueue:
             count += 1
         return count
 
-    def _agree_progress(self, ready: int, late: int) -> tuple[int, int]:
-        """Calls finished on every rank, and the latest any rank is. Collective: one all-reduce of
-        two integers (O(1) bytes per rank at any world size)."""
-        both = self._max_over_ranks([-ready, late], "ranks could not agree on progress")
-        return -both[0], both[1]
-
-    def _statuses(self, call: _Call, no_dist: bool) -> dict[int, tuple[bool, str, str | None]]:
-        """The outcome of ``call``, which every rank finished: this rank's alone when no rank failed
-        (one all-reduce of a flag), every rank's when one did (then gathered). Collective."""
+    def _statuses(self, call: _Call, no_dist: bool) -> dict[int, Status]:
+        """The outcome of ``call``, which every rank finished (agreed, see
+        :func:`~tierpoint.asyncsave.agreement.agree_outcome`). Collective."""
         assert call.local is not None
         ok, payload, kind = call.local
         mine = (ok, "" if ok else str(payload), kind)
         if no_dist or self._group is None:
             return {tpdist.get_rank(): mine}
         self._calls.appendleft(call)  # dropped (named) with the others if a collective fails
-        why = f"{call.request.description}: ranks could not agree on the outcome"
-        (failed,) = self._max_over_ranks([not ok], why)
-        if failed:
-            gathered = self._all_gather(_encode(mine), why)
-            statuses = {rank: _decode(t) for rank, t in enumerate(gathered)}
-        else:
-            statuses = {tpdist.get_rank(): mine}
+        statuses = self._agreed(agree_outcome, self._group, mine, call.request.description)
         self._calls.popleft()
         return statuses
 
-    def _max_over_ranks(self, values: list[int], why: str) -> list[int]:
-        """The largest of each of ``values`` over the queue's group; a failure gives the queue up."""
-        t = torch.tensor(values, dtype=torch.int64)
+    def _agreed(self, round_fn: Any, *args: Any) -> Any:
+        """``round_fn(*args)``, one agreement round; if it fails, the queue gives up."""
         try:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        except RuntimeError as e:
-            raise CheckpointingError(self._give_up(f"{why} ({e})")) from e
-        return [int(v) for v in t.tolist()]
-
-    def _all_gather(self, mine: torch.Tensor, why: str) -> list[torch.Tensor]:
-        """Every rank's ``mine`` on the queue's group; a failed gather gives the queue up."""
-        world = dist.get_world_size(self._group)
-        gathered = [torch.zeros_like(mine) for _ in range(world)]
-        try:
-            dist.all_gather(gathered, mine, group=self._group)
-        except RuntimeError as e:
-            raise CheckpointingError(self._give_up(f"{why} ({e})")) from e
-        return gathered
+            return round_fn(*args)
+        except RoundFailed as e:
+            raise CheckpointingError(self._give_up(str(e))) from e.__cause__
 
     def _time_out(self) -> str:
         """Every rank agreed that the oldest call did not finish in time: stop the workers (one is
@@ -611,23 +596,6 @@ def _check_max_in_flight(value: object) -> int:
     if value < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {value}")
     return int(value)
-
-
-def _encode(status: tuple[bool, str, str | None]) -> torch.Tensor:
-    ok, message, kind = status
-    raw = json.dumps([ok, message[:300], kind]).encode()  # <= 6 bytes a char: fits
-    out = torch.zeros(_STATUS_BYTES, dtype=torch.uint8)
-    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return out
-
-
-def _decode(t: torch.Tensor) -> tuple[bool, str, str | None]:
-    raw = bytes(t.numpy()).rstrip(b"\0")
-    try:
-        ok, message, kind = json.loads(raw)
-    except ValueError:
-        return False, "unreadable status from a peer", None
-    return bool(ok), str(message), kind
 
 
 def _run_all(fns: Any) -> None:

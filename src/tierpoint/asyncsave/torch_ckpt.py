@@ -44,7 +44,9 @@ class TorchAsyncCheckpoint:
             must be 1 (the staging buffer is reused once the previous save is finalized).
     """
 
-    def __init__(self, persistent_queue: bool = False, *, queue: AsyncCallsQueue | None = None):
+    def __init__(
+        self, persistent_queue: bool = False, *, queue: AsyncCallsQueue | None = None
+    ) -> None:
         if not isinstance(persistent_queue, bool):
             raise TypeError(f"persistent_queue must be a bool, got {persistent_queue!r}")
         self.save = torch.save

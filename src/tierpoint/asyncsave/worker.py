@@ -10,6 +10,11 @@ Worker process: receives calls over its pipe, runs them one at a time, each in t
 the trainer had when it submitted the call (relative paths mean the same to both), answers
 ``(call_id, ok, result_or_message, error_type)``. It exits when the pipe closes (its trainer died), so
 no worker outlives its rank.
+
+Invariants: the worker knows no file format and no tier. A call is any function at the top level of
+an importable module (it travels by module and name; the tiers keep theirs in their own ``jobs``
+modules, e.g. :mod:`tierpoint.local.jobs`, :mod:`tierpoint.dcp.jobs`); a staging buffer argument
+arrives as a :class:`BufferRef`, whose bytes :func:`resolve_buffer` gives.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..errors import CheckpointingError, CoordinationTimeoutError, error_text
-from ..fileformat import PartPlan, seal_planned, write_planned
 from ..staging import StagingBuffer
 
 logger = logging.getLogger("tierpoint")
@@ -55,27 +59,6 @@ def resolve_buffer(buffer: StagingBuffer | BufferRef) -> memoryview:
     if isinstance(buffer, StagingBuffer):
         return memoryview(buffer.tensor.numpy())
     return _buffers[buffer.id][: buffer.nbytes]
-
-
-def write_staged_part(
-    path: str,
-    plan: dict[str, Any],
-    buffer: StagingBuffer | BufferRef,
-    recycle: str | None = None,
-    checksums: list[str] | None = None,
-) -> int:
-    """Write a part file from a staging buffer laid out as ``plan`` (runs in the worker);
-    ``checksums``: the tensors' checksums when the snapshot computed them already."""
-    part_plan = PartPlan.from_json(plan)
-    data = resolve_buffer(buffer)
-    views = [data[begin:end] for begin, end in part_plan.offsets]
-    return write_planned(path, part_plan, views, recycle=recycle, checksums=checksums).nbytes
-
-
-def seal_staged_part(path: str, plan: dict[str, Any], checksums: list[str] | None = None) -> int:
-    """Finish a part file the snapshot filled in place (its dirty file; runs in the worker): hash it
-    unless ``checksums`` came with it, write the header, fsync, rename."""
-    return seal_planned(path, PartPlan.from_json(plan), checksums=checksums).nbytes
 
 
 def _die_with_parent() -> None:

@@ -10,8 +10,9 @@ from .flashpoint import (
     DefaultMLFlashpointCheckpointLoader,
     MLFlashpointCheckpointLoader,
 )
-from .layout import get_latest_complete_checkpoint, marker_name, step_path
+from .latest import get_latest_complete_checkpoint
 from .loading import SafeLoadPlanner, load
+from .names import marker_name, step_path
 from .reader import Reader, read_metadata
 from .safe_pickle import CorruptDCPError, safe_loads
 from .saving import SaveFuture, async_save, async_save_request, default_queue, save

@@ -46,7 +46,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from .. import dist as tpdist
 from .. import storage, transfer
 from ..errors import CheckpointingError, UnsupportedStateError
-from .layout import METADATA_NAME, complete_checkpoints, get_latest_complete_checkpoint
+from .latest import get_latest_complete_checkpoint
+from .layout import METADATA_NAME, complete_checkpoints
 from .reader import Reader
 
 logger = logging.getLogger("tierpoint")

@@ -13,10 +13,13 @@ tierpoint's own markers inside it. When both ``step-<N>`` and ``step-<N>_ckpt`` 
 first is taken. Retention (:mod:`tierpoint.tiered.retention`) and :func:`local_view` know only
 tierpoint's own layout: another program's directories are never removed.
 
-Call order of a save (see :mod:`tierpoint.dcp.writer`): every rank creates its marker before writing
-any data; the coordinator writes ``.metadata`` once every rank's data is durable; markers are
-removed after that. :func:`get_latest_complete_checkpoint` finds the newest step that is committed
-and has no marker on any rank.
+Names are :mod:`tierpoint.dcp.names`' (re-exported here). Call order of a save (see
+:mod:`tierpoint.dcp.writer`): every rank creates its marker before writing any data; the coordinator
+writes ``.metadata`` once every rank's data is durable; markers are removed after that. Finding the
+newest complete step: :func:`gather_views` (every rank's listing, collective), then
+:func:`complete_dirs` (committed, and marked on no rank); :func:`complete_checkpoints` does both,
+and :func:`tierpoint.dcp.latest.get_latest_complete_checkpoint` (which may also fetch missing files
+from peers) is built on them.
 
 Invariants:
 - A step whose save was interrupted (a rank killed, a disk full, ...) is never returned: it has no
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,61 +40,21 @@ from typing import Any
 from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text, failed_on_ranks
-
-STEP_PREFIX = "step-"
-METADATA_NAME = ".metadata"
-MARKER_PREFIX = ".unfinished-"
+from .names import (
+    MARKER_PREFIX,
+    METADATA_NAME,
+    STEP_PREFIX,
+    UNKNOWN_RANK,
+    checkpoint_id_or_path,
+    marker_name,
+    marker_rank,
+    sibling_markers,
+    step_dir_of,
+    step_of,
+    step_path,
+)
 
 logger = logging.getLogger("tierpoint")
-
-_STEP = re.compile(r"^step-(\d+)$")
-_MARKER = re.compile(r"^\.unfinished-(\d+)$")
-_FLASHPOINT_STEP = re.compile(r"^step-(\d+)_ckpt$")
-_FLASHPOINT_MARKER = re.compile(r"^(step-\d+_ckpt)(.+)unfinished$")
-_LOCAL_RANK = re.compile(r"__(\d+)__")
-UNKNOWN_RANK = -1
-"""The rank recorded for an unfinished marker whose name gives none."""
-
-
-def step_path(base: str | os.PathLike, step: int) -> str:
-    """The directory (or URL prefix) of step ``step`` under ``base``."""
-    if type(step) is not int or step < 0:
-        raise CheckpointingError(f"step must be a non-negative int, got {step!r:.40}")
-    return storage.join(base, f"{STEP_PREFIX}{int(step)}")
-
-
-def step_of(name: str) -> int | None:
-    """The step number of a ``step-<N>`` name, else ``None``."""
-    m = _STEP.match(name)
-    return int(m.group(1)) if m else None
-
-
-def step_dir_of(name: str) -> int | None:
-    """The step number of a ``step-<N>`` or ML Flashpoint ``step-<N>_ckpt`` name, else ``None``."""
-    m = _STEP.match(name) or _FLASHPOINT_STEP.match(name)
-    return int(m.group(1)) if m else None
-
-
-def sibling_markers(names: Sequence[str]) -> dict[str, list[int]]:
-    """ML Flashpoint's unfinished markers among the entries ``names`` of a base directory:
-    ``{step directory name: [local ranks]}`` (:data:`UNKNOWN_RANK` where a name gives none)."""
-    out: dict[str, set[int]] = {}
-    for name in names:
-        m = _FLASHPOINT_MARKER.match(name)
-        if m:
-            rank = _LOCAL_RANK.search(m.group(2))
-            out.setdefault(m.group(1), set()).add(int(rank.group(1)) if rank else UNKNOWN_RANK)
-    return {k: sorted(v) for k, v in out.items()}
-
-
-def marker_name(rank: int) -> str:
-    """The name of rank ``rank``'s unfinished marker inside a checkpoint directory."""
-    return f"{MARKER_PREFIX}{int(rank)}"
-
-
-def marker_rank(name: str) -> int | None:
-    m = _MARKER.match(name)
-    return int(m.group(1)) if m else None
 
 
 def local_view(
@@ -185,39 +147,6 @@ def warn_skipped(base: str, listings: Sequence[Sequence[Sequence]], latest: str 
             )
 
 
-def get_latest_complete_checkpoint(
-    base: str | os.PathLike,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    group: Any = None,
-    node_local: bool = False,
-) -> str | None:
-    """The path of the newest complete step directory under ``base`` (``step-<N>``, or ML
-    Flashpoint's ``step-<N>_ckpt``), the same on every rank (else
-    ``None``).
-
-    Collective when ``torch.distributed`` is initialised: every rank of ``group`` (default:
-    tierpoint's coordination group) must call it. Without ``torch.distributed`` it decides alone.
-
-    ``node_local=True``: ``base`` is a directory on each node's own disk. Candidates are tried newest
-    first; for each, the files this node's ranks need and lack are fetched from the peers that
-    hold them (:mod:`tierpoint.dcp.retrieval`); a candidate with a file that exists nowhere is
-    skipped. The returned step is then loadable from ``base`` on every node.
-    """
-    base = storage.checkpoint_path(base, "base")
-    if node_local:
-        return _latest_node_local(base, storage_options, group)
-    views = _gather_views(base, storage_options, group)
-    decision = None
-    if tpdist.get_rank() == _decider(group):
-        decision = next(iter(complete_dirs([v["view"] for v in views])), None)
-        warn_skipped(base, [v["view"] for v in views], decision)
-    name = tpdist.broadcast_json(
-        decision, _decider(group), f"agreeing on the latest checkpoint under {base}", group=group
-    )
-    return None if name is None else storage.join(base, str(name))
-
-
 def complete_checkpoints(
     base: str | os.PathLike,
     *,
@@ -225,15 +154,19 @@ def complete_checkpoints(
     group: Any = None,
 ) -> list[str]:
     """The paths of every complete step directory under ``base``, newest first, decided from every
-    rank's listing (collective, like :func:`get_latest_complete_checkpoint`; no retrieval)."""
+    rank's listing (collective, like
+    :func:`~tierpoint.dcp.latest.get_latest_complete_checkpoint`; no retrieval)."""
     base = storage.checkpoint_path(base, "base")
-    views = _gather_views(base, storage_options, group)
+    views = gather_views(base, storage_options, group)
     return [storage.join(base, name) for name in complete_dirs([v["view"] for v in views])]
 
 
-def _gather_views(
+def gather_views(
     base: str | os.PathLike, storage_options: Mapping[str, Any] | None, group: Any
 ) -> list[dict]:
+    """Every rank's listing of ``base`` (``{"view": [...], "error": None}`` per rank, by rank; a
+    rank that lists for nobody contributes an empty one). Collective; raises the same
+    :class:`CheckpointingError` on every rank when a rank could not list."""
     mine: list[list] | None = []
     error: str | None = None
     try:
@@ -267,31 +200,11 @@ def _lists_for_others(base: str | os.PathLike, group: Any) -> bool:
     if low != -high:
         return True
     if not storage.is_local(base):
-        return tpdist.get_rank() == _decider(group)
+        return tpdist.get_rank() == decider(group)
     return tpdist.node_layout().local_rank == 0
 
 
-def _latest_node_local(
-    base: str | os.PathLike, storage_options: Mapping[str, Any] | None, group: Any
-) -> str | None:
-    if not storage.is_local(base):
-        raise ValueError(f"node_local needs a local directory, got {base}")
-    from .retrieval import retrieve_missing
-
-    views = _gather_views(base, storage_options, group)
-    # Every rank holds every view, so every rank walks the same candidates in the same order.
-    found = None
-    alone = not tpdist.is_distributed()  # one process: no peer to fetch from
-    for name in complete_dirs([v["view"] for v in views]):
-        if alone or retrieve_missing(storage.join(base, name)):
-            found = name
-            break
-    if tpdist.get_rank() == _decider(group):
-        warn_skipped(str(base), [v["view"] for v in views], found)
-    return None if found is None else storage.join(base, found)
-
-
-def _decider(group: Any) -> int:
+def decider(group: Any) -> int:
     """The global rank that decides: the lowest rank of ``group``."""
     if group is None or not tpdist.is_distributed():
         return 0
@@ -300,16 +213,25 @@ def _decider(group: Any) -> int:
     return dist.get_global_rank(group, 0)
 
 
-def checkpoint_id_or_path(
-    path: str | os.PathLike | None, checkpoint_id: str | os.PathLike | None, where: str
-) -> Any:
-    """The checkpoint location given either positionally (tierpoint's form) or as
-    ``checkpoint_id=`` (torch DCP's keyword); a clear ``TypeError`` when both are given. Neither
-    gives ``None``, which :func:`tierpoint.storage.checkpoint_path` then refuses with a hint (a
-    ``None`` from :func:`get_latest_complete_checkpoint` passed on is the usual cause)."""
-    if path is not None and checkpoint_id is not None:
-        raise TypeError(
-            f"{where}: got the checkpoint location twice, positionally ({path!r:.200}) "
-            f"and as checkpoint_id ({checkpoint_id!r:.200}); give one"
-        )
-    return path if path is not None else checkpoint_id
+__all__ = [
+    "MARKER_PREFIX",
+    "METADATA_NAME",
+    "STEP_PREFIX",
+    "UNKNOWN_RANK",
+    "checkpoint_id_or_path",
+    "choose_latest",
+    "complete_checkpoints",
+    "complete_dirs",
+    "complete_steps",
+    "decider",
+    "gather_views",
+    "local_listing",
+    "local_view",
+    "marker_name",
+    "marker_rank",
+    "sibling_markers",
+    "step_dir_of",
+    "step_of",
+    "step_path",
+    "warn_skipped",
+]

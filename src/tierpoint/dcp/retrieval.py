@@ -36,13 +36,15 @@ from collections import defaultdict
 from typing import Any
 
 import xxhash
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import dist as tpdist
 from .. import transfer
 from ..errors import CheckpointingError, error_text
 from ..files import DIRTY_SUFFIX
 from .checksums import manifest_name
-from .layout import METADATA_NAME
+from .names import METADATA_NAME
+from .reader import read_metadata
 
 logger = logging.getLogger("tierpoint")
 
@@ -79,10 +81,6 @@ def _metadata_digest(step_dir: str) -> str | None:
 def _required_sizes(step_dir: str) -> tuple[dict[str, int], set[str]]:
     """Every data file ``.metadata`` refers to, with the length it must have at least; and the
     files that hold an item every rank may read (not a shard: one chunk, or a non-tensor value)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from .reader import read_metadata
-
     metadata = read_metadata(step_dir)
     entries = metadata.state_dict_metadata
     sizes: dict[str, int] = defaultdict(int)

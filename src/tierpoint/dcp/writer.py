@@ -34,36 +34,31 @@ Invariants:
   and is saved into again like an unfinished one.
 - No data file of this save has the name of a file an earlier save wrote (the token differs), so
   ``.metadata`` never refers to an earlier save's bytes, wherever they were left.
-- Saving into a directory again leaves none of the earlier save's files: on local paths each rank
-  lists them at set-up and tierpoint's save flow removes them once every rank agreed, before any
-  rank writes (:meth:`Writer.remove_earlier_save`); whatever ``.metadata`` then does not name (on
-  object stores, or after torch's own save flow) the coordinator removes after its commit.
-- While an async save into a directory is in flight in this process (from
-  :meth:`Writer.get_save_function_and_args` until it is finalized or discarded), another save into
-  that directory is refused in ``set_up_storage_writer``: it would use the same markers. The
-  writer of that save itself refuses to be reset or set up for another save meanwhile (its
-  finalize still needs what it holds), before it changes anything.
+- Saving into a directory again leaves none of the earlier save's files, and at most one async
+  save of this process writes into a directory at a time (and its writer is not reused until it is
+  finalized or discarded): :mod:`tierpoint.dcp.directory`.
 - A failed save leaves no ``.metadata``; :meth:`Writer.discard` removes what this rank wrote. (On
   an object store a ``.metadata`` upload whose reply never came may still land: then the
   coordinator's marker stays, so the step never counts as complete.)
 - Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the file.
+
+Over 400 lines: torch's ``StorageWriter`` protocol and tierpoint's save flow are methods of one
+object holding one save's plan; the rest lives beside it: the directory's markers, claims and
+clean-up in :mod:`~tierpoint.dcp.directory`, the snapshot's copying in
+:mod:`~tierpoint.dcp.snapshot`, the worker's job in :mod:`~tierpoint.dcp.jobs`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import io
 import logging
-import mmap
 import os
 import pickle
 import secrets
-import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -76,11 +71,13 @@ from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text
 from ..fileformat.tensor_bytes import cpu_contiguous
-from ..pinning import copy_device
-from ..staging import StagingBuffer, copy_from_devices, in_memory_filesystem
-from .checksums import is_manifest, item_ranges, manifest_bytes, manifest_name, range_checksums
-from .file_plan import SUFFIX, RankFiles, file_views, plan_files
-from .layout import MARKER_PREFIX, METADATA_NAME, checkpoint_id_or_path, marker_name
+from ..staging import StagingBuffer
+from . import directory
+from .checksums import item_ranges
+from .file_plan import RankFiles, file_views, plan_files
+from .jobs import write_staged, write_with_manifest
+from .names import METADATA_NAME, checkpoint_id_or_path, marker_name
+from .snapshot import copy_pairs, fill, name_in_place, stages_in_place
 from .staging_pool import StagingPool
 
 try:  # the version string torch's own writer records
@@ -93,6 +90,7 @@ logger = logging.getLogger("tierpoint")
 DEFAULT_POOL = StagingPool()
 """Staging buffers shared by every :class:`Writer` of this process that is given no pool."""
 
+# The file layouts of the last few plans (a cached central plan is the same object at every save).
 _FILES_CACHE: OrderedDict[tuple[int, int], tuple[SavePlan, RankFiles]] = OrderedDict()
 
 
@@ -115,10 +113,6 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-_busy_directories: set[str] = set()  # step directories an async save of this process writes into
-_busy_lock = threading.Lock()
 
 
 class Writer(StorageWriter):
@@ -159,7 +153,7 @@ class Writer(StorageWriter):
         path_or_url = checkpoint_id_or_path(path_or_url, checkpoint_id, "Writer")
         if type(thread_count) is not int or thread_count < 1:
             raise CheckpointingError(f"thread_count must be an int >= 1, got {thread_count!r}")
-        self.path = _absolute(storage.checkpoint_path(path_or_url, "path_or_url"))
+        self.path = directory.absolute(storage.checkpoint_path(path_or_url, "path_or_url"))
         self.thread_count = int(thread_count)
         self.sync_files = sync_files
         self.storage_options = dict(storage_options or {})
@@ -179,7 +173,7 @@ class Writer(StorageWriter):
         self._buffer: StagingBuffer | None = None
         self._prefix = ""
         self._in_place = False  # the async save's staging memory is the checkpoint file itself
-        self._busy_key: str | None = None  # this writer's entry in _busy_directories
+        self._busy_key: str | None = None  # this writer's claim (see directory.claim)
         self.earlier_files: list[str] = []
         """Data files and ``.metadata`` of an earlier save this rank saw at set-up (local paths)."""
         self.file_token = ""
@@ -192,7 +186,7 @@ class Writer(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.refuse_if_in_flight()
         if checkpoint_id:
-            self.path = _absolute(os.fspath(checkpoint_id))
+            self.path = directory.absolute(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex
         self._marker_made = False
         self.earlier_files = []
@@ -215,7 +209,7 @@ class Writer(StorageWriter):
             # Markers next to a .metadata: a save killed after its commit and before its clean-up
             # (get_latest_complete_checkpoint never offers it). No rank of this save has made its
             # marker yet (each checks first, and none passes when the directory is complete).
-            stale = self._visible_markers()
+            stale = directory.visible_markers(self.path, self.storage_options, self.upload)
             if not stale:
                 raise CheckpointingError(
                     f"Checkpoint already exists and overwrite=False: {self.path} already holds "
@@ -230,14 +224,14 @@ class Writer(StorageWriter):
                     ", ".join(stale),
                 )
         self._claim(check_only=True)
-        self._make_marker()
+        directory.make_marker(self.path, self.rank, self.storage_options)
         self._marker_made = True
         if is_coordinator:  # re-saving into a committed directory un-commits it first
             storage.remove(
                 self._url(METADATA_NAME), storage_options=self.storage_options, upload=self.upload
             )
         if storage.is_local(self.path):  # on object stores they go after the commit
-            self.earlier_files = _earlier_save_files(storage.local_path(self.path))
+            self.earlier_files = directory.earlier_save_files(storage.local_path(self.path))
 
     def refuse_if_in_flight(self) -> None:
         """Raise if this writer's async save is written or being written but not yet finalized."""
@@ -312,7 +306,7 @@ class Writer(StorageWriter):
                 data = [self._resolve_tensor(s.item) for s in f.tensors]
                 views = file_views(f, [_byte_view(t) for t in data])
                 contents.append((f.name, [*views, *byte_records[k]]))
-            _write_with_manifest(
+            write_with_manifest(
                 self.path,
                 contents,
                 item_ranges(results),
@@ -359,46 +353,22 @@ class Writer(StorageWriter):
         """Copy the state's tensors into a (reused) staging buffer; serialize non-tensor values.
         When staging in place, also name the filled file: the worker then only makes it durable."""
         plan, files = self._require_plan()
-        directory = storage.local_path(self.path) if self._in_place else None
-        buf = self.pool.acquire(files, directory)
+        step_dir = storage.local_path(self.path) if self._in_place else None
+        buf = self.pool.acquire(files, step_dir)
         self._buffer = buf
-        sources, targets = self._copy_pairs(plan, files, buf)
-        buf.pin(copy_device(sources))  # once per buffer: the pool's buffers are pinned already
-        _copy(sources, targets, buf)
+        sources, targets = copy_pairs(plan, files, buf, self._planner_data)
+        fill(buf, sources, targets)
         byte_records = self._resolve_bytes()
         self._keep_results(files.write_results(plan, self._byte_sizes(byte_records)))
         items = item_ranges(self._results or [])  # what the worker hashes, per file
-        if directory is None or not buf.file_backed:
+        if step_dir is None or not buf.file_backed:
             return {"buffer": buf, "byte_records": byte_records, "items": items}
         self._buffer = None
         try:
-            _name_in_place(buf, files, byte_records, directory)
+            name_in_place(buf, files, byte_records, step_dir)
         finally:
-            self.pool.consumed(buf, files, directory)
+            self.pool.consumed(buf, files, step_dir)
         return {"buffer": None, "byte_records": [], "items": items}
-
-    def _copy_pairs(
-        self, plan: SavePlan, files: RankFiles, buf: StagingBuffer
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each planned tensor and the view of its place in ``buf``, checked against the plan."""
-        sources, targets = [], []
-        for f in files.files:
-            for slot in f.tensors:
-                item = plan.items[slot.item]
-                begin = f.staging_base + slot.data_offset
-                raw = buf.tensor[begin : begin + slot.template.nbytes]
-                dtype = item.tensor_data.properties.dtype
-                shape = tuple(item.tensor_data.chunk.sizes)
-                src = self._planner_data(slot.item)
-                if tuple(src.shape) != shape or src.dtype != dtype:
-                    raise CheckpointingError(
-                        f"{item.index.fqn}: planned {dtype} {list(shape)}, found {src.dtype} "
-                        f"{list(src.shape)} (the state changed after planning)"
-                    )
-                if raw.numel():
-                    sources.append(src)
-                    targets.append(raw.view(dtype).view(shape))
-        return sources, targets
 
     def release_staging(self) -> None:
         """Give the staging buffer back to the pool (the save is finalized or aborted)."""
@@ -434,13 +404,15 @@ class Writer(StorageWriter):
         if all(isinstance(name, str) for name in referenced):
             # Files of an earlier save into this directory that this one did not replace (the
             # markers still keep the step from counting as complete meanwhile).
-            remove_unreferenced_files(self.path, referenced, self.storage_options, self.upload)
+            directory.remove_unreferenced_files(
+                self.path, referenced, self.storage_options, self.upload
+            )
 
     def remove_markers(self, every_visible: bool = False) -> None:
         """Remove this rank's marker (and, with ``every_visible``, every marker listed here)."""
         names = {marker_name(self.rank)}
         if every_visible:
-            names |= set(self._visible_markers())
+            names |= set(directory.visible_markers(self.path, self.storage_options, self.upload))
         for name in sorted(names):
             storage.remove(
                 self._url(name), storage_options=self.storage_options, upload=self.upload
@@ -452,7 +424,7 @@ class Writer(StorageWriter):
         the step from ever counting as complete)."""
         self._leave()
         if self._files is not None:
-            for name in _with_manifest(self._files.names):
+            for name in directory.with_manifest(self._files.names):
                 storage.remove(
                     self._url(name), storage_options=self.storage_options, upload=self.upload
                 )
@@ -473,53 +445,18 @@ class Writer(StorageWriter):
     def _keep_results(self, results: list[WriteResult]) -> None:
         self._results, self.results_token = results, self.file_token
 
-    def _make_marker(self) -> None:
-        """Create the step directory and this rank's marker in it. Another rank's clean-up after
-        a failed save removes the directory once it is empty, so a save that follows at once may
-        find it gone between the two steps: then both are done again."""
-        for attempt in range(3):
-            storage.makedirs(self.path, self.storage_options)
-            try:
-                storage.touch(
-                    self._url(marker_name(self.rank)), storage_options=self.storage_options
-                )
-                return
-            except CheckpointingError as e:
-                if attempt == 2 or not isinstance(e.__cause__, FileNotFoundError):
-                    raise
-
     def _forget_plan(self) -> None:
         self._plan, self._planner, self._files = None, None, None
 
     def _claim(self, check_only: bool = False) -> None:
         """Refuse if another writer's async save is in flight into this directory in this process;
         else (unless ``check_only``) mark this writer's save as in flight there."""
-        key = os.path.realpath(self.path) if storage.is_local(self.path) else self.path.rstrip("/")
         self._leave()  # one save per writer: its previous one is over
-        with _busy_lock:
-            if key in _busy_directories:
-                raise CheckpointingError(
-                    f"{self.path}: an async save into it is still in flight in this process; "
-                    "finalize it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True), "
-                    "or the result of async_save)"
-                )
-            if not check_only:
-                _busy_directories.add(key)
-                self._busy_key = key
+        self._busy_key = directory.claim(self.path, check_only=check_only)
 
     def _leave(self) -> None:
-        with _busy_lock:
-            if self._busy_key is not None:
-                _busy_directories.discard(self._busy_key)
-                self._busy_key = None
-
-    def _visible_markers(self) -> list[str]:
-        """The unfinished markers in the step directory now, whoever made them."""
-        return sorted(
-            n
-            for n in storage.listdir(self.path, self.storage_options, self.upload)
-            if n.startswith(MARKER_PREFIX)
-        )
+        directory.release(self._busy_key)
+        self._busy_key = None
 
     def _url(self, name: str) -> str:
         return storage.join(self.path, name)
@@ -570,274 +507,8 @@ class Writer(StorageWriter):
         }
 
 
-def _absolute(path: str) -> str:
-    """A local path made absolute now: every step of a save (set-up, snapshot, the worker's writing,
-    the commit) then names the same directory, whatever the working directory of the process
-    running it (the worker keeps its own; the caller may change its own meanwhile)."""
-    if not storage.is_local(path):
-        return path
-    absolute = os.path.abspath(storage.local_path(path))
-    return f"file://{absolute}" if path.startswith("file://") else absolute
-
-
 def _new_file_token() -> str:
     return secrets.token_hex(6)
-
-
-def stages_in_place(path: str) -> bool:
-    """Whether an async save to ``path`` snapshots straight into its files (a local RAM file system,
-    see :mod:`tierpoint.dcp.staging_pool`)."""
-    return _links_work and storage.is_local(path) and in_memory_filesystem(storage.local_path(path))
-
-
-_links_work = True  # False once naming a staged file failed (see StagingBuffer.link)
-
-
-def _name_in_place(
-    buf: StagingBuffer, files: RankFiles, byte_records: list[list[bytes]], directory: str
-) -> None:
-    """Turn a filled file-backed buffer into the rank's one data file: the non-tensor values after
-    the tensors, the exact size, then its name in ``directory``."""
-    (spec,) = files.files
-    records = b"".join(byte_records[0])
-    target = os.path.join(directory, spec.name)
-    at = spec.tensor_bytes
-    view = memoryview(records)
-    try:
-        while view:
-            n = os.pwrite(buf.fd, view, at)
-            view, at = view[n:], at + n
-        os.ftruncate(buf.fd, spec.tensor_bytes + len(records))
-    except OSError as e:
-        raise storage.failure("writing", target, e) from e
-    try:
-        buf.link(target)
-    except OSError as e:
-        global _links_work
-        _links_work = False
-        logger.info("cannot name staged files (%s): async saves stage in memory from now on", e)
-        tensors = memoryview(buf.tensor.numpy())[: spec.tensor_bytes]
-        storage.write_file(target, [tensors, records], fsync=False)  # the worker fsyncs it
-
-
-_COPY_CHUNK = 8 << 20
-_copy_pool: ThreadPoolExecutor | None = None
-_copy_pool_lock = threading.Lock()
-
-
-_COPY_LANES = max(1, min(4, os.cpu_count() or 1))
-
-
-def _copy_threads() -> ThreadPoolExecutor:
-    global _copy_pool
-    with _copy_pool_lock:
-        if _copy_pool is None:
-            _copy_pool = ThreadPoolExecutor(_COPY_LANES, thread_name_prefix="tierpoint-snapshot")
-        return _copy_pool
-
-
-def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
-    """Whether ``src`` can be copied into ``dst`` as raw bytes (same dtype, contiguous CPU memory)."""
-    return (
-        src.device.type == "cpu"
-        and src.layout == torch.strided
-        and src.dtype == dst.dtype
-        and src.is_contiguous()
-        and not src.is_conj()
-        and not src.is_neg()
-    )
-
-
-def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor], buf: StagingBuffer) -> None:
-    """Snapshot copy into staging memory.
-
-    Contiguous CPU tensors are copied as raw bytes in chunks by a few threads (``memmove`` releases
-    the GIL; no intra-op thread barriers, which cost a lot when training keeps the cores busy);
-    anything else goes through ``Tensor.copy_``. CUDA sources go through
-    :func:`tierpoint.staging.copy_from_devices` (side stream, into ``buf`` pinned when it was
-    allocated).
-    """
-    if any(s.device.type == "cuda" for s in sources):
-        copy_from_devices(sources, targets, buf.pinned)
-        return
-    with torch.no_grad():
-        chunks: list[tuple[int, int, int]] = []
-        for src, dst in zip(sources, targets):
-            if not _plain_bytes(src, dst):
-                dst.copy_(src)
-                continue
-            n = src.numel() * src.element_size()
-            to, frm = dst.data_ptr(), src.data_ptr()
-            chunks.extend(
-                (to + o, frm + o, min(_COPY_CHUNK, n - o)) for o in range(0, n, _COPY_CHUNK)
-            )
-        if not chunks:
-            return
-        pool = _copy_threads()
-        lanes = min(_COPY_LANES, len(chunks))
-        done = [pool.submit(_memmove_all, chunks[k::lanes]) for k in range(lanes)]
-        for f in done:
-            f.result()
-
-
-def _memmove_all(chunks: list[tuple[int, int, int]]) -> None:
-    for to, frm, n in chunks:
-        ctypes.memmove(to, frm, n)
-
-
-def write_staged(
-    path: str,
-    files: list[tuple[str, int, int]],
-    storage_options: Mapping[str, Any],
-    thread_count: int,
-    sync_files: bool,
-    upload: storage.UploadOptions,
-    timeout: float,
-    *,
-    buffer: Any,
-    byte_records: list[list[bytes]],
-    items: dict[str, list[tuple[int, int]]],
-) -> int:
-    """Write staged files and their checksum manifest (runs in the background worker): file ``k``
-    is the staging range ``[base, base + length)`` followed by its serialized non-tensor values;
-    ``items``: the ``(offset, length)`` of every item in each file, hashed from these bytes. With
-    no ``buffer`` the snapshot staged the files in place: they are hashed and made durable."""
-    from ..asyncsave.worker import resolve_buffer
-
-    if buffer is None:
-        return _sync_in_place(path, [name for name, _, _ in files], items, sync_files)
-    data = resolve_buffer(buffer)
-    contents = [
-        (name, [data[base : base + length], *records])
-        for (name, base, length), records in zip(files, byte_records)
-    ]
-    return _write_with_manifest(
-        path, contents, items, storage_options, thread_count, sync_files, upload, timeout
-    )
-
-
-def _write_with_manifest(
-    path: str,
-    contents: list[tuple[str, list[Any]]],
-    items: dict[str, list[tuple[int, int]]],
-    storage_options: Mapping[str, Any],
-    thread_count: int,
-    sync_files: bool,
-    upload: storage.UploadOptions,
-    timeout: float,
-) -> int:
-    """Hash every item of each ``(name, views)`` file (:mod:`tierpoint.dcp.checksums`), then write
-    the files and the rank's manifest together; returns the data bytes written."""
-    sums = {name: _entries(items.get(name, []), views) for name, views in contents}
-    jobs = [(storage.join(path, name), views) for name, views in contents]
-    manifest = manifest_name(contents[0][0])
-    if manifest is not None:
-        jobs.append((storage.join(path, manifest), [manifest_bytes(sums)]))
-    written = storage.write_files_parallel(
-        jobs,
-        threads=thread_count,
-        storage_options=storage_options,
-        fsync=sync_files,
-        upload=upload,
-        timeout=timeout,
-    )
-    return sum(written[: len(contents)])
-
-
-def remove_unreferenced_files(
-    path: str,
-    referenced: list[str],
-    storage_options: Mapping[str, Any],
-    upload: storage.UploadOptions,
-) -> None:
-    """Remove the data files in ``path`` that the new ``.metadata`` does not name (an earlier save
-    into this directory left them: on an object store, or through torch's own save flow, nothing
-    removed them before). Safe while an unfinished marker exists: the directory does not count as
-    complete until the markers go. Nothing reads such files, so a failure to list or remove them
-    is only logged: it never fails the save."""
-    keep = set(referenced) | {manifest_name(name) for name in referenced}  # every rank's manifest
-    earlier: list[str] = []
-    try:
-        earlier = [
-            name
-            for name in storage.listdir(path, storage_options, upload)
-            if _is_data_file(name) and name not in keep
-        ]
-        storage.remove_files(path, earlier, storage_options=storage_options, upload=upload)
-    except CheckpointingError as e:
-        left = f" ({', '.join(earlier)})" if earlier else ""
-        logger.warning("%s: data files of an earlier save left%s, unreferenced: %s", path, left, e)
-
-
-def _is_data_file(name: str) -> bool:
-    """A save's data file or checksum manifest."""
-    return (name.startswith("__") and name.endswith(SUFFIX)) or is_manifest(name)
-
-
-def _with_manifest(names: list[str]) -> list[str]:
-    """A rank's data files of one save and the manifest of their checksums."""
-    manifest = manifest_name(names[0]) if names else None
-    return [*names, manifest] if manifest is not None else list(names)
-
-
-def _earlier_save_files(directory: str) -> list[str]:
-    """The regular files named like a save's data files or ``.metadata`` in ``directory`` (a
-    symbolic link or anything else there was not written by a save, and stays)."""
-    try:
-        with os.scandir(directory) as entries:
-            return sorted(
-                e.name
-                for e in entries
-                if (e.name == METADATA_NAME or _is_data_file(e.name))
-                and e.is_file(follow_symlinks=False)
-            )
-    except OSError as e:
-        raise storage.failure("listing", directory, e) from e
-
-
-def _sync_in_place(
-    path: str, names: list[str], items: dict[str, list[tuple[int, int]]], sync_files: bool
-) -> int:
-    """Hash the items of the files the snapshot named in ``path``, make the files durable and
-    write the manifest; returns the files' total size."""
-    total = 0
-    sums: dict[str, list[tuple[int, int, str]]] = {}
-    for name in names:
-        file = os.path.join(storage.local_path(path), name)
-        try:
-            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                size = os.fstat(fd).st_size
-                total += size
-                sums[name] = _file_checksums(fd, size, items.get(name, []))
-                if sync_files:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise storage.failure("syncing", file, e) from e
-    manifest = manifest_name(names[0]) if names else None
-    if manifest is not None:
-        storage.write_file(storage.join(path, manifest), [manifest_bytes(sums)], fsync=sync_files)
-    if sync_files:
-        storage.fsync_dir(path)
-    return total
-
-
-def _file_checksums(
-    fd: int, size: int, ranges: list[tuple[int, int]]
-) -> list[tuple[int, int, str]]:
-    """The manifest entries of a file staged in place, hashed through a read-only mapping."""
-    if not size:
-        return _entries(ranges, [b""])
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapping:
-        return _entries(ranges, [mapping])
-
-
-def _entries(ranges: list[tuple[int, int]], views: list[Any]) -> list[tuple[int, int, str]]:
-    """``(offset, length, checksum)`` of each item range of a file whose content is ``views``."""
-    hashes = range_checksums(views, ranges)
-    return [(offset, length, h) for (offset, length), h in zip(ranges, hashes)]
 
 
 __all__ = ["DEFAULT_POOL", "Writer", "stages_in_place", "write_staged"]

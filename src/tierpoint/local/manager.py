@@ -48,7 +48,6 @@ from typing import Any
 from .. import dist as tpdist
 from .. import fileformat, storage, transfer
 from ..asyncsave.request import AsyncRequest
-from ..asyncsave.worker import seal_staged_part, write_staged_part
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
 from ..files import unlink_quietly as _unlink
@@ -56,6 +55,7 @@ from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from ..tree import FlatState
 from . import naming
+from .jobs import seal_staged_part, write_staged_part
 from .nvrx_names import NVRxFileNames
 from .recovery import PartRecovery, ReceivedPart
 from .replication import CliqueReplicationStrategy, UserReplication

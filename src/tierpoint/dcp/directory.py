@@ -1,0 +1,147 @@
+"""A step directory's life across saves: its location, this rank's unfinished marker, the claim of an
+async save in flight, and the removal of what an earlier save into it left.
+
+Call order (driven by :class:`~tierpoint.dcp.writer.Writer`): :func:`absolute` fixes the location
+once; at set-up :func:`claim` (``check_only``) refuses a directory an async save of this process is
+writing, :func:`make_marker` creates the directory and ``.unfinished-<rank>``, and on local paths
+:func:`earlier_save_files` lists what an earlier save left (removed by the writer once every rank
+agreed); an async save then holds its :func:`claim` until :func:`release` (finalized or discarded);
+after the commit, :func:`remove_unreferenced_files` removes the data files ``.metadata`` does not
+name, and :func:`visible_markers` lists the markers the coordinator removes.
+
+Invariants:
+- At most one async save of this process is in flight per directory (``_claimed``, under
+  ``_claims_lock``; keyed by the real path, or the URL without its trailing slash).
+- A data file is ``__<rank>_<k>.<token>.distcp`` or a checksum manifest
+  (:func:`is_data_file`); only such files and ``.metadata`` count as a save's: anything else in
+  the directory (a symbolic link, a user's file) is never removed.
+- Removing an earlier save's unreferenced files never fails a save: a failure is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from .. import storage
+from ..errors import CheckpointingError
+from .checksums import is_manifest, manifest_name
+from .file_plan import SUFFIX
+from .names import MARKER_PREFIX, METADATA_NAME, marker_name
+
+logger = logging.getLogger("tierpoint")
+
+_claimed: set[str] = set()
+"""Step directories an async save of this process writes into (see :func:`claim`)."""
+_claims_lock = threading.Lock()
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute now: every step of a save (set-up, snapshot, the worker's writing,
+    the commit) then names the same directory, whatever the working directory of the process
+    running it (the worker keeps its own; the caller may change its own meanwhile)."""
+    if not storage.is_local(path):
+        return path
+    absolute_path = os.path.abspath(storage.local_path(path))
+    return f"file://{absolute_path}" if path.startswith("file://") else absolute_path
+
+
+def claim(path: str, *, check_only: bool = False) -> str | None:
+    """Refuse if an async save into ``path`` is in flight in this process; else (unless
+    ``check_only``) mark one as in flight there and return its key for :func:`release`."""
+    key = os.path.realpath(path) if storage.is_local(path) else path.rstrip("/")
+    with _claims_lock:
+        if key in _claimed:
+            raise CheckpointingError(
+                f"{path}: an async save into it is still in flight in this process; "
+                "finalize it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True), "
+                "or the result of async_save)"
+            )
+        if check_only:
+            return None
+        _claimed.add(key)
+        return key
+
+
+def release(key: str | None) -> None:
+    """End the claim ``key`` (from :func:`claim`; ``None``: nothing to end)."""
+    if key is not None:
+        with _claims_lock:
+            _claimed.discard(key)
+
+
+def make_marker(path: str, rank: int, storage_options: Mapping[str, Any]) -> None:
+    """Create the step directory and rank ``rank``'s marker in it. Another rank's clean-up after a
+    failed save removes the directory once it is empty, so a save that follows at once may find it
+    gone between the two steps: then both are done again."""
+    for attempt in range(3):
+        storage.makedirs(path, storage_options)
+        try:
+            storage.touch(storage.join(path, marker_name(rank)), storage_options=storage_options)
+            return
+        except CheckpointingError as e:
+            if attempt == 2 or not isinstance(e.__cause__, FileNotFoundError):
+                raise
+
+
+def visible_markers(
+    path: str, storage_options: Mapping[str, Any], upload: storage.UploadOptions
+) -> list[str]:
+    """The unfinished markers in the step directory now, whoever made them."""
+    return sorted(
+        n for n in storage.listdir(path, storage_options, upload) if n.startswith(MARKER_PREFIX)
+    )
+
+
+def is_data_file(name: str) -> bool:
+    """A save's data file or checksum manifest."""
+    return (name.startswith("__") and name.endswith(SUFFIX)) or is_manifest(name)
+
+
+def with_manifest(names: list[str]) -> list[str]:
+    """A rank's data files of one save and the manifest of their checksums."""
+    manifest = manifest_name(names[0]) if names else None
+    return [*names, manifest] if manifest is not None else list(names)
+
+
+def earlier_save_files(directory: str) -> list[str]:
+    """The regular files named like a save's data files or ``.metadata`` in ``directory`` (a
+    symbolic link or anything else there was not written by a save, and stays)."""
+    try:
+        with os.scandir(directory) as entries:
+            return sorted(
+                e.name
+                for e in entries
+                if (e.name == METADATA_NAME or is_data_file(e.name))
+                and e.is_file(follow_symlinks=False)
+            )
+    except OSError as e:
+        raise storage.failure("listing", directory, e) from e
+
+
+def remove_unreferenced_files(
+    path: str,
+    referenced: list[str],
+    storage_options: Mapping[str, Any],
+    upload: storage.UploadOptions,
+) -> None:
+    """Remove the data files in ``path`` that the new ``.metadata`` does not name (an earlier save
+    into this directory left them: on an object store, or through torch's own save flow, nothing
+    removed them before). Safe while an unfinished marker exists: the directory does not count as
+    complete until the markers go. Nothing reads such files, so a failure to list or remove them
+    is only logged: it never fails the save."""
+    keep = set(referenced) | {manifest_name(name) for name in referenced}  # every rank's manifest
+    earlier: list[str] = []
+    try:
+        earlier = [
+            name
+            for name in storage.listdir(path, storage_options, upload)
+            if is_data_file(name) and name not in keep
+        ]
+        storage.remove_files(path, earlier, storage_options=storage_options, upload=upload)
+    except CheckpointingError as e:
+        left = f" ({', '.join(earlier)})" if earlier else ""
+        logger.warning("%s: data files of an earlier save left%s, unreferenced: %s", path, left, e)

@@ -1,0 +1,127 @@
+"""The persistent tier's job for the background worker: write a rank's staged files and its checksum
+manifest, or make the files the snapshot staged in place durable.
+
+Call order: :meth:`~tierpoint.dcp.writer.Writer.get_save_function_and_args` gives
+:func:`write_staged` as an async save's ``async_fn``; its snapshot adds the ``buffer``,
+``byte_records`` and ``items`` keywords; the worker imports this module by name and runs it. A
+synchronous save (:meth:`~tierpoint.dcp.writer.Writer.write_now`) calls
+:func:`write_with_manifest` in the trainer.
+
+Invariants: every item is hashed from the bytes being written (xxh3-64, see
+:mod:`tierpoint.dcp.checksums`); the job returns only once the rank's data files and its manifest
+are written (and fsynced, with ``sync_files``), so a rank that reports success has both; a failure
+is a :class:`~tierpoint.errors.CheckpointingError` naming the file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .. import storage
+from ..asyncsave.worker import resolve_buffer
+from .checksums import manifest_bytes, manifest_name, range_checksums
+
+
+def write_staged(
+    path: str,
+    files: list[tuple[str, int, int]],
+    storage_options: Mapping[str, Any],
+    thread_count: int,
+    sync_files: bool,
+    upload: storage.UploadOptions,
+    timeout: float,
+    *,
+    buffer: Any,
+    byte_records: list[list[bytes]],
+    items: dict[str, list[tuple[int, int]]],
+) -> int:
+    """Write staged files and their checksum manifest (runs in the background worker): file ``k``
+    is the staging range ``[base, base + length)`` followed by its serialized non-tensor values;
+    ``items``: the ``(offset, length)`` of every item in each file, hashed from these bytes. With
+    no ``buffer`` the snapshot staged the files in place: they are hashed and made durable."""
+    if buffer is None:
+        return _sync_in_place(path, [name for name, _, _ in files], items, sync_files)
+    data = resolve_buffer(buffer)
+    contents = [
+        (name, [data[base : base + length], *records])
+        for (name, base, length), records in zip(files, byte_records)
+    ]
+    return write_with_manifest(
+        path, contents, items, storage_options, thread_count, sync_files, upload, timeout
+    )
+
+
+def write_with_manifest(
+    path: str,
+    contents: list[tuple[str, list[Any]]],
+    items: dict[str, list[tuple[int, int]]],
+    storage_options: Mapping[str, Any],
+    thread_count: int,
+    sync_files: bool,
+    upload: storage.UploadOptions,
+    timeout: float,
+) -> int:
+    """Hash every item of each ``(name, views)`` file (:mod:`tierpoint.dcp.checksums`), then write
+    the files and the rank's manifest together; returns the data bytes written."""
+    sums = {name: _entries(items.get(name, []), views) for name, views in contents}
+    jobs = [(storage.join(path, name), views) for name, views in contents]
+    manifest = manifest_name(contents[0][0])
+    if manifest is not None:
+        jobs.append((storage.join(path, manifest), [manifest_bytes(sums)]))
+    written = storage.write_files_parallel(
+        jobs,
+        threads=thread_count,
+        storage_options=storage_options,
+        fsync=sync_files,
+        upload=upload,
+        timeout=timeout,
+    )
+    return sum(written[: len(contents)])
+
+
+def _sync_in_place(
+    path: str, names: list[str], items: dict[str, list[tuple[int, int]]], sync_files: bool
+) -> int:
+    """Hash the items of the files the snapshot named in ``path``, make the files durable and
+    write the manifest; returns the files' total size."""
+    total = 0
+    sums: dict[str, list[tuple[int, int, str]]] = {}
+    for name in names:
+        file = os.path.join(storage.local_path(path), name)
+        try:
+            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                total += size
+                sums[name] = _file_checksums(fd, size, items.get(name, []))
+                if sync_files:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise storage.failure("syncing", file, e) from e
+    manifest = manifest_name(names[0]) if names else None
+    if manifest is not None:
+        storage.write_file(storage.join(path, manifest), [manifest_bytes(sums)], fsync=sync_files)
+    if sync_files:
+        storage.fsync_dir(path)
+    return total
+
+
+def _file_checksums(
+    fd: int, size: int, ranges: list[tuple[int, int]]
+) -> list[tuple[int, int, str]]:
+    """The manifest entries of a file staged in place, hashed through a read-only mapping."""
+    if not size:
+        return _entries(ranges, [b""])
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapping:
+        return _entries(ranges, [mapping])
+
+
+def _entries(ranges: list[tuple[int, int]], views: list[Any]) -> list[tuple[int, int, str]]:
+    """``(offset, length, checksum)`` of each item range of a file whose content is ``views``."""
+    hashes = range_checksums(views, ranges)
+    return [(offset, length, h) for (offset, length), h in zip(ranges, hashes)]
