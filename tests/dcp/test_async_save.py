@@ -112,9 +112,10 @@ def _async_saves(rank: int, world: int, root: str) -> dict:
             results["buffers"].add(pool._free[0][1].id)
         # Then rank 1's disk is full for step 6: the save fails on every rank, nothing commits.
         target = step_path(root, 6)
+        token = fix_file_token()  # every rank: a save names its files with one token
         if rank == 1:
             os.makedirs(target, exist_ok=True)
-            os.symlink("/dev/full", os.path.join(target, data_file(1, token=fix_file_token())))
+            os.symlink("/dev/full", os.path.join(target, data_file(1, token=token)))
         dist.barrier()
         future = async_save(_state(world, 6, True), target, queue=queue, thread_count=1)
         try:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tests.collectives import CountCollectives
 from tierpoint.dcp import load, read_metadata
 from tierpoint.dcp import save as tierpoint_save
 from tierpoint.spawn import run_ranks
@@ -112,37 +113,6 @@ def _save_with_4_and_reload(rank: int, world: int, base: str) -> bool:
     return True
 
 
-class CountCollectives:
-    """Counts calls of torch.distributed collectives while active (monkeypatched module functions)."""
-
-    NAMES = (
-        "all_reduce",
-        "all_gather",
-        "all_gather_object",
-        "gather_object",
-        "scatter_object_list",
-        "broadcast",
-    )
-
-    def __enter__(self) -> dict[str, int]:
-        self.counts = dict.fromkeys(self.NAMES, 0)
-        self.saved = {name: getattr(dist, name) for name in self.NAMES}
-        for name, fn in self.saved.items():
-            setattr(dist, name, self._counting(name, fn))
-        return self.counts
-
-    def _counting(self, name: str, fn):
-        def wrapper(*args, **kwargs):
-            self.counts[name] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    def __exit__(self, *exc: object) -> None:
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
-
-
 def _load_with_2(rank: int, world: int, base: str) -> list[dict[str, int]]:
     counts = []
     for writer in WRITERS:
@@ -184,6 +154,7 @@ def test_saved_by_4_loads_with_2(saved_by_4: Path) -> None:
                 "all_reduce": 2,
                 "all_gather": 0,
                 "all_gather_object": 0,
+                "gather": 0,
                 "gather_object": 0,
                 "scatter_object_list": 0,
                 "broadcast": 0,

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests.collectives import CountCollectives
 from tierpoint import storage
 from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
 from tierpoint.dcp import (
@@ -248,27 +249,62 @@ def test_caching_can_be_disabled(tmp_path):
     assert cache.planning_rounds == 0 and cache.cached_central_plan is None
 
 
-def test_unchanged_write_results_travel_as_a_digest(tmp_path, monkeypatch):
+def test_unchanged_write_results_are_not_sent_again(tmp_path, monkeypatch):
     from tierpoint.dcp import state_dict_saver
 
-    payloads = []
-    original = state_dict_saver._results_payload
+    gathered = []
+    original = state_dict_saver._gather_results
 
     def spy(*args, **kwargs):
-        payloads.append(original(*args, **kwargs))
-        return payloads[-1]
+        gathered.append(original(*args, **kwargs))
+        return gathered[-1]
 
-    monkeypatch.setattr(state_dict_saver, "_results_payload", spy)
+    monkeypatch.setattr(state_dict_saver, "_gather_results", spy)
     cache = CheckpointMetadataCache()
-    for step, name in enumerate(["a", "b", "c", "x" * 500]):
+    for step, name in enumerate(["a", "b", "c", "x" * 500, "y" * 500]):
         state = {"w": torch.full((16,), float(step)), "name": name}
         save(state, step_path(tmp_path, step), metadata_cache=cache)
         out = {"w": torch.zeros(16), "name": ""}
         dcp.load(out, checkpoint_id=step_path(tmp_path, step))
         assert torch.equal(out["w"], state["w"]) and out["name"] == name
-    # Same sizes and offsets: only a digest after the first save; a longer value changes them.
-    assert ["results" in p for p in payloads] == [True, False, False, True]
-    assert "same_as" in payloads[1] and payloads[1]["same_as"] == payloads[0]["digest"]
+    # Same sizes and offsets: the coordinator commits the results it remembers; a longer value
+    # changes them, and they are sent once more.
+    assert [g is None for g in gathered] == [False, True, True, False, True]
+
+
+def _save_unchanged_then_changed(rank: int, world: int, base: str) -> list[dict[str, int]]:
+    cache = CheckpointMetadataCache()
+    counts = []
+    for step, length in enumerate([4, 4, 4, 400]):  # the last save changes the layout
+        state = {
+            "w": torch.full((8,), float(step)),
+            f"own{rank}": torch.full((length,), float(rank)),
+        }
+        with CountCollectives() as counted:
+            save(state, step_path(base, step), metadata_cache=cache)
+        counts.append(dict(counted))
+        out = {"w": torch.zeros(8), f"own{rank}": torch.zeros(length)}
+        dcp.load(out, checkpoint_id=step_path(base, step))
+        assert torch.equal(out["w"], state["w"]) and torch.equal(
+            out[f"own{rank}"], state[f"own{rank}"]
+        )
+    return counts
+
+
+@pytest.mark.timeout(300)
+def test_a_save_of_an_unchanged_layout_is_committed_without_a_gather(tmp_path):
+    """From the second save of an unchanged layout on, the ranks agree by all-reduces of a few
+    integers alone (O(1) bytes per rank at any world size); a changed layout plans and sends its
+    write results to the coordinator again."""
+    gathers = ("all_gather", "all_gather_object", "gather", "gather_object", "scatter_object_list")
+    for counts in run_ranks(_save_unchanged_then_changed, 3, str(tmp_path), timeout=240):
+        first, second, third, changed = counts
+        assert sum(first[k] for k in gathers) > 0
+        for steady in (second, third):
+            assert {k: steady[k] for k in gathers} == dict.fromkeys(gathers, 0)
+            assert steady["broadcast"] == 0
+        assert changed["gather"] == 1  # the write results, to the coordinator alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{i}" for i in range(4)]
 
 
 def test_plans_loaded_with_the_metadata_skip_planning(tmp_path):

@@ -298,9 +298,10 @@ def _two_ranks(rank: int, world: int, root: str) -> str:
 def _one_rank_fails(rank: int, world: int, root: str) -> str:
     save({"x": torch.full((100,), float(rank))}, step_path(root, 1))
     target = step_path(root, 2)
+    token = fix_file_token()  # every rank: a save names its files with one token
     if rank == 1:
         os.makedirs(target, exist_ok=True)
-        os.symlink("/dev/full", os.path.join(target, data_file(1, token=fix_file_token())))
+        os.symlink("/dev/full", os.path.join(target, data_file(1, token=token)))
     state = {f"r{rank}": torch.full((1000,), float(rank))}  # each rank saves its own tensor
     try:
         save(state, target, thread_count=1)

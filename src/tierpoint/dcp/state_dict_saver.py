@@ -20,10 +20,14 @@ The global metadata carries every rank's local plan as ``all_local_plans`` (NVRx
 job resuming from a checkpoint can seed its cache with ``init_checkpoint_metadata_cache(
 read_metadata(step_dir))`` and reuse the loaded plans from its first save (one all-reduce).
 
-Finalize: every rank's write results reach every rank (a rank whose results did not change since a
-previous save sends a short digest the coordinator already knows, and its file token: names differ
-from save to save, see :mod:`tierpoint.dcp.file_plan`), the coordinator writes
-``.metadata`` (the commit), every rank learns the outcome, then unfinished markers are removed.
+Finalize: one all-reduce of a few integers tells whether no rank failed, every rank wrote into the
+same directory under the save's file token (agreed while planning, see
+:mod:`tierpoint.dcp.file_plan`), and every rank's write results equal those of the last commit of
+its cache (an unchanged layout). If so, nothing is gathered: the coordinator commits the results
+it remembers under the new token (O(1) bytes per rank at any world size). Otherwise the results
+go to the coordinator alone, or, when some rank failed, every payload to every rank so that each
+raises the same error. The coordinator writes ``.metadata`` (the commit), every rank learns the
+outcome, then unfinished markers are removed.
 Whatever the outcome, the writer's staging buffer then goes back to its pool, so a caller who
 builds its own ``AsyncRequest`` from ``get_save_function_and_args()`` keeps host memory flat too
 (its abort function should call ``writer.release_staging()`` and ``writer.discard()``).
@@ -44,7 +48,6 @@ import logging
 import os
 import posixpath
 import zlib
-from collections import OrderedDict
 from dataclasses import fields
 from typing import Any
 
@@ -64,9 +67,6 @@ from .file_plan import add_token, remove_token
 from .writer import Writer
 
 logger = logging.getLogger("tierpoint")
-
-_REMEMBERED_RESULTS = 4
-"""Distinct result sets per rank the coordinator remembers (and each rank knows it remembers)."""
 
 _REUSE, _CHANGED, _FAILED = 1, 0, -1
 
@@ -92,9 +92,10 @@ class CheckpointMetadataCache:
         self.validated_loaded_metadata_reuse = False
         self.loaded_all_plans: list[SavePlan] | None = None
         self.planning_rounds = 0
-        self._sent: OrderedDict[str, None] = OrderedDict()
-        self._sent_to: int | None = None  # the coordinator that knows the results in _sent
-        self._known: dict[int, OrderedDict[str, list]] = {}
+        # The last commit of this cache's saves, the same on every rank: (digest of this rank's
+        # write results, coordinator, world size); on the coordinator every rank's results too.
+        self._committed: tuple[str, int, int] | None = None
+        self._committed_results: list[list] | None = None
 
     def set_cached_global_metadata(self, cached_global_metadata: Metadata) -> None:
         """Seed the cache from a loaded checkpoint's metadata. If it carries ``all_local_plans``
@@ -141,9 +142,9 @@ class CheckpointMetadataCache:
         return self.validated_cache_reuse, self.validated_loaded_metadata_reuse
 
     def forget_results(self) -> None:
-        """Drop remembered write results (after a failed finalize, every rank alike)."""
-        self._sent.clear()
-        self._known.clear()
+        """Drop the remembered write results (after a failed finalize, every rank alike)."""
+        self._committed = None
+        self._committed_results = None
 
 
 _checkpoint_metadata_cache: CheckpointMetadataCache | None = None
@@ -285,7 +286,7 @@ def save_state_dict_async_plan(
     assert central_plan is not None and local_plan is not None
     if earlier_anywhere is None:
         try:
-            earlier_anywhere = _min_over_ranks(_clean(storage_writer), group, use_dist, what) == 0
+            earlier_anywhere = _agree_token(_REUSE, storage_writer, group, use_dist, what)[1] == 0
         except CheckpointingError:
             _cleanup_after_failure(storage_writer)
             raise
@@ -342,7 +343,7 @@ def _vote(
     files (the same all-reduce). When some rank failed, or the vote itself failed (a peer is gone),
     this rank's files and marker are removed and every rank raises."""
     try:
-        verdict, clean = _mins_over_ranks([vote, _clean(storage_writer)], group, use_dist, what)
+        verdict, clean = _agree_token(vote, storage_writer, group, use_dist, what)
     except CheckpointingError:
         _cleanup_after_failure(storage_writer)
         raise
@@ -350,6 +351,21 @@ def _vote(
         _cleanup_after_failure(storage_writer)
         _agree(group, use_dist, what, error)
     return verdict, not clean
+
+
+def _agree_token(
+    vote: int, storage_writer: Writer, group: Any, use_dist: bool, what: str
+) -> tuple[int, int]:
+    """One all-reduce: the smallest vote, whether no rank saw an earlier save's files
+    (:func:`_clean`), and one file token for the save on every rank: the writers' own when they
+    all drew the same, else one derived from the smallest of their hashes (so that the commit can
+    tell from two integers that every rank named its files alike, see :func:`_gather_results`)."""
+    n = xxhash.xxh3_64_intdigest(storage_writer.file_token.encode()) >> 16
+    values = [vote, _clean(storage_writer), n, -n]
+    verdict, clean, low, high = _mins_over_ranks(values, group, use_dist, what)
+    if low != -high:
+        storage_writer.file_token = f"{low:012x}"
+    return verdict, clean
 
 
 def _clean(storage_writer: Writer) -> int:
@@ -408,7 +424,7 @@ def _cleanup_after_failure(writer: Writer, keep_marker: bool = False) -> None:
 
 def _encode_results(results: list[WriteResult], token: str) -> list:
     """JSON-ready results; file names without the save's ``token`` (so that the results of saves of
-    an unchanged layout are equal, see :func:`_results_payload`)."""
+    an unchanged layout are equal, see :func:`_gather_results`)."""
     out = []
     for wr in results:
         info = wr.storage_data
@@ -439,13 +455,6 @@ def _decode_results(encoded: list, token: str) -> list[WriteResult]:
     ]
 
 
-def _remember(lru: OrderedDict, key: str, value: Any) -> None:
-    lru[key] = value
-    lru.move_to_end(key)
-    while len(lru) > _REMEMBERED_RESULTS:
-        lru.popitem(last=False)
-
-
 def save_state_dict_async_finalize(
     storage_writer: Writer, global_metadata: Metadata | None, dist_wrapper: _DistWrapper
 ) -> None:
@@ -464,25 +473,23 @@ def _commit(
     use_dist = dist_wrapper.use_dist
     group = dist_wrapper.group if use_dist else None
     path = storage_writer.path
+    token = storage_writer.results_token
+    payload: dict[str, Any]
     try:
-        payload = _results_payload(
-            storage_writer.retrieve_write_results(),
-            storage_writer.results_token,
-            cache,
-            dist_wrapper.global_coordinator_rank,
-        )
+        payload = {"results": _encode_results(storage_writer.retrieve_write_results(), token)}
     except Exception as e:  # noqa: BLE001 - agreed below
         payload = {"error": error_text(e)[:2000]}
     payload["directory"] = posixpath.basename(os.fspath(path).rstrip("/"))
+    payload["token"] = token
+    committed = _commit_key(payload, dist_wrapper)
     what = f"writing the checkpoint {path}"
     try:
-        gathered = _gather_results(payload, dist_wrapper, what) if use_dist else [payload]
+        gathered = _gather_results(payload, committed, cache, dist_wrapper, what)
     except CheckpointingError:
         _fail_everywhere(storage_writer, cache)
         raise
-    gathered = gathered or []  # not the coordinator, and no rank failed: nothing to learn
-    failures = {r: p["error"] for r, p in enumerate(gathered) if "error" in p}
-    names = [p.get("directory") for p in gathered]
+    failures = {r: p["error"] for r, p in enumerate(gathered or []) if "error" in p}
+    names = [p.get("directory") for p in gathered or []]
     if not failures and len(set(names)) > 1:  # node-local paths may differ, the step may not
         failures = {r: f"saved into {name!r}" for r, name in enumerate(names)}
         what = "saving a checkpoint (every rank must pass the same step directory)"
@@ -492,13 +499,19 @@ def _commit(
 
     error: BaseException | None = None
     commit_unknown = False
+    encoded: list[list] | None = None
     if dist_wrapper.is_coordinator:
         try:
-            all_results = [_results_of(r, p, cache) for r, p in enumerate(gathered)]
+            if gathered is None:  # every rank's results are those of the last commit
+                encoded = cache._committed_results if cache is not None else None
+                if encoded is None:
+                    raise CheckpointingError("the coordinator lost the results of the last commit")
+            else:
+                encoded = [p["results"] for p in gathered]
             if global_metadata is None:
                 raise CheckpointingError("the coordinator has no global metadata to commit")
             commit_unknown = not storage.is_local(path)
-            storage_writer.commit(global_metadata, all_results)
+            storage_writer.commit(global_metadata, [_decode_results(e, token) for e in encoded])
             commit_unknown = False
         except Exception as e:  # noqa: BLE001 - agreed below
             error = e
@@ -509,6 +522,8 @@ def _commit(
         # the coordinator's marker then stays, so that the step can never look complete.
         _fail_everywhere(storage_writer, cache, keep_marker=commit_unknown)
         raise
+    if cache is not None:  # every rank alike: the commit is agreed
+        cache._committed, cache._committed_results = committed, encoded
 
     error = None
     try:
@@ -518,48 +533,54 @@ def _commit(
     _agree(group, use_dist, f"removing the unfinished markers of {path} (committed)", error)
 
 
-def _gather_results(payload: dict, dist_wrapper: _DistWrapper, what: str) -> list[dict] | None:
-    """Every rank's write results on the coordinator alone (``None`` elsewhere) when no rank
-    failed and every rank saved into the same directory (one all-reduce says so); on every rank
-    otherwise, so that each raises the same error."""
+def _commit_key(payload: dict, dist_wrapper: _DistWrapper) -> tuple[str, int, int] | None:
+    """What this rank remembers of a commit: a digest of its write results (file names without
+    the save's token), the coordinator and the world size."""
+    if "results" not in payload:
+        return None
+    digest = xxhash.xxh3_128_hexdigest(json.dumps(payload["results"]).encode())
+    return digest, dist_wrapper.global_coordinator_rank, dist_wrapper.get_world_size()
+
+
+def _gather_results(
+    payload: dict,
+    committed: tuple[str, int, int] | None,
+    cache: CheckpointMetadataCache | None,
+    dist_wrapper: _DistWrapper,
+    what: str,
+) -> list[dict] | None:
+    """What the coordinator needs to commit, in the fewest bytes; one all-reduce decides:
+
+    - no rank failed, one directory, one file token, and every rank's results equal those of the
+      last commit of its cache (an unchanged layout, the common case): nothing is gathered
+      (``None`` everywhere; the coordinator commits the remembered results under the new token);
+    - no rank failed and one directory: every rank's results on the coordinator alone (``None``
+      elsewhere);
+    - otherwise every rank's payload on every rank, so that each raises the same error."""
+    h = _hash31(payload["directory"])
+    t = _hash31(payload["token"])
+    same = committed is not None and cache is not None and cache._committed == committed
+    values = ["error" not in payload, h, -h, t, -t, same]
+    if not dist_wrapper.use_dist:
+        return None if values[0] and same else [payload]
     group = dist_wrapper.group
-    h = zlib.crc32(payload["directory"].encode()) & 0x7FFFFFFF
-    low = tpdist.reduce_ints(["error" not in payload, h, -h], "min", what, group)
-    if low[0] == 1 and low[1] == -low[2]:
-        return tpdist.gather_json(payload, dist_wrapper.global_coordinator_rank, what, group)
+    low = tpdist.reduce_ints(values, "min", what, group)
+    ok, one_directory, one_token, all_same = (
+        low[0] == 1,
+        low[1] == -low[2],
+        low[3] == -low[4],
+        low[5],
+    )
+    if ok and one_directory and one_token and all_same:
+        return None
+    if ok and one_directory:
+        gathered = tpdist.gather_json(payload, dist_wrapper.global_coordinator_rank, what, group)
+        return gathered if gathered is not None else []
     return tpdist.all_gather_json(payload, what, group=group)
 
 
-def _results_payload(
-    results: list[WriteResult], token: str, cache: CheckpointMetadataCache | None, coordinator: int
-) -> dict:
-    encoded = _encode_results(results, token)
-    if cache is None:
-        return {"results": encoded, "token": token}
-    if cache._sent_to != coordinator:  # a new coordinator knows none of our earlier results
-        cache._sent.clear()
-        cache._sent_to = coordinator
-    digest = xxhash.xxh3_128_hexdigest(json.dumps(encoded).encode())
-    known = digest in cache._sent
-    _remember(cache._sent, digest, None)
-    if known:
-        return {"same_as": digest, "token": token}
-    return {"results": encoded, "digest": digest, "token": token}
-
-
-def _results_of(rank: int, payload: dict, cache: CheckpointMetadataCache | None) -> list:
-    token = payload["token"]
-    if cache is None:
-        return _decode_results(payload["results"], token)
-    known = cache._known.setdefault(rank, OrderedDict())
-    if "same_as" in payload:
-        digest = payload["same_as"]
-        if digest not in known:
-            raise CheckpointingError(f"rank {rank} referred to write results this rank never saw")
-        _remember(known, digest, known[digest])
-        return _decode_results(known[digest], token)
-    _remember(known, payload["digest"], payload["results"])
-    return _decode_results(payload["results"], token)
+def _hash31(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 def _fail_everywhere(
