@@ -10,6 +10,9 @@ uncounted barriers:
 - ``async save + finalize``: ``save(is_async=True)``, ``schedule_async_request`` and the finalize
   rounds until it is done;
 - ``find_latest + load``: a new manager on the same directories;
+- ``restore after a node loss``: the last simulated node's directories emptied (a replaced node),
+  then a new manager's ``find_latest`` + ``load`` (its parts come back from their replicas) and
+  ``wait_for_restore`` (the replicas it held, given back);
 - ``persistent save``: ``tierpoint.dcp.save`` of the same state into ``step-N``;
 - ``latest complete``: ``tierpoint.dcp.get_latest_complete_checkpoint``.
 
@@ -51,6 +54,7 @@ OPERATIONS = (
     "local save",
     "async save + finalize",
     "find_latest + load",
+    "restore after a node loss",
     "persistent save",
     "latest complete",
 )
@@ -156,6 +160,17 @@ def _rank(rank: int, world: int, base: str, per_node: int) -> dict[str, dict[str
         fresh.load() if fresh.find_latest() >= 0 else None
 
     measure("find_latest + load", restore)
+
+    lost = rank // per_node == (world - 1) // per_node  # the last node's ranks
+    if lost:
+        shutil.rmtree(root / "scale" / str(rank), ignore_errors=True)
+
+    def restore_lost_node() -> None:
+        fresh = LocalCheckpointManager(root, session_id="scale", repl_strategy=strategy)
+        fresh.load()
+        fresh.wait_for_restore(timeout=120)
+
+    measure("restore after a node loss", restore_lost_node)
     persistent = f"{base}/persistent"
     dcp.save(dict(state), dcp.step_path(persistent, 1))  # set-up not counted
     measure("persistent save", lambda: dcp.save(dict(state), dcp.step_path(persistent, 2)))

@@ -54,7 +54,7 @@ from ..files import unlink_quietly as _unlink
 from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from ..tree import FlatState
-from . import naming
+from . import naming, node_reports
 from .jobs import seal_staged_part, write_staged_part
 from .nvrx_names import NVRxFileNames
 from .recovery import PartRecovery, ReceivedPart
@@ -265,15 +265,30 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
         self._newest_seen = newest
         if newest is not None and newest[0] > self._latest:
             self._log_unusable(listings)
-        if self._latest == naming.NO_CHECKPOINT and not listings[self.rank]:
+        if self._latest == naming.NO_CHECKPOINT and not self._holds_parts():
             self._warn_other_ranks_parts()
         logger.debug("find_latest: %d (%.3f s)", self._latest, time.perf_counter() - start)
         return self._latest
 
     def _gather_listings(self) -> list[list[list[int]]]:
-        """Every rank's committed parts (collective, O(W·P) bytes per rank)."""
-        gathered = self._gather_parts("find_latest: gathering local checkpoint listings", {})
-        return [g["parts"] for g in gathered]
+        """Every node's committed parts, one listing per node (collective; origins travel as
+        ranges merged by each node's leader: O(nodes) bytes per rank, see
+        :mod:`tierpoint.local.node_reports`). A rank that cannot list its directory makes every
+        rank raise."""
+        what = "find_latest: gathering local checkpoint listings"
+        error = None
+        try:
+            parts = self._scan()
+        except (OSError, CheckpointingError) as e:
+            parts, error = [], e
+        report = {"rank": self.rank, "parts": parts, "error": tpdist.failure_status(error)}
+        records = tpdist.gather_by_node(report, node_reports.merge_listings, what)
+        statuses: list[Any] = [None] * self.world_size
+        for record in records:
+            for rank, status in record["errors"].items():
+                statuses[int(rank)] = status
+        tpdist.raise_failures(what, statuses, error)
+        return [node_reports.listing_parts(record) for record in records]
 
     def _latest_if_intact(self) -> int | None:
         """The newest iteration, when every rank holds its own part of it and no rank holds a newer
@@ -299,6 +314,12 @@ class LocalCheckpointManager(PartRecovery, NVRxFileNames):
         if low[0] == 1 and low[1] >= 0 and low[1] == -low[2] == -low[3]:
             return low[1]
         return None
+
+    def _holds_parts(self) -> bool:
+        try:
+            return bool(self._scan())
+        except (OSError, CheckpointingError):
+            return False
 
     def _warn_other_ranks_parts(self) -> None:
         """Nothing is complete and this rank holds no parts, yet directories of other ranks under

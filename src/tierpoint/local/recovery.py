@@ -33,7 +33,7 @@ from .. import fileformat, transfer
 from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
 from ..tensor_aware import BasicTensorAwareStateDict, TensorAwareStateDict
 from ..tree import FlatState
-from . import naming
+from . import naming, node_reports
 from .naming import CkptID
 from .retrieval import HolderStatus, RetrievalPlan, plan_retrieval
 
@@ -248,21 +248,23 @@ class PartRecovery:
         self._restore.start()
 
     def _agree_on_plan(
-        self, status: HolderStatus, holders: Any, what: str, **extra: str
+        self, status: HolderStatus, holders: Any, what: str, **extra: str | None
     ) -> tuple[list[dict[str, Any]], RetrievalPlan]:
-        """Every rank's status (with ``extra``) and the retrieval plan rank 0 made from them.
-        Collective. When every rank has its own part and every replica it should hold, one
-        all-reduce of a flag says so and nothing is gathered (an empty plan, no statuses)."""
+        """Every rank's status (with ``extra``: ``reason``, ``kind``) and the retrieval plan each
+        rank makes from them alike. Collective. When every rank has its own part and every replica
+        it should hold, one all-reduce of a flag says so and nothing is gathered (an empty plan, no
+        statuses); otherwise the statuses travel merged per node (O(nodes) bytes per rank, see
+        :mod:`tierpoint.local.node_reports`)."""
         if self._nothing_to_plan(status, holders):
             return [], RetrievalPlan([], [], [])
-        statuses = tpdist.all_gather_json(
-            {**vars(status), **extra}, f"{what}: gathering what is held"
+        records = tpdist.gather_by_node(
+            {"rank": self.rank, **vars(status), **extra},
+            node_reports.merge_statuses,
+            f"{what}: gathering what is held",
         )
-        plan = None
-        if self.rank == 0:
-            plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], holders).to_json()
-        shared = tpdist.broadcast_json(plan, 0, f"{what}: sharing the retrieval plan")
-        return statuses, RetrievalPlan.from_json(shared)
+        statuses = node_reports.expand_statuses(records, self.world_size)
+        plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], holders)
+        return statuses, plan
 
     def _nothing_to_plan(self, status: HolderStatus, holders: Any) -> bool:
         """Collective: whether no rank lacks its own part or a replica it should hold."""

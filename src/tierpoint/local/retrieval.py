@@ -1,7 +1,7 @@
 """Retrieval planning: which rank sends which part to whom when parts are missing or corrupt.
 
 Call order (inside a collective load): every rank reports a :class:`HolderStatus` for the iteration
-being loaded; one rank calls :func:`plan_retrieval` on all reports and broadcasts the result; every
+being loaded; every rank calls :func:`plan_retrieval` on all reports (the same result everywhere); every
 rank carries out the moves (:func:`tierpoint.transfer.move_files`) and reports again, until nothing
 is needed or nothing more can be fetched.
 
