@@ -14,7 +14,10 @@ uncounted barriers:
   then a new manager's ``find_latest`` + ``load`` (its parts come back from their replicas) and
   ``wait_for_restore`` (the replicas it held, given back);
 - ``persistent save``: ``tierpoint.dcp.save`` of the same state into ``step-N``;
-- ``latest complete``: ``tierpoint.dcp.get_latest_complete_checkpoint``.
+- ``latest complete``: ``tierpoint.dcp.get_latest_complete_checkpoint``;
+- ``node-local latest complete``: the same state saved into a directory of each simulated node
+  (only the coordinator's node holds ``.metadata``), then ``get_latest_complete_checkpoint(...,
+  node_local=True)``, which fetches what each node lacks from its peers.
 
 ``TIERPOINT_SCALE_TRACE=1`` prints every collective with its bytes and the tierpoint frame that
 issued it. For each operation it prints, per W, the number of collectives and the bytes received by
@@ -57,6 +60,7 @@ OPERATIONS = (
     "restore after a node loss",
     "persistent save",
     "latest complete",
+    "node-local latest complete",
 )
 _RECEIVED_ARG = {  # the argument holding what a rank receives, by position and name
     "all_reduce": (0, "tensor"),
@@ -175,6 +179,12 @@ def _rank(rank: int, world: int, base: str, per_node: int) -> dict[str, dict[str
     dcp.save(dict(state), dcp.step_path(persistent, 1))  # set-up not counted
     measure("persistent save", lambda: dcp.save(dict(state), dcp.step_path(persistent, 2)))
     measure("latest complete", lambda: dcp.get_latest_complete_checkpoint(persistent))
+    node_base = f"{base}/node{rank // per_node}/persistent"
+    dcp.save(dict(state), dcp.step_path(node_base, 1))
+    measure(
+        "node-local latest complete",
+        lambda: dcp.get_latest_complete_checkpoint(node_base, node_local=True),
+    )
     return results
 
 

@@ -9,13 +9,12 @@ import pytest
 
 from tierpoint.errors import CheckpointingError
 from tierpoint.local.node_reports import (
-    expand,
     expand_statuses,
     listing_parts,
     merge_listings,
     merge_statuses,
-    ranges,
 )
+from tierpoint.rank_ranges import expand, ranges
 
 
 def test_ranges_round_trip() -> None:

@@ -16,7 +16,7 @@ tierpoint's own layout: another program's directories are never removed.
 Names are :mod:`tierpoint.dcp.names`' (re-exported here). Call order of a save (see
 :mod:`tierpoint.dcp.writer`): every rank creates its marker before writing any data; the coordinator
 writes ``.metadata`` once every rank's data is durable; markers are removed after that. Finding the
-newest complete step: :func:`gather_views` (every rank's listing, collective), then
+newest complete step: :func:`gather_views` (the listings, one per node, collective), then
 :func:`complete_dirs` (committed, and marked on no rank); :func:`complete_checkpoints` does both,
 and :func:`tierpoint.dcp.latest.get_latest_complete_checkpoint` (which may also fetch missing files
 from peers) is built on them.
@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import zlib
@@ -164,41 +165,58 @@ def complete_checkpoints(
 def gather_views(
     base: str | os.PathLike, storage_options: Mapping[str, Any] | None, group: Any
 ) -> list[dict]:
-    """Every rank's listing of ``base`` (``{"view": [...], "error": None}`` per rank, by rank; a
-    rank that lists for nobody contributes an empty one). Collective; raises the same
-    :class:`CheckpointingError` on every rank when a rank could not list."""
+    """Listings of ``base`` (``{"view": [...]}`` each; the listings are merged, so an empty one
+    is neutral). Collective; raises the same :class:`CheckpointingError` on every rank when a rank
+    could not list.
+
+    Without a ``group`` of the caller's, the listings travel merged per node
+    (:func:`tierpoint.dist.gather_by_node`; a node's identical listings count once): O(nodes)
+    bytes per rank. When every rank names the same ``base`` (one all-reduce of its hash tells) only
+    one rank per node lists it (on an object store, only the decider: one listing serves the job).
+    With a caller's ``group`` (its ranks need not cover a node) every rank lists and every listing
+    reaches every rank of the group."""
+    lists = not _same_base(base, group) or _lists_for_others(base, group)
     mine: list[list] | None = []
     error: str | None = None
     try:
-        if _lists_for_others(base, group):
+        if lists:
             mine = local_listing(base, storage_options)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = error_text(e)
-    views = tpdist.all_gather_json(
-        {"view": mine, "error": error}, f"listing checkpoints under {base}", group=group
-    )
-    failures = {r: v["error"] for r, v in enumerate(views) if v["error"]}
+    what = f"listing checkpoints under {base}"
+    report = {"view": mine, "errors": {str(tpdist.get_rank()): error} if error else {}}
+    if group is None and tpdist.is_distributed():
+        views = [v for record in tpdist.gather_by_node(report, _merge_views, what) for v in record]
+    else:
+        views = tpdist.all_gather_json(report, what, group=group)
+    failures = {int(r): text for v in views for r, text in v["errors"].items()}
     if failures:
-        raise CheckpointingError(
-            failed_on_ranks(f"listing checkpoints under {base}", failures), failures
-        )
+        raise CheckpointingError(failed_on_ranks(what, failures), failures)
     return views
 
 
-def _lists_for_others(base: str | os.PathLike, group: Any) -> bool:
-    """Whether this rank lists ``base`` (the listings are merged, so an empty one is neutral).
+def _merge_views(reports: list[dict]) -> list[dict]:
+    """A node's distinct listings (ranks that see one directory list the same)."""
+    distinct: dict[str, dict] = {}
+    for report in reports:
+        distinct.setdefault(json.dumps(report, sort_keys=True), report)
+    return list(distinct.values())
 
-    When every rank names the same ``base`` (one all-reduce of its hash tells): on an object store
-    only the decider lists (one listing serves the job), on a local path the first rank of each
-    node (a node's ranks see one directory: a listing per node, not per rank). Otherwise (per-rank
-    paths), or with a ``group`` of the caller's (its ranks need not cover a node), every rank lists.
-    """
+
+def _same_base(base: str | os.PathLike, group: Any) -> bool:
+    """Whether every rank names the same ``base`` and no caller's ``group`` is given (a caller's
+    group's ranks need not cover a node). One all-reduce when distributed."""
     if not tpdist.is_distributed() or group is not None:
-        return True
+        return False
     h = zlib.crc32(os.fspath(base).encode()) & 0x7FFFFFFF
     low, high = tpdist.reduce_ints([h, -h], "min", f"comparing checkpoint bases {base}")
-    if low != -high:
-        return True
+    return low == -high
+
+
+def _lists_for_others(base: str | os.PathLike, group: Any) -> bool:
+    """Whether this rank lists a ``base`` every rank names: on an object store only the decider
+    (one listing serves the job), on a local path the first rank of each node (a node's ranks see
+    one directory)."""
     if not storage.is_local(base):
         return tpdist.get_rank() == decider(group)
     return tpdist.node_layout().local_rank == 0

@@ -29,6 +29,7 @@ which save is the newer cannot be told); every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -42,6 +43,7 @@ from .. import dist as tpdist
 from .. import transfer
 from ..errors import CheckpointingError, error_text
 from ..files import DIRTY_SUFFIX
+from ..rank_ranges import expand, ranges
 from .checksums import manifest_name
 from .names import METADATA_NAME
 from .reader import read_metadata
@@ -118,20 +120,21 @@ def plan_moves(
         checksums = {manifests[n] for n in own} & present
         return [METADATA_NAME, *sorted(own), *sorted(checksums)]
 
-    def has(rank: int, name: str) -> bool:
-        return listings[rank].get(name, -1) >= want[name]
-
+    holders: dict[str, list[int]] = defaultdict(list)  # ranks that have each wanted file
+    for rank, listing in enumerate(listings):
+        for name, size in listing.items():
+            if size >= want.get(name, size + 1):
+                holders[name].append(rank)
     load = [0] * world
     moves: list[tuple[int, int, str]] = []
-    planned: set[tuple[str, str]] = set()  # (node, name) already present or being fetched
+    # (node, name): present on the node, or being fetched to it
+    planned = {(node_of_rank[r], name) for name, ranks in holders.items() for r in ranks}
     for rank in range(world):
         node = node_of_rank[rank]
-        on_node = [r for r in range(world) if node_of_rank[r] == node]
         for name in needs(rank):
-            if (node, name) in planned or any(has(r, name) for r in on_node):
-                planned.add((node, name))
+            if (node, name) in planned:
                 continue
-            sources = [s for s in range(world) if node_of_rank[s] != node and has(s, name)]
+            sources = [s for s in holders.get(name, []) if node_of_rank[s] != node]
             if not sources:
                 return None
             src = min(sources, key=lambda s: (load[s], s))
@@ -139,6 +142,71 @@ def plan_moves(
             moves.append((src, rank, name))
             planned.add((node, name))
     return moves
+
+
+def _gather_listings(step_dir: str, layout: tpdist.NodeLayout) -> list[dict[str, Any]]:
+    """Every rank's ``{"files": {name: size}, "metadata": digest}`` of ``step_dir``, in rank
+    order. Collective. Each rank lists its directory; the listings travel once per node
+    (:func:`tierpoint.dist.gather_by_node`): a node's ranks that see the same files (one directory
+    per node) share one listing, whose files that carry a writer's rank are named by pattern and
+    ranges of ranks (:func:`_merge_node_listings`). Each rank then receives O(nodes) bytes when
+    the ranks' files are alike in size, as with evenly sharded states."""
+    report = {
+        "rank": layout.rank,
+        "files": _listing(step_dir),
+        "metadata": _metadata_digest(step_dir),
+    }
+    records = tpdist.gather_by_node(
+        report, _merge_node_listings, f"listing {step_dir} on every rank"
+    )
+    seen: list[dict[str, Any] | None] = [None] * len(layout.node_of_rank)
+    for record in records:
+        for compressed, spans in record:
+            listing = _expand_listing(compressed)
+            for rank in expand(spans):
+                seen[rank] = listing
+    if any(v is None for v in seen):
+        raise CheckpointingError(f"listing {step_dir}: some rank's listing did not arrive")
+    return [v for v in seen if v is not None]
+
+
+_RANKED = (re.compile(r"^(__)(\d+)(_.*)$"), re.compile(r"^(\.checksums-)(\d+)(\..*)$"))
+
+
+def _merge_node_listings(reports: list[dict[str, Any]]) -> list[list[Any]]:
+    """A node's listings, each distinct one once with the ranks that reported it: ``[[listing,
+    rank ranges], ...]``; a listing is ``{"files": [[prefix, suffix, size, rank ranges], ...],
+    "other": {name: size}, "metadata": digest}`` (names that carry a writer's rank, grouped)."""
+    distinct: dict[str, tuple[dict[str, Any], list[int]]] = {}
+    for report in reports:
+        key = json.dumps([report["files"], report["metadata"]], sort_keys=True)
+        if key not in distinct:
+            distinct[key] = (report, [])
+        distinct[key][1].append(report["rank"])
+    return [[_compress(report), ranges(ranks)] for report, ranks in distinct.values()]
+
+
+def _compress(report: dict[str, Any]) -> dict[str, Any]:
+    groups: dict[tuple[str, str, int], list[int]] = defaultdict(list)
+    other: dict[str, int] = {}
+    for name, size in report["files"].items():
+        match = next((m for m in (p.match(name) for p in _RANKED) if m), None)
+        if match is None:
+            other[name] = size
+        else:
+            groups[(match.group(1), match.group(3), size)].append(int(match.group(2)))
+    return {
+        "files": [[p, x, size, ranges(ranks)] for (p, x, size), ranks in groups.items()],
+        "other": other,
+        "metadata": report["metadata"],
+    }
+
+
+def _expand_listing(compressed: dict[str, Any]) -> dict[str, Any]:
+    files = dict(compressed["other"])
+    for prefix, suffix, size, spans in compressed["files"]:
+        files.update({f"{prefix}{rank}{suffix}": size for rank in expand(spans)})
+    return {"files": files, "metadata": compressed["metadata"]}
 
 
 def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
@@ -151,10 +219,7 @@ def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
     limit = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds())
     step_dir = str(step_dir)
     layout = tpdist.node_layout()
-    seen = tpdist.all_gather_json(
-        {"files": _listing(step_dir), "metadata": _metadata_digest(step_dir)},
-        f"listing {step_dir} on every rank",
-    )
+    seen = _gather_listings(step_dir, layout)
     listings = [view["files"] for view in seen]
     holders = [r for r, listing in enumerate(listings) if METADATA_NAME in listing]
     if not holders:

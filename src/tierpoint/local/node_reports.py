@@ -18,27 +18,10 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..errors import CheckpointingError
-
-
-def ranges(values: Iterable[int]) -> list[list[int]]:
-    """``[1, 2, 3, 7]`` -> ``[[1, 3], [7, 7]]`` (sorted, duplicates dropped)."""
-    out: list[list[int]] = []
-    for v in sorted(set(values)):
-        if out and out[-1][1] == v - 1:
-            out[-1][1] = v
-        else:
-            out.append([v, v])
-    return out
-
-
-def expand(spans: Iterable[list[int]]) -> Iterator[int]:
-    """The inverse of :func:`ranges`."""
-    for first, last in spans:
-        yield from range(first, last + 1)
+from ..rank_ranges import expand, ranges
 
 
 def merge_listings(reports: list[dict[str, Any]]) -> dict[str, Any]:
