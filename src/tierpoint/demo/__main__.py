@@ -1,3 +1,5 @@
+"""``python -m tierpoint.demo``: the demo job (see :mod:`tierpoint.demo`)."""
+
 import sys
 
 from . import main
