@@ -27,6 +27,7 @@ FLOORS: dict[str, int] = {
     # floor 2: staging and transfer
     "tierpoint.staging": 2,
     "tierpoint.pinning": 2,
+    "tierpoint.snapshot_copy": 2,
     "tierpoint.dtensors": 2,
     "tierpoint.transfer": 2,
     "tierpoint.peers": 2,

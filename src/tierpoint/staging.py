@@ -23,10 +23,7 @@ Invariants:
   unpinned before its memory is unmapped on every path: ``close`` (a layout change, a pool freeing it) and
   garbage collection or interpreter exit (a ``weakref.finalize`` that holds the mapping). A buffer
   that could not be pinned is used unpinned.
-- CUDA tensors are copied by :func:`copy_from_devices`: on one side stream per device that first
-  waits for the device's current stream, ``non_blocking`` into pinned memory, in one pass of
-  calls, synchronised before the buffer is handed on. Their checksums are left to the worker
-  (nothing of the device copy's memory pass is in the CPU cache to hash from).
+- Copies are :mod:`tierpoint.snapshot_copy`'s (the one engine both tiers use).
 """
 
 from __future__ import annotations
@@ -37,19 +34,16 @@ import itertools
 import mmap
 import os
 import weakref
-from collections.abc import Sequence
 
 import torch
-import xxhash
 
-from .fileformat import DTYPES, PartPlan, byte_view, checksum
+from .fileformat import DTYPES, PartPlan
 from .files import in_memory_filesystem as in_memory_filesystem  # re-exported
 from .pinning import PinnedRange, copy_device
+from .snapshot_copy import copy_tensors
 from .tree import FlatState
 
 _ids = itertools.count(1)
-_HASH_PIECE = 512 << 10
-"""Bytes copied then hashed at a time: small enough to be hashed from the CPU cache."""
 
 
 class StagingBuffer:
@@ -193,7 +187,7 @@ class Stager:
     def stage(self, flat: FlatState, plan: PartPlan) -> StagingBuffer:
         """Copy every tensor of ``flat`` into the staging buffer for ``plan`` (blocking)."""
         buf = self.buffer_for(plan, copy_device(flat.tensors))
-        _copy(flat.tensors, buf.views(plan), buf, hash=False)
+        copy_tensors(flat.tensors, buf.views(plan), buf.pinned)
         return buf
 
     def stage_and_hash(
@@ -203,7 +197,7 @@ class Stager:
         one thread as the copy goes (no second pass over the memory). None instead of checksums
         when some tensors come from a device: the worker hashes them (off this process's GIL)."""
         buf = self.buffer_for(plan, copy_device(flat.tensors))
-        return buf, _copy(flat.tensors, buf.views(plan), buf, hash=True)
+        return buf, copy_tensors(flat.tensors, buf.views(plan), buf.pinned, hash=True)
 
     @staticmethod
     def stage_into(
@@ -216,81 +210,9 @@ class Stager:
             raise ValueError(
                 "stage_into copies CPU tensors only; stage CUDA tensors into pinned memory"
             )
-        return _copy(flat.tensors, planned_views(data, plan), None, hash)
+        return copy_tensors(flat.tensors, planned_views(data, plan), False, hash)
 
     def close(self) -> None:
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
-
-
-def _copy_and_hash(src: torch.Tensor, dst: torch.Tensor) -> str:
-    """Copy one CPU tensor into its staging place and return the checksum of the staged bytes."""
-    plain = (
-        src.is_contiguous()
-        and src.dtype == dst.dtype
-        and not src.is_conj()
-        and not src.is_neg()
-        and src.layout == torch.strided
-    )
-    if not plain or src.numel() == 0:
-        dst.copy_(src.detach())
-        return checksum(byte_view(dst))
-    hasher = xxhash.xxh3_64()
-    staged = byte_view(dst)
-    nbytes, src_ptr, dst_ptr = len(staged), src.data_ptr(), dst.data_ptr()
-    for offset in range(0, nbytes, _HASH_PIECE):
-        n = min(_HASH_PIECE, nbytes - offset)
-        ctypes.memmove(dst_ptr + offset, src_ptr + offset, n)  # one thread, GIL released
-        hasher.update(staged[offset : offset + n])
-    return hasher.hexdigest()
-
-
-def _copy(
-    sources: Sequence[torch.Tensor],
-    targets: Sequence[torch.Tensor],
-    buf: StagingBuffer | None,
-    hash: bool,
-) -> list[str] | None:
-    """Copy each source into its target; ``hash``: return the staged bytes' checksums (CPU tensors
-    hashed piece by piece as they are copied; None when some come from a device)."""
-    with torch.no_grad():
-        if all(s.device.type == "cpu" for s in sources):
-            if hash:
-                return [_copy_and_hash(src, dst) for src, dst in zip(sources, targets)]
-            for src, dst in zip(sources, targets):
-                dst.copy_(src.detach())
-            return None
-    copy_from_devices(sources, targets, buf is not None and buf.pinned)
-    return None
-
-
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def copy_from_devices(
-    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], pinned: bool
-) -> None:
-    """Copy ``sources`` (some on CUDA devices) into host ``targets``; returns once every byte is in
-    place. Per device, one side stream (reused) waits for the device's current stream, so the copy
-    sees every kernel queued before the call; ``pinned``: the targets are page-locked, so the
-    copies are queued ``non_blocking`` and waited for once. Other sources are copied on the way."""
-    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    with torch.no_grad():
-        for src, dst in zip(sources, targets):
-            if src.device.type == "cuda":
-                by_device.setdefault(src.device, []).append((src, dst))
-            else:
-                dst.copy_(src.detach())
-        streams = []
-        for device, pairs in by_device.items():
-            stream = _side_streams.get(device)
-            if stream is None:
-                stream = _side_streams[device] = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for src, dst in pairs:
-                    dst.copy_(src.detach(), non_blocking=pinned)
-            streams.append(stream)
-        for stream in streams:
-            stream.synchronize()

@@ -8,10 +8,8 @@ system); :func:`copy_pairs` matches each planned tensor with its place in the st
 the non-tensor values and links the file into the step directory.
 
 Invariants:
-- Contiguous CPU tensors are copied as raw bytes in 8 MiB chunks by at most 4 threads (one pool per
-  process, ``_copy_pool``, made on first use); CUDA tensors go through
-  :func:`tierpoint.staging.copy_from_devices`; a tensor whose dtype or shape differs from the plan
-  is refused before anything is copied.
+- Copies are :mod:`tierpoint.snapshot_copy`'s (the one engine both tiers use); a tensor whose
+  dtype or shape differs from the plan is refused before anything is copied.
 - ``_links_work`` turns False, for the rest of the process, the first time a staged file cannot be
   named (the file system refuses ``linkat``): that save copies the file instead, and later saves
   stage in memory.
@@ -19,12 +17,9 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlan
@@ -33,7 +28,8 @@ from .. import storage
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
 from ..pinning import copy_device
-from ..staging import StagingBuffer, copy_from_devices
+from ..snapshot_copy import copy_tensors
+from ..staging import StagingBuffer
 from .file_plan import RankFiles
 
 logger = logging.getLogger("tierpoint")
@@ -110,66 +106,5 @@ def name_in_place(
         storage.write_file(target, [tensors, records], fsync=False)  # the worker fsyncs it
 
 
-_COPY_CHUNK = 8 << 20
-_copy_pool: ThreadPoolExecutor | None = None
-_copy_pool_lock = threading.Lock()
-
-
-_COPY_LANES = max(1, min(4, os.cpu_count() or 1))
-
-
-def _copy_threads() -> ThreadPoolExecutor:
-    global _copy_pool
-    with _copy_pool_lock:
-        if _copy_pool is None:
-            _copy_pool = ThreadPoolExecutor(_COPY_LANES, thread_name_prefix="tierpoint-snapshot")
-        return _copy_pool
-
-
-def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
-    """Whether ``src`` can be copied into ``dst`` as raw bytes (same dtype, contiguous CPU memory)."""
-    return (
-        src.device.type == "cpu"
-        and src.layout == torch.strided
-        and src.dtype == dst.dtype
-        and src.is_contiguous()
-        and not src.is_conj()
-        and not src.is_neg()
-    )
-
-
 def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor], buf: StagingBuffer) -> None:
-    """Snapshot copy into staging memory.
-
-    Contiguous CPU tensors are copied as raw bytes in chunks by a few threads (``memmove`` releases
-    the GIL; no intra-op thread barriers, which cost a lot when training keeps the cores busy);
-    anything else goes through ``Tensor.copy_``. CUDA sources go through
-    :func:`tierpoint.staging.copy_from_devices` (side stream, into ``buf`` pinned when it was
-    allocated).
-    """
-    if any(s.device.type == "cuda" for s in sources):
-        copy_from_devices(sources, targets, buf.pinned)
-        return
-    with torch.no_grad():
-        chunks: list[tuple[int, int, int]] = []
-        for src, dst in zip(sources, targets):
-            if not _plain_bytes(src, dst):
-                dst.copy_(src)
-                continue
-            n = src.numel() * src.element_size()
-            to, frm = dst.data_ptr(), src.data_ptr()
-            chunks.extend(
-                (to + o, frm + o, min(_COPY_CHUNK, n - o)) for o in range(0, n, _COPY_CHUNK)
-            )
-        if not chunks:
-            return
-        pool = _copy_threads()
-        lanes = min(_COPY_LANES, len(chunks))
-        done = [pool.submit(_memmove_all, chunks[k::lanes]) for k in range(lanes)]
-        for f in done:
-            f.result()
-
-
-def _memmove_all(chunks: list[tuple[int, int, int]]) -> None:
-    for to, frm, n in chunks:
-        ctypes.memmove(to, frm, n)
+    copy_tensors(sources, targets, buf.pinned)
