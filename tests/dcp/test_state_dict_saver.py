@@ -250,16 +250,16 @@ def test_caching_can_be_disabled(tmp_path):
 
 
 def test_unchanged_write_results_are_not_sent_again(tmp_path, monkeypatch):
-    from tierpoint.dcp import state_dict_saver
+    from tierpoint.dcp import commit
 
     gathered = []
-    original = state_dict_saver._gather_results
+    original = commit._gather_results
 
     def spy(*args, **kwargs):
         gathered.append(original(*args, **kwargs))
         return gathered[-1]
 
-    monkeypatch.setattr(state_dict_saver, "_gather_results", spy)
+    monkeypatch.setattr(commit, "_gather_results", spy)
     cache = CheckpointMetadataCache()
     for step, name in enumerate(["a", "b", "c", "x" * 500, "y" * 500]):
         state = {"w": torch.full((16,), float(step)), "name": name}
