@@ -89,13 +89,14 @@ from floor import tensors_of
 from machine import cpu_sample, machine_line, require_memory
 
 from tierpoint import dist as tpdist
-from tierpoint import fileformat, transfer
+from tierpoint import fileformat
 from tierpoint.local import (
     BasicTensorAwareStateDict,
     CliqueReplicationStrategy,
     LocalCheckpointManager,
 )
 from tierpoint.local.naming import part_name
+from tierpoint.peers import transfer
 from tierpoint.spawn import run_ranks
 
 WORLD = 4

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tierpoint import transfer
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError
+from tierpoint.peers import transfer
+from tierpoint.peers.transfer import FileMove, move_files
 from tierpoint.spawn import run_ranks
-from tierpoint.transfer import FileMove, move_files
 
 
 def _payload(rank: int, nbytes: int) -> bytes:

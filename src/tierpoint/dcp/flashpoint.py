@@ -44,8 +44,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from .. import dist as tpdist
-from .. import storage, transfer
+from .. import storage
 from ..errors import CheckpointingError, UnsupportedStateError
+from ..peers import transfer
 from .latest import get_latest_complete_checkpoint
 from .layout import METADATA_NAME, complete_checkpoints
 from .reader import Reader

@@ -40,9 +40,9 @@ import xxhash
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import dist as tpdist
-from .. import transfer
 from ..errors import CheckpointingError, error_text
 from ..files import DIRTY_SUFFIX
+from ..peers import transfer
 from ..rank_ranges import expand, ranges
 from .checksums import manifest_name
 from .names import METADATA_NAME

@@ -1,0 +1,133 @@
+"""The file mappings of peer moves: each file mapped once per call, or kept across calls.
+
+Call order: :func:`~tierpoint.peers.transfer.move_files` maps a file it sends or receives
+(``map``), and afterwards hands each mapping back: ``done`` (the move succeeded), ``forget`` (the
+file is being deleted) or ``abandon`` (a send or receive may still be in flight). Without a
+:class:`MappingCache` a call uses :class:`OneShotMappings`.
+
+Invariants: an abandoned mapping is never handed out or unmapped again (a receive left over from a
+timed-out call may still write into it); a cached mapping is re-checked against its file's size at
+every use.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+_abandoned: list[Any] = []  # mappings a timed-out receive may still write into
+
+
+def map_file(path: str, nbytes: int, writable: bool) -> tuple[mmap.mmap | None, torch.Tensor]:
+    """A shared mapping of ``path`` as a byte tensor, its pages faulted in up front (one populate
+    instead of a page fault per 4 KiB while gloo moves the bytes)."""
+    if nbytes == 0:
+        return None, torch.empty(0, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        m = mmap.mmap(fd, nbytes, flags=flags, prot=prot)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only source: only ever sent from
+        return m, torch.frombuffer(m, dtype=torch.uint8)
+
+
+FileMapping = tuple["mmap.mmap | None", torch.Tensor]
+
+
+class OneShotMappings:
+    """Each file mapped for one call and unmapped after it (no :class:`MappingCache` given)."""
+
+    def map(self, path: str, nbytes: int, writable: bool) -> FileMapping:
+        return map_file(path, nbytes, writable)
+
+    def done(self, entry: FileMapping) -> None:
+        if entry[0] is not None:
+            entry[0].close()
+
+    forget = done
+
+    def abandon(self, entries: Iterable[FileMapping]) -> None:
+        _abandoned.extend(entries)
+
+
+class MappingCache:
+    """Mappings kept from one :func:`move_files` call to the next, for files that come back.
+
+    Checkpoint files circulate (an expired replica becomes a spare, the spare receives the next
+    replica or is rewritten as the next own part), so mapping and populating 256 MiB anew every save
+    is work thrown away. Entries are keyed by the file's (device, inode), always shared and writable
+    (so one mapping serves sending and receiving), and re-checked against the file's size on every
+    use. A mapping keeps a deleted file's pages alive: the owner calls :meth:`retain` with the files
+    that still exist after it removes some, and :meth:`close` when done. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor]] = {}
+
+    def map(self, path: str, nbytes: int, writable: bool) -> FileMapping:
+        if nbytes == 0:
+            return map_file(path, 0, writable)
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            hit = self._maps.pop(key, None)
+            if hit is not None and len(hit[0]) == nbytes == st.st_size:
+                self._maps[key] = hit
+                return hit
+            if hit is not None:
+                hit[0].close()
+            entry = map_file(path, nbytes, writable=True)
+            self._maps[key] = entry  # type: ignore[assignment]
+            return entry
+
+    def done(self, entry: FileMapping) -> None:
+        pass
+
+    def forget(self, entry: FileMapping) -> None:
+        """Unmap a file that is being deleted."""
+        with self._lock:
+            for key in [k for k, v in self._maps.items() if v[0] is entry[0]]:
+                del self._maps[key]
+        if entry[0] is not None:
+            entry[0].close()
+
+    def abandon(self, entries: Iterable[FileMapping]) -> None:
+        """A receive into these may still be in flight: never hand them out (or unmap them) again."""
+        gone = {id(e[0]) for e in entries}
+        with self._lock:
+            for key in [k for k, v in self._maps.items() if id(v[0]) in gone]:
+                _abandoned.append(self._maps.pop(key))
+
+    def retain(self, paths: Iterable[str | os.PathLike]) -> None:
+        """Unmap every file that is not one of ``paths``."""
+        keep = set()
+        for path in paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            keep.add((st.st_dev, st.st_ino))
+        with self._lock:
+            for key in [k for k in self._maps if k not in keep]:
+                self._maps.pop(key)[0].close()
+
+    def close(self) -> None:
+        self.retain(())
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+Mapper = OneShotMappings | MappingCache
+"""Where a call gets its mappings and hands them back."""
