@@ -11,8 +11,11 @@ Public names (NVRx's): :class:`AsyncRequest`, :class:`AsyncCallsQueue`, :class:`
 
 Invariants: the async layer runs calls; it knows no tier and no checkpoint file format (a tier's
 work for the worker lives in that tier's ``jobs`` module). Modules: :mod:`~.queue` (scheduling and
-finalizing), :mod:`~.agreement` (the finalize rounds' collectives), :mod:`~.worker` (the process),
-:mod:`~.request`, :mod:`~.torch_ckpt` (``torch.save`` in the background).
+finalizing), :mod:`~.calls` (the calls' bookkeeping), :mod:`~.agreement` (the finalize rounds'
+collectives), :mod:`~.deadlines` (the waits' deadlines), :mod:`~.queue_options` (the queue's
+arguments, NVRx's included), :mod:`~.live_queues` (exit, :func:`abort_nvrx_checkpoint`),
+:mod:`~.worker` (the process), :mod:`~.request`, :mod:`~.torch_ckpt` (``torch.save`` in the
+background).
 """
 
 from .queue import AsyncCallsQueue, abort_nvrx_checkpoint

@@ -23,55 +23,42 @@ Invariants:
 - Every blocking wait has a deadline (``timeout``, default ``TIERPOINT_TIMEOUT``); whether it has
   passed is agreed in the same round, so every rank times out together: the workers are killed (one
   is stuck), every pending call is undone on every rank (``abort_fns``) and the queue goes on with a
-  new worker. Time a worker spends starting (importing torch) does not count; the start itself is
-  bounded by ``max(timeout, WORKER_START_TIMEOUT)``. If a round itself fails (a peer is gone), the
-  queue drops its calls without undoing them (a rank may have concluded them) and refuses more.
+  new worker (a worker's start-up is bounded on its own, :mod:`~tierpoint.asyncsave.deadlines`). If
+  a round itself fails (a peer is gone), the queue drops its calls without undoing them (a rank may
+  have concluded them) and refuses more.
 - A dead worker is detected by its exit status and replaced at the next schedule.
 - Misuse is refused before anything changes: a wrong argument raises ``TypeError`` or
   ``ValueError`` naming it, and a request already scheduled raises :class:`CheckpointingError`.
 - A call dropped before it was finalized (``close(abort=True)``, a failing ``close()``, the queue
   garbage-collected, or the process exiting) is named in a WARNING on the ``tierpoint`` logger; the
   warning changes nothing on disk (an aborted save leaves the previous checkpoint intact).
-
-Over 400 lines: one class whose parts (scheduling, finalizing, timing out, shutting down) all act on
-the same pending calls and worker; the worker process is :mod:`~tierpoint.asyncsave.worker`, the
-rounds' collectives :mod:`~tierpoint.asyncsave.agreement`.
 """
 
 from __future__ import annotations
 
-import atexit
-import itertools
 import logging
-import numbers
 import threading
 import time
-import weakref
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .. import dist as tpdist
-from ..errors import (
-    CheckpointingError,
-    CoordinationTimeoutError,
-    agreed_error,
-    error_text,
-    failed_on_ranks,
+from ..errors import CheckpointingError, CoordinationTimeoutError
+from . import agreement
+from .calls import (
+    Call,
+    PendingCalls,
+    conclude,
+    run_all,
+    run_background_step,
+    snapshot_and_dispatch,
+    start_thread,
+    warn_stuck,
 )
-from ..staging import StagingBuffer
-from .agreement import (
-    NOT_LATE,
-    TIMED_OUT,
-    WAIT_OVER,
-    RoundFailed,
-    Status,
-    agree_outcome,
-    agree_progress,
-    new_group,
-)
+from .deadlines import WORKER_START_TIMEOUT, deadline, lateness
+from .live_queues import abort_nvrx_checkpoint, register
+from .queue_options import checked_arguments
 from .request import AsyncRequest
 from .worker import Worker
 
@@ -82,42 +69,19 @@ _GAVE_UP_HINT = (
     "Restart the job; it resumes from the last complete checkpoint"
 )
 
-WORKER_START_TIMEOUT = 120.0
-"""Seconds a worker process may take to start (import torch) on a loaded machine."""
-
-_live_queues: weakref.WeakSet[AsyncCallsQueue] = weakref.WeakSet()
-"""Every queue not yet garbage-collected, to name the calls still pending at exit."""
-
-
-@dataclass
-class _Call:
-    id: int
-    request: AsyncRequest
-    scheduled_at: float
-    snapshot: threading.Thread | None = None
-    dispatched: bool = False
-    worker_result: tuple[bool, Any, str | None] | None = None  # (ok, result or message, error type)
-    background: threading.Thread | None = None
-    local: tuple[bool, Any, str | None] | None = None  # this rank's final outcome
-    buffers: set[str] = field(default_factory=set)  # staging buffers the call's arguments use
-
 
 class AsyncCallsQueue:
     """Runs checkpoint work in a persistent background process per rank; see the module docstring.
 
     Args:
-        persistent: accepted for NVRx compatibility; the worker is always a persistent process.
-        is_daemon: accepted for NVRx compatibility (NVRx: start its worker as a daemon process, so
-            that it dies with the trainer but cannot start children). No effect: tierpoint's worker
-            always dies with its trainer (``PR_SET_PDEATHSIG``) and may start children.
+        persistent, is_daemon, cpu_shm_mode: accepted for NVRx compatibility, no effect (see
+            :mod:`~tierpoint.asyncsave.queue_options`).
         cpu_priority: the worker's nice value, 0-19 (None: ``TIERPOINT_WORKER_NICE`` or 19; NVRx's
             default is 10). Only raised, never lowered, as with NVRx.
         io_priority: the worker's I/O scheduling class, 0-3 as ``ionice -c`` takes it (3: idle,
             which deprioritizes checkpoint I/O); None leaves it unchanged. Set with ``ionice``
             where installed; a failure is logged by the worker, not fatal (as with NVRx).
         sigterm_timeout: seconds :meth:`close` waits for the worker to exit before killing it.
-        cpu_shm_mode: accepted for NVRx compatibility (NVRx: stage into CPU shared memory and keep
-            CUDA out of the worker). No effect: that is what tierpoint always does.
         max_in_flight: unfinalized calls allowed before scheduling waits (an int >= 1).
         timeout: seconds any blocking wait may take, finite and > 0 (default: ``TIERPOINT_TIMEOUT``
             or 300); the worker's start-up is not counted.
@@ -125,7 +89,6 @@ class AsyncCallsQueue:
             ``schedule_async_request`` returns at once; call :meth:`wait_for_snapshot` (or install
             :meth:`install_optimizer_hook`) before the state is modified.
 
-    Raises ``TypeError`` or ``ValueError``, naming the argument, before any worker is started.
     Finalize (``maybe_finalize_async_calls(blocking=True)``) or :meth:`close` the queue before the
     process exits: a call still pending then is dropped, with a WARNING.
     """
@@ -143,30 +106,27 @@ class AsyncCallsQueue:
         timeout: float | None = None,
         overlap_snapshot: bool = False,
     ) -> None:
-        for name, flag in (
-            ("persistent", persistent),
-            ("is_daemon", is_daemon),
-            ("cpu_shm_mode", cpu_shm_mode),
-            ("overlap_snapshot", overlap_snapshot),
-        ):
-            _check_bool(name, flag)
+        self.cpu_priority, self.io_priority, self.sigterm_timeout, self.max_in_flight = (
+            checked_arguments(
+                {"persistent": persistent, "is_daemon": is_daemon, "cpu_shm_mode": cpu_shm_mode},
+                overlap_snapshot,
+                cpu_priority,
+                io_priority,
+                sigterm_timeout,
+                max_in_flight,
+            )
+        )
         self.persistent, self.is_daemon, self.cpu_shm_mode = persistent, is_daemon, cpu_shm_mode
-        self.cpu_priority = _check_priority("cpu_priority", cpu_priority, 19)
-        self.io_priority = _check_priority("io_priority", io_priority, 3)
-        self.sigterm_timeout = tpdist.timeout_or(sigterm_timeout, 30.0)
-        self.max_in_flight = _check_max_in_flight(max_in_flight)
         # default_timeout() checks TIERPOINT_TIMEOUT
         self.timeout = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds())
         self.overlap_snapshot = overlap_snapshot
         self._worker: Worker | None = self._new_worker()
-        self._calls: deque[_Call] = deque()
-        self._ids = itertools.count()
+        self._calls = PendingCalls()
         self._group: Any = None
         self._closed = False
         self._gave_up: str | None = None  # why, once the ranks could not agree any more
         self._pump_lock = threading.Lock()
-        self._results: dict[int, tuple[bool, Any, str | None]] = {}  # by call id, not yet claimed
-        _live_queues.add(self)
+        register(self)
 
     @classmethod
     def warmup_persistent_caller(cls, rank: int, *args: Any, **kwargs: Any) -> None:
@@ -209,16 +169,12 @@ class AsyncCallsQueue:
         try:
             self._make_room()
         except BaseException:
-            _run_all(request.abort_fns)
+            run_all(request.abort_fns)
             raise
         request.scheduled = True
-        call = _Call(next(self._ids), request, time.monotonic())
-        self._calls.append(call)
+        call = self._calls.new(request)
         if self.overlap_snapshot and request.preload_fn is not None:
-            call.snapshot = threading.Thread(
-                target=self._preload_and_dispatch, args=(call,), daemon=True
-            )
-            call.snapshot.start()
+            call.snapshot = start_thread(self._preload_and_dispatch, call)
         else:
             # A failed snapshot is this rank's outcome of the call: it is agreed like any other, so
             # every rank raises it at the next finalize instead of this rank alone raising now.
@@ -239,7 +195,7 @@ class AsyncCallsQueue:
                 blocking=True, no_dist=False, limit=len(self._calls) - self.max_in_flight + 1
             )
         if tpdist.is_distributed() and self._group is None:
-            self._group = new_group()
+            self._group = agreement.new_group()
         if self._worker is None or self._worker.exitcode is not None:
             logger.warning("starting a new background worker (the previous one exited)")
             self._worker = self._new_worker()
@@ -247,51 +203,17 @@ class AsyncCallsQueue:
     def _new_worker(self) -> Worker:
         return Worker(nice=self.cpu_priority, io_class=self.io_priority)
 
-    def _preload_and_dispatch(self, call: _Call) -> None:
-        request = call.request
-        try:
-            kwargs = dict(request.async_fn_kwargs or {})
-            if request.preload_fn is not None:
-                kwargs.update(request.preload_fn() or {})
-            if request.async_fn is None:
-                self._set_worker_result(call, (True, None, None))
-            else:
-                assert self._worker is not None
-                args = tuple(request.async_fn_args)
-                call.buffers = {
-                    v.id for v in (*args, *kwargs.values()) if isinstance(v, StagingBuffer)
-                }
-                # Staging buffers no pending call uses any more (a layout changed) leave the worker.
-                self._worker.drop_buffers(set().union(*(c.buffers for c in list(self._calls))))
-                self._worker.submit(call.id, request.async_fn, args, kwargs)
-            call.dispatched = True
-        except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
-            logger.warning(  # raised on every rank at finalize; the traceback goes to DEBUG
-                "%s: snapshot failed (every rank raises it when finalizing): %s",
-                request.description,
-                error_text(e),
-            )
-            logger.debug("%s: snapshot failure", request.description, exc_info=True)
-            failed = (False, f"snapshot failed: {error_text(e)}", type(e).__name__)
-            self._set_worker_result(call, failed)
-        if request.background_fn is not None:
+    def _preload_and_dispatch(self, call: Call) -> None:
+        snapshot_and_dispatch(call, self._worker, self._calls)
+        if call.request.background_fn is not None:
             # Also after a failure: the background step then tells its peers at once.
-            call.background = threading.Thread(
-                target=self._run_background, args=(call,), daemon=True
-            )
-            call.background.start()
+            call.background = start_thread(self._run_background, call)
 
     def _deadline(self, start: float) -> float:
-        """When a wait that began at ``start`` times out: ``timeout`` seconds after ``start`` or
-        after the worker became ready, whichever is later (its start-up is bounded on its own)."""
-        worker = self._worker
-        if worker is None or worker.exitcode is not None:
-            return start + self.timeout
-        if worker.ready_at is None:
-            return start + max(self.timeout, WORKER_START_TIMEOUT)
-        return max(start, worker.ready_at) + self.timeout
+        """When a wait that began at ``start`` times out (:func:`~.deadlines.deadline`)."""
+        return deadline(self._worker, start, self.timeout)
 
-    def _run_background(self, call: _Call) -> None:
+    def _run_background(self, call: Call) -> None:
         """Wait (bounded) for the worker's result, then run the request's ``background_fn``."""
         start = time.monotonic()
         while call.worker_result is None and time.monotonic() < self._deadline(start):
@@ -299,33 +221,13 @@ class AsyncCallsQueue:
         worker = call.worker_result
         if worker is None and self._worker is not None:
             # Stuck (or stopped): replaced at the next schedule instead of failing every save.
-            logger.warning(
-                "%s: the background worker did not finish within %g s: killing it (a new one "
-                "starts with the next save)",
-                call.request.description,
-                self.timeout,
-            )
+            warn_stuck(call, self.timeout)
             self._worker.kill()
-        worker = worker or (False, "the background worker did not finish in time", None)
-        try:
-            assert call.request.background_fn is not None
-            call.request.background_fn(worker[0])
-            outcome = worker
-        except BaseException as e:  # noqa: BLE001 - becomes this rank's outcome for the call
-            logger.debug("%s: background step failed: %s", call.request.description, e)
-            outcome = worker if not worker[0] else (False, error_text(e), type(e).__name__)
-        call.local = outcome
+        run_background_step(call, worker)
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
         """Block until every scheduled snapshot copy finished (the state may be modified after)."""
-        deadline = time.monotonic() + tpdist.timeout_or(timeout, self.timeout)
-        for call in list(self._calls):
-            if call.snapshot is not None:
-                call.snapshot.join(max(0.0, deadline - time.monotonic()))
-                if call.snapshot.is_alive():
-                    raise CoordinationTimeoutError(
-                        f"{call.request.description}: snapshot did not finish in time"
-                    )
+        self._calls.wait_for_snapshots(time.monotonic() + tpdist.timeout_or(timeout, self.timeout))
 
     def install_optimizer_hook(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step()`` wait for pending snapshots first. Returns the hook handle."""
@@ -334,6 +236,7 @@ class AsyncCallsQueue:
     # ------------------------------------------------------------------------------ completion
 
     def get_num_unfinalized_calls(self) -> int:
+        """How many scheduled calls are not finalized yet."""
         return len(self._calls)
 
     def maybe_finalize_async_calls(
@@ -361,19 +264,16 @@ class AsyncCallsQueue:
         done: list[int] = []
         start = time.monotonic()
         while self._calls and (limit is None or len(done) < limit):
-            ready = self._ready_count()
-            now = time.monotonic()
-            late = NOT_LATE
-            if blocking and now > self._deadline(start):
-                late = TIMED_OUT
-            elif blocking and wait is not None and now > start + wait:
-                late = WAIT_OVER
+            self._pump(0.0)
+            ready = self._calls.ready_count()  # leading calls finished on this rank
+            wait_until = None if wait is None else start + wait
+            late = lateness(blocking, time.monotonic(), self._deadline(start), wait_until)
             if not (no_dist or self._group is None):
-                ready, late = self._agreed(agree_progress, self._group, ready, late)
+                ready, late = self._agreed(agreement.agree_progress, self._group, ready, late)
             if ready == 0:
-                if late == TIMED_OUT:
+                if late == agreement.TIMED_OUT:
                     raise CoordinationTimeoutError(self._time_out())
-                if late == WAIT_OVER:
+                if late == agreement.WAIT_OVER:
                     raise CoordinationTimeoutError(
                         f"{self._calls[0].request.description}: not finished on every rank "
                         f"within {wait:g} s (still pending)"
@@ -384,7 +284,7 @@ class AsyncCallsQueue:
                 continue
             for _ in range(ready if limit is None else min(ready, limit - len(done))):
                 call = self._calls.popleft()
-                self._conclude(call, self._statuses(call, no_dist))
+                conclude(call, self._statuses(call, no_dist))
                 done.append(call.id)
         return done
 
@@ -397,27 +297,16 @@ class AsyncCallsQueue:
             limit = ids.index(call_id) + 1
             self._finalize(blocking=True, no_dist=False, limit=limit, wait=timeout)
 
-    def _ready_count(self) -> int:
-        """How many leading calls finished on this rank (worker, snapshot and background step)."""
-        self._pump(0.0)
-        count = 0
-        for call in self._calls:
-            threads = (call.snapshot, call.background)
-            if call.local is None or any(t is not None and t.is_alive() for t in threads):
-                break
-            count += 1
-        return count
-
-    def _statuses(self, call: _Call, no_dist: bool) -> dict[int, Status]:
+    def _statuses(self, call: Call, no_dist: bool) -> dict[int, agreement.Status]:
         """The outcome of ``call``, which every rank finished (agreed, see
         :func:`~tierpoint.asyncsave.agreement.agree_outcome`). Collective."""
-        assert call.local is not None
-        ok, payload, kind = call.local
-        mine = (ok, "" if ok else str(payload), kind)
+        mine = call.status()
         if no_dist or self._group is None:
             return {tpdist.get_rank(): mine}
         self._calls.appendleft(call)  # dropped (named) with the others if a collective fails
-        statuses = self._agreed(agree_outcome, self._group, mine, call.request.description)
+        statuses = self._agreed(
+            agreement.agree_outcome, self._group, mine, call.request.description
+        )
         self._calls.popleft()
         return statuses
 
@@ -425,7 +314,7 @@ class AsyncCallsQueue:
         """``round_fn(*args)``, one agreement round; if it fails, the queue gives up."""
         try:
             return round_fn(*args)
-        except RoundFailed as e:
+        except agreement.RoundFailed as e:
             raise CheckpointingError(self._give_up(str(e))) from e.__cause__
 
     def _time_out(self) -> str:
@@ -452,42 +341,7 @@ class AsyncCallsQueue:
         if worker is None:
             return
         with self._pump_lock:
-            for call_id, ok, payload, kind in worker.results(wait):
-                self._results[call_id] = (ok, payload, kind)
-            calls = list(self._calls)  # a snapshot: the training thread may pop meanwhile
-            for call in calls:
-                if call.worker_result is None and call.id in self._results:
-                    self._set_worker_result(call, self._results.pop(call.id))
-            if worker.exitcode is not None:
-                for call in calls:
-                    if call.worker_result is None and call.dispatched:
-                        died = f"background worker process died (exit code {worker.exitcode})"
-                        self._set_worker_result(call, (False, died, None))
-
-    @staticmethod
-    def _set_worker_result(call: _Call, result: tuple[bool, Any, str | None]) -> None:
-        call.worker_result = result
-        if call.request.background_fn is None:
-            call.local = result
-
-    def _conclude(self, call: _Call, statuses: dict[int, tuple[bool, str, str | None]]) -> None:
-        failures = {rank: msg for rank, (ok, msg, _) in statuses.items() if not ok}
-        request = call.request
-        if failures:
-            _run_all(request.abort_fns)
-            kinds = {statuses[r][2] for r in failures}
-            raise agreed_error(
-                kinds.pop() if len(kinds) == 1 and None not in kinds else "",
-                failed_on_ranks(request.description, failures),
-                failures,
-            )
-        for fn in request.finalize_fns:
-            fn()
-        logger.debug(
-            "%s finalized %.3f s after scheduling",
-            request.description,
-            time.monotonic() - call.scheduled_at,
-        )
+            self._calls.collect(worker, wait)
 
     # ------------------------------------------------------------------------------ shutdown
 
@@ -523,27 +377,12 @@ class AsyncCallsQueue:
         drop the calls (named in a WARNING)."""
         if self._worker is not None:
             self._worker.kill()
-        for call in self._calls:
-            for thread in (call.snapshot, call.background):
-                if thread is not None:
-                    thread.join(self.timeout)
-            _run_all(call.request.abort_fns)
+        self._calls.undo_all(self.timeout)
         self._drop_pending(why, hint)
 
     def _drop_pending(self, why: str, hint: bool = True) -> None:
         """Forget the unfinalized calls, naming each in a WARNING: they are lost silently otherwise."""
-        while self._calls:
-            call = self._calls.popleft()
-            logger.warning(
-                "%s (call %d) was dropped before it was finalized: %s.%s",
-                call.request.description,
-                call.id,
-                why,
-                " To keep an async save, call maybe_finalize_async_calls(blocking=True) or close() "
-                "on its AsyncCallsQueue before exiting."
-                if hint
-                else "",
-            )
+        self._calls.drop(why, hint)
 
     def __enter__(self) -> AsyncCallsQueue:
         return self
@@ -559,50 +398,4 @@ class AsyncCallsQueue:
             worker.kill()
 
 
-def abort_nvrx_checkpoint() -> None:
-    """Abort the async checkpoints in flight in this process (NVRx's name): every live queue
-    kills its worker and undoes its pending calls (:meth:`AsyncCallsQueue.abort`); the queues stay
-    usable and start a new worker with their next call. Call it on every rank."""
-    for queue in list(_live_queues):
-        queue.abort("aborted by abort_nvrx_checkpoint()")
-
-
-@atexit.register
-def _drop_pending_at_exit() -> None:
-    # The worker dies with this process, so whatever is pending now is lost: say so while logging
-    # still works (a queue's __del__ may run too late at shutdown, or never).
-    for queue in list(_live_queues):
-        queue._drop_pending("the process exited")
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-
-
-def _check_priority(name: str, value: object, highest: int) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
-    if not 0 <= value <= highest:
-        raise ValueError(f"{name} must be between 0 and {highest}, got {value}")
-    return int(value)
-
-
-def _check_max_in_flight(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"max_in_flight must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"max_in_flight must be >= 1, got {value}")
-    return int(value)
-
-
-def _run_all(fns: Any) -> None:
-    for fn in fns:
-        try:
-            fn()
-        except CheckpointingError as e:  # names what it could not remove; no traceback needed
-            logger.warning("clean-up after a failed checkpoint call: %s", e)
-        except Exception:  # noqa: BLE001 - clean-up must not hide the original failure
-            logger.exception("clean-up after a failed checkpoint call raised")
+__all__ = ["WORKER_START_TIMEOUT", "AsyncCallsQueue", "abort_nvrx_checkpoint"]
