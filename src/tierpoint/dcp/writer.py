@@ -18,20 +18,17 @@ rank, :attr:`Writer.file_token`) written by as many threads, each file fsynced, 
 directory fsynced (async saves of CPU states to a RAM file system: one file, the staging memory
 itself, named by the snapshot); with them the rank's checksum manifest
 ``.checksums-<rank>.<token>.json`` (xxh3-64 of every item, hashed by the job that writes the files:
-the worker for async saves, see :mod:`tierpoint.dcp.checksums`); then ``.metadata`` (pickled torch
-``Metadata``, torch's own classes only) written by the coordinator via tmp + fsync + rename, or one
-PUT on object stores: the commit point.
+the worker for async saves, see :mod:`tierpoint.dcp.checksums`); then ``.metadata`` written by the
+coordinator (:mod:`tierpoint.dcp.metadata_file`): the commit point.
 
 Invariants:
 - Every rank creates its unfinished marker (``.unfinished-<rank>``) in ``set_up_storage_writer``,
   before any data is written; markers are removed only after ``.metadata`` is written.
 - A rank's write succeeds only once its data files and its checksum manifest are written (and
   fsynced), so every committed step has every rank's manifest.
-- A complete directory (``.metadata`` and no unfinished marker) is never written into, unless
-  ``overwrite=True``: then the old ``.metadata`` is removed first (the directory is uncommitted
-  while the new save runs). A directory whose save was killed between its commit and the removal
-  of its markers is not complete (:func:`~tierpoint.dcp.get_latest_complete_checkpoint` skips it)
-  and is saved into again like an unfinished one.
+- A complete directory is never written into unless ``overwrite=True`` (see
+  :mod:`~tierpoint.dcp.metadata_file`); then the old ``.metadata`` is removed first (the directory
+  is uncommitted while the new save runs).
 - No data file of this save has the name of a file an earlier save wrote (the token differs), so
   ``.metadata`` never refers to an earlier save's bytes, wherever they were left.
 - Saving into a directory again leaves none of the earlier save's files, and at most one async
@@ -42,22 +39,19 @@ Invariants:
   coordinator's marker stays, so the step never counts as complete.)
 - Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the file.
 
-Over 400 lines: torch's ``StorageWriter`` protocol and tierpoint's save flow are methods of one
-object holding one save's plan; the rest lives beside it: the directory's markers, claims and
-clean-up in :mod:`~tierpoint.dcp.directory`, the snapshot's copying in
-:mod:`~tierpoint.dcp.snapshot`, the worker's job in :mod:`~tierpoint.dcp.jobs`.
+Beside it: the directory's markers, claims and clean-up in :mod:`~tierpoint.dcp.directory`, the
+``.metadata`` file in :mod:`~tierpoint.dcp.metadata_file`, the planned items' data and file layouts
+in :mod:`~tierpoint.dcp.plan_data`, the snapshot's copying in :mod:`~tierpoint.dcp.snapshot`, the
+worker's job in :mod:`~tierpoint.dcp.jobs`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import os
-import pickle
 import secrets
 import uuid
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,49 +64,21 @@ from torch.futures import Future
 from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text
-from ..fileformat.tensor_bytes import cpu_contiguous
 from ..staging import StagingBuffer
 from . import directory
 from .checksums import item_ranges
-from .file_plan import RankFiles, file_views, plan_files
+from .file_plan import RankFiles
 from .jobs import write_staged, write_with_manifest
+from .metadata_file import publish_metadata, refuse_complete
 from .names import METADATA_NAME, checkpoint_id_or_path, marker_name
+from .plan_data import byte_sizes, file_contents, files_for, planned_tensor, resolve_bytes
 from .snapshot import copy_pairs, fill, name_in_place, stages_in_place
 from .staging_pool import StagingPool
-
-try:  # the version string torch's own writer records
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-except ImportError:  # pragma: no cover - older torch
-    CURRENT_DCP_VERSION = None
 
 logger = logging.getLogger("tierpoint")
 
 DEFAULT_POOL = StagingPool()
 """Staging buffers shared by every :class:`Writer` of this process that is given no pool."""
-
-# The file layouts of the last few plans (a cached central plan is the same object at every save).
-_FILES_CACHE: OrderedDict[tuple[int, int], tuple[SavePlan, RankFiles]] = OrderedDict()
-
-
-def _files_for(plan: SavePlan, prefix: str, thread_count: int) -> RankFiles:
-    """``plan_files`` memoised on the plan object (a cached central plan is the same object)."""
-    key = (id(plan), thread_count)
-    hit = _FILES_CACHE.get(key)
-    if hit is not None and hit[0] is plan:
-        _FILES_CACHE.move_to_end(key)
-        return hit[1]
-    files = plan_files(plan, prefix, thread_count)
-    _FILES_CACHE[key] = (plan, files)
-    while len(_FILES_CACHE) > 8:
-        _FILES_CACHE.popitem(last=False)
-    return files
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without copying."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class Writer(StorageWriter):
@@ -203,33 +169,13 @@ class Writer(StorageWriter):
         self._forget_plan()  # a refused save must not discard the files of this writer's last one
         rank = kwargs.get("rank")
         self.rank = int(rank) if rank is not None else tpdist.get_rank()
-        if not self.overwrite and storage.exists(
-            self._url(METADATA_NAME), self.storage_options, self.upload
-        ):
-            # Markers next to a .metadata: a save killed after its commit and before its clean-up
-            # (get_latest_complete_checkpoint never offers it). No rank of this save has made its
-            # marker yet (each checks first, and none passes when the directory is complete).
-            stale = directory.visible_markers(self.path, self.storage_options, self.upload)
-            if not stale:
-                raise CheckpointingError(
-                    f"Checkpoint already exists and overwrite=False: {self.path} already holds "
-                    "a complete checkpoint: save to a new step directory, or pass overwrite=True "
-                    "(a crash during the new save would then leave none there)"
-                )
-            if is_coordinator:
-                logger.warning(
-                    "%s was committed by a save that never finished (%s left): it does not count "
-                    "as complete; saving into it again",
-                    self.path,
-                    ", ".join(stale),
-                )
+        if not self.overwrite:
+            refuse_complete(self.path, is_coordinator, self.storage_options, self.upload)
         self._claim(check_only=True)
         directory.make_marker(self.path, self.rank, self.storage_options)
         self._marker_made = True
         if is_coordinator:  # re-saving into a committed directory un-commits it first
-            storage.remove(
-                self._url(METADATA_NAME), storage_options=self.storage_options, upload=self.upload
-            )
+            self._remove(METADATA_NAME)
         if storage.is_local(self.path):  # on object stores they go after the commit
             self.earlier_files = directory.earlier_save_files(storage.local_path(self.path))
 
@@ -300,12 +246,9 @@ class Writer(StorageWriter):
         try:
             plan, files = self._require_plan()
             byte_records = self._resolve_bytes()
-            results = files.write_results(plan, self._byte_sizes(byte_records))
-            contents = []
-            for k, f in enumerate(files.files):
-                data = [self._resolve_tensor(s.item) for s in f.tensors]
-                views = file_views(f, [_byte_view(t) for t in data])
-                contents.append((f.name, [*views, *byte_records[k]]))
+            results = files.write_results(plan, byte_sizes(files, byte_records))
+            assert self._planner is not None
+            contents = file_contents(plan, self._planner, files, byte_records)
             write_with_manifest(
                 self.path,
                 contents,
@@ -359,7 +302,7 @@ class Writer(StorageWriter):
         sources, targets = copy_pairs(plan, files, buf, self._planner_data)
         fill(buf, sources, targets)
         byte_records = self._resolve_bytes()
-        self._keep_results(files.write_results(plan, self._byte_sizes(byte_records)))
+        self._keep_results(files.write_results(plan, byte_sizes(files, byte_records)))
         items = item_ranges(self._results or [])  # what the worker hashes, per file
         if step_dir is None or not buf.file_backed:
             return {"buffer": buf, "byte_records": byte_records, "items": items}
@@ -386,27 +329,9 @@ class Writer(StorageWriter):
 
     def commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write ``.metadata`` (atomically): the checkpoint becomes complete once markers go."""
-        storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
-        md = dataclasses.replace(
-            metadata, storage_data=storage_data, storage_meta=self.storage_meta()
+        publish_metadata(
+            self.path, metadata, results, self.storage_meta(), self.storage_options, self.upload
         )
-        if CURRENT_DCP_VERSION is not None:
-            md.version = CURRENT_DCP_VERSION
-        if hasattr(metadata, "all_local_plans"):  # NVRx's attribute (see state_dict_saver)
-            md.all_local_plans = metadata.all_local_plans  # type: ignore[attr-defined]
-        storage.publish(
-            self._url(METADATA_NAME),
-            pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL),
-            storage_options=self.storage_options,
-            upload=self.upload,
-        )
-        referenced = [getattr(info, "relative_path", None) for info in storage_data.values()]
-        if all(isinstance(name, str) for name in referenced):
-            # Files of an earlier save into this directory that this one did not replace (the
-            # markers still keep the step from counting as complete meanwhile).
-            directory.remove_unreferenced_files(
-                self.path, referenced, self.storage_options, self.upload
-            )
 
     def remove_markers(self, every_visible: bool = False) -> None:
         """Remove this rank's marker (and, with ``every_visible``, every marker listed here)."""
@@ -414,9 +339,7 @@ class Writer(StorageWriter):
         if every_visible:
             names |= set(directory.visible_markers(self.path, self.storage_options, self.upload))
         for name in sorted(names):
-            storage.remove(
-                self._url(name), storage_options=self.storage_options, upload=self.upload
-            )
+            self._remove(name)
 
     def discard(self, keep_marker: bool = False) -> None:
         """Remove what this rank wrote for a failed save: data files, then its marker (unless
@@ -425,22 +348,16 @@ class Writer(StorageWriter):
         self._leave()
         if self._files is not None:
             for name in directory.with_manifest(self._files.names):
-                storage.remove(
-                    self._url(name), storage_options=self.storage_options, upload=self.upload
-                )
+                self._remove(name)
         if self._marker_made and not keep_marker:
-            storage.remove(
-                self._url(marker_name(self.rank)),
-                storage_options=self.storage_options,
-                upload=self.upload,
-            )
+            self._remove(marker_name(self.rank))
             storage.remove_dir_if_empty(self.path, self.storage_options)
 
     # ---------------------------------------------------------------------- helpers
 
     def _named_files(self, thread_count: int) -> RankFiles:
         assert self._plan is not None
-        return _files_for(self._plan, self._prefix, thread_count).with_token(self.file_token)
+        return files_for(self._plan, self._prefix, thread_count).with_token(self.file_token)
 
     def _keep_results(self, results: list[WriteResult]) -> None:
         self._results, self.results_token = results, self.file_token
@@ -461,6 +378,9 @@ class Writer(StorageWriter):
     def _url(self, name: str) -> str:
         return storage.join(self.path, name)
 
+    def _remove(self, name: str) -> None:
+        storage.remove(self._url(name), storage_options=self.storage_options, upload=self.upload)
+
     def _require_plan(self) -> tuple[SavePlan, RankFiles]:
         if self._plan is None or self._files is None:
             raise CheckpointingError("Writer: prepare_write_data() must run before writing")
@@ -468,43 +388,13 @@ class Writer(StorageWriter):
 
     def _planner_data(self, item_index: int) -> torch.Tensor:
         assert self._plan is not None and self._planner is not None
-        data = self._planner.resolve_data(self._plan.items[item_index])
-        if not isinstance(data, torch.Tensor):
-            raise CheckpointingError(
-                f"{self._plan.items[item_index].index.fqn}: planned a tensor, got {type(data)}"
-            )
-        return data.detach()
-
-    def _resolve_tensor(self, item_index: int) -> torch.Tensor:
-        return cpu_contiguous(self._planner_data(item_index))
+        return planned_tensor(self._plan, self._planner, item_index)
 
     def _resolve_bytes(self) -> list[list[bytes]]:
         """The serialized non-tensor values, per file."""
         plan, files = self._require_plan()
         assert self._planner is not None
-        out: list[list[bytes]] = []
-        for f in files.files:
-            records = []
-            for i in f.byte_items:
-                data = self._planner.resolve_data(plan.items[i])
-                if isinstance(data, io.BytesIO):
-                    records.append(data.getvalue())
-                elif isinstance(data, (bytes, bytearray)):
-                    records.append(bytes(data))
-                else:
-                    raise CheckpointingError(
-                        f"{plan.items[i].index.fqn}: planned bytes, got {type(data)}"
-                    )
-            out.append(records)
-        return out
-
-    def _byte_sizes(self, byte_records: list[list[bytes]]) -> dict[int, int]:
-        _, files = self._require_plan()
-        return {
-            i: len(b)
-            for f, records in zip(files.files, byte_records)
-            for i, b in zip(f.byte_items, records)
-        }
+        return resolve_bytes(plan, self._planner, files)
 
 
 def _new_file_token() -> str:

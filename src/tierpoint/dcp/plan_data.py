@@ -1,0 +1,100 @@
+"""The data of a planned DCP save on one rank: the tensors and serialized values the planner
+resolves for this rank's items, and the file layouts of recent plans.
+
+Call order (inside :class:`~tierpoint.dcp.writer.Writer`): :func:`files_for` lays out the files of
+a final local plan (memoised: a cached central plan is the same object at every save); writing
+then resolves each item's data (:func:`planned_tensor`, :func:`resolve_bytes`, or the views a
+synchronous save writes: :func:`file_contents`) and sizes the serialized values
+(:func:`byte_sizes`) for the write results.
+
+Invariants: a planned tensor item resolves to a tensor and a planned bytes item to bytes, else a
+:class:`~tierpoint.errors.CheckpointingError` names the item; nothing here copies a tensor's bytes
+(:func:`byte_view` is a view).
+"""
+
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+from ..errors import CheckpointingError
+from ..fileformat.tensor_bytes import cpu_contiguous
+from .file_plan import RankFiles, file_views, plan_files
+
+# The file layouts of the last few plans (a cached central plan is the same object at every save).
+_FILES_CACHE: OrderedDict[tuple[int, int], tuple[SavePlan, RankFiles]] = OrderedDict()
+
+
+def files_for(plan: SavePlan, prefix: str, thread_count: int) -> RankFiles:
+    """``plan_files`` memoised on the plan object (a cached central plan is the same object)."""
+    key = (id(plan), thread_count)
+    hit = _FILES_CACHE.get(key)
+    if hit is not None and hit[0] is plan:
+        _FILES_CACHE.move_to_end(key)
+        return hit[1]
+    files = plan_files(plan, prefix, thread_count)
+    _FILES_CACHE[key] = (plan, files)
+    while len(_FILES_CACHE) > 8:
+        _FILES_CACHE.popitem(last=False)
+    return files
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without copying."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def planned_tensor(plan: SavePlan, planner: SavePlanner, item_index: int) -> torch.Tensor:
+    """The tensor of the plan's item ``item_index``, as the planner resolves it (detached)."""
+    data = planner.resolve_data(plan.items[item_index])
+    if not isinstance(data, torch.Tensor):
+        raise CheckpointingError(
+            f"{plan.items[item_index].index.fqn}: planned a tensor, got {type(data)}"
+        )
+    return data.detach()
+
+
+def resolve_bytes(plan: SavePlan, planner: SavePlanner, files: RankFiles) -> list[list[bytes]]:
+    """The serialized non-tensor values, per file."""
+    out: list[list[bytes]] = []
+    for f in files.files:
+        records = []
+        for i in f.byte_items:
+            data = planner.resolve_data(plan.items[i])
+            if isinstance(data, io.BytesIO):
+                records.append(data.getvalue())
+            elif isinstance(data, (bytes, bytearray)):
+                records.append(bytes(data))
+            else:
+                raise CheckpointingError(
+                    f"{plan.items[i].index.fqn}: planned bytes, got {type(data)}"
+                )
+        out.append(records)
+    return out
+
+
+def file_contents(
+    plan: SavePlan, planner: SavePlanner, files: RankFiles, byte_records: list[list[bytes]]
+) -> list[tuple[str, list]]:
+    """``(name, the views of its contents)`` per file of a synchronous save: the live tensors (made
+    contiguous on the CPU where they are not), then the serialized values."""
+    contents = []
+    for k, f in enumerate(files.files):
+        data = [cpu_contiguous(planned_tensor(plan, planner, s.item)) for s in f.tensors]
+        views = file_views(f, [byte_view(t) for t in data])
+        contents.append((f.name, [*views, *byte_records[k]]))
+    return contents
+
+
+def byte_sizes(files: RankFiles, byte_records: list[list[bytes]]) -> dict[int, int]:
+    """The size of every serialized value, by item index."""
+    return {
+        i: len(b)
+        for f, records in zip(files.files, byte_records)
+        for i, b in zip(f.byte_items, records)
+    }
