@@ -21,7 +21,7 @@ from tierpoint.dcp.state_dict_saver import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
-from tierpoint.dcp.tensor_record import record_template
+from tierpoint.dcp.torch_save_bytes import record_template
 from tierpoint.errors import CheckpointingError
 from tierpoint.spawn import run_ranks
 

@@ -5,7 +5,7 @@ only on the plan, so it is reused while the plan is unchanged); :meth:`RankFiles
 the non-tensor values are serialized (their sizes vary from save to save).
 
 File format (what torch's ``FileSystemReader`` reads): each tensor is a ``torch.save`` record (see
-:mod:`tierpoint.dcp.tensor_record`) starting at a 64-byte aligned offset, so its data is 64-byte
+:mod:`tierpoint.dcp.torch_save_bytes`) starting at a 64-byte aligned offset, so its data is 64-byte
 aligned in the file; gaps between records are zero bytes. Non-tensor values (``torch.save`` bytes of
 the object, as torch DCP writes them) follow the tensors of the first file, back to back. Files are
 named ``<prefix><k>.<token>.distcp`` (``prefix`` is ``__<rank>_`` as in torch's names; ``token`` is
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..storage import direct as direct_write
-from .tensor_record import RecordTemplate, aligned, record_template
+from .torch_save_bytes import RecordTemplate, aligned, record_template
 
 SUFFIX = ".distcp"
 

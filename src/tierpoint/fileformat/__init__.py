@@ -54,7 +54,7 @@ from .reading import (
 )
 from .tensor_bytes import byte_view, checksum
 from .writing import (
-    WriteResult,
+    PartWritten,
     prepare_planned,
     seal_planned,
     write,
@@ -73,7 +73,7 @@ __all__ = [
     "PartPlan",
     "PartVerifier",
     "TensorRecord",
-    "WriteResult",
+    "PartWritten",
     "byte_view",
     "checksum",
     "dirty_name",

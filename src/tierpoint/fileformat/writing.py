@@ -35,7 +35,9 @@ from .tensor_bytes import HASH_CHUNK, ChunkHasher, byte_view, cpu_contiguous, ma
 
 
 @dataclass(frozen=True)
-class WriteResult:
+class PartWritten:
+    """A part file written: where, how many bytes, how long it took."""
+
     path: str
     nbytes: int
     seconds: float
@@ -75,7 +77,7 @@ def write(
     recycle: str | os.PathLike | None = None,
     dirty_path: str | os.PathLike | None = None,
     fsync: bool = True,
-) -> WriteResult:
+) -> PartWritten:
     """Write ``state`` (any nested dict/list/tuple of tensors and plain values) as a part file."""
     return write_flat(
         path,
@@ -96,7 +98,7 @@ def write_flat(
     recycle: str | os.PathLike | None = None,
     dirty_path: str | os.PathLike | None = None,
     fsync: bool = True,
-) -> WriteResult:
+) -> PartWritten:
     """Write a flattened state to ``path`` through a dirty name (see module invariants).
 
     ``plan`` is ``plan_part(flat, extra)`` when the caller already made it (``extra`` is then unused).
@@ -117,7 +119,7 @@ def write_planned(
     dirty_path: str | os.PathLike | None = None,
     fsync: bool = True,
     checksums: Sequence[str] | None = None,
-) -> WriteResult:
+) -> PartWritten:
     """Write a planned part: ``views`` are each tensor's bytes (skeleton order), e.g. slices of a
     staging buffer laid out as planned; ``checksums`` (same order), when the caller computed them
     from these very bytes already, spare the hashing pass."""
@@ -187,7 +189,7 @@ def seal_planned(
     dirty_path: str | os.PathLike | None = None,
     fsync: bool = True,
     checksums: Sequence[str] | None = None,
-) -> WriteResult:
+) -> PartWritten:
     """Finish a part whose data section was written in place (see :func:`prepare_planned`): hash it
     unless ``checksums`` are given, write the header, fsync and rename the dirty file to ``path``."""
     start = time.perf_counter()
@@ -229,7 +231,7 @@ def _seal(
     sums: Sequence[str],
     fsync: bool,
     start: float,
-) -> WriteResult:
+) -> PartWritten:
     """Write the header of a part whose data is in place, fsync, close ``fd``, rename to ``path``."""
     try:
         header = plan.header(sums)
@@ -246,4 +248,4 @@ def _seal(
     os.replace(dirty, path)
     if fsync:
         fsync_dir(path.parent)
-    return WriteResult(str(path), plan.file_size(), time.perf_counter() - start)
+    return PartWritten(str(path), plan.file_size(), time.perf_counter() - start)
