@@ -2,7 +2,7 @@
 
 For code written against ML Flashpoint's ``MLFlashpointCheckpointLoader``: the same class names,
 methods and arguments, each delegating to tierpoint's functions (:mod:`tierpoint.dcp.layout`,
-:mod:`~tierpoint.dcp.reader`, :mod:`~tierpoint.dcp.retrieval`, :mod:`~tierpoint.transfer`).
+:mod:`~tierpoint.dcp.reader`, :mod:`~tierpoint.dcp.peer_fetch`, :mod:`~tierpoint.transfer`).
 
 Call order of a resume (every rank, collective where noted)::
 
@@ -16,7 +16,7 @@ Directories in ML Flashpoint's layout (``step-<N>_ckpt`` with sibling
 ``step-<N>_ckpt__<local rank>__unfinished`` markers) and in tierpoint's (``step-<N>``) are both
 found (see :mod:`tierpoint.dcp.layout`). For a local base directory the latest checkpoint is made
 complete on every node first: files a node's ranks need and lack are fetched from the nodes that
-hold them (:func:`tierpoint.dcp.retrieval.retrieve_missing`), as ML Flashpoint's loader does.
+hold them (:func:`tierpoint.dcp.peer_fetch.retrieve_missing`), as ML Flashpoint's loader does.
 
 What differs from ML Flashpoint, and why:
 - ``checkpoint_object_manager`` and ``replication_manager`` are accepted and not used: tierpoint

@@ -4,11 +4,11 @@ Call order: every rank of the group calls :func:`get_latest_complete_checkpoint`
 (collective when ``torch.distributed`` is initialised): every rank's listing is gathered
 (:func:`tierpoint.dcp.layout.gather_views`); for a shared base one rank decides and broadcasts; for a
 node-local base every rank walks the same candidates newest first and, for each, fetches the files
-its node lacks (:func:`tierpoint.dcp.retrieval.retrieve_missing`) until one is complete everywhere.
+its node lacks (:func:`tierpoint.dcp.peer_fetch.retrieve_missing`) until one is complete everywhere.
 
 Invariants: every rank returns the same path (or ``None``); a step whose save was interrupted is
 never returned (see :mod:`tierpoint.dcp.layout`); this module sits above both the listing
-(:mod:`~tierpoint.dcp.layout`) and the peer transfers (:mod:`~tierpoint.dcp.retrieval`), which do
+(:mod:`~tierpoint.dcp.layout`) and the peer transfers (:mod:`~tierpoint.dcp.peer_fetch`), which do
 not import each other.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from .. import dist as tpdist
 from .. import storage
 from .layout import complete_dirs, decider, gather_views, warn_skipped
-from .retrieval import retrieve_missing
+from .peer_fetch import retrieve_missing
 
 
 def get_latest_complete_checkpoint(
@@ -40,7 +40,7 @@ def get_latest_complete_checkpoint(
 
     ``node_local=True``: ``base`` is a directory on each node's own disk. Candidates are tried newest
     first; for each, the files this node's ranks need and lack are fetched from the peers that
-    hold them (:mod:`tierpoint.dcp.retrieval`); a candidate with a file that exists nowhere is
+    hold them (:mod:`tierpoint.dcp.peer_fetch`); a candidate with a file that exists nowhere is
     skipped. The returned step is then loadable from ``base`` on every node.
     """
     base = storage.checkpoint_path(base, "base")

@@ -3,7 +3,7 @@ markers, ``.metadata``, and the checkpoint location a caller gives.
 
 Call order: none; pure functions and constants, imported by every module of the tier that names a
 file (:mod:`~tierpoint.dcp.layout`, :mod:`~tierpoint.dcp.writer`, :mod:`~tierpoint.dcp.reader`,
-:mod:`~tierpoint.dcp.retrieval`, ...), so that none of them imports another only for a name.
+:mod:`~tierpoint.dcp.peer_fetch`, ...), so that none of them imports another only for a name.
 
 Invariants: a step directory is ``step-<N>`` (ML Flashpoint's ``step-<N>_ckpt`` is recognised);
 rank ``r``'s marker is ``.unfinished-<r>``; ML Flashpoint's markers are siblings of their directory

@@ -1,4 +1,5 @@
-"""Peer retrieval for DCP checkpoints on node-local disks: give every node the files its ranks read.
+"""Fetching a DCP checkpoint's files from peers when it lives on node-local disks: every node gets
+the files its ranks read.
 
 When each node writes a checkpoint to its own disk, a node holds only its ranks' ``.distcp`` files,
 and only the coordinator's node holds ``.metadata``. After a restart (ranks on other nodes, a

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as torch_dcp
 
 from tierpoint import dcp
-from tierpoint.dcp.retrieval import plan_moves, retrieve_missing
+from tierpoint.dcp.peer_fetch import plan_moves, retrieve_missing
 from tierpoint.spawn import run_ranks
 
 WORLD = 4
