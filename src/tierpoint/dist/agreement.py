@@ -1,0 +1,73 @@
+"""Failure agreement: when a step failed on any rank, every rank raises the same error.
+
+Call order: ``with agree(what):`` around a block without collectives of its own (every rank enters
+it); or :func:`raise_if_any_failed` with this rank's error; or, where the statuses travel inside a
+gather that runs anyway, :func:`failure_status` on each rank and :func:`raise_failures` on the
+gathered list.
+
+Invariants: one all-reduce of a flag when no rank failed (texts are gathered only when some rank
+failed); the error names each failing rank and its message, and its class is the failing ranks'
+common tierpoint class (e.g. :class:`CorruptCheckpointError`) when they all raised one, else
+:class:`CheckpointingError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import agreed_error, error_text, failed_on_ranks
+from .messages import all_gather_json, reduce_ints
+
+_MAX_MESSAGE = 2000
+
+
+def raise_if_any_failed(what: str, error: BaseException | str | None, group: Any = None) -> None:
+    """Collective: if any rank passes an error, every rank raises the same :class:`CheckpointingError`.
+
+    One all-reduce of a flag when no rank failed; only then are the failures' texts gathered."""
+    what_agreed = f"{what} (agreeing on the outcome)"
+    (failed,) = reduce_ints([error is not None], "max", what_agreed, group)
+    if failed:
+        raise_failures(what, all_gather_json(failure_status(error), what_agreed, group), error)
+
+
+def failure_status(error: BaseException | str | None) -> list[str] | None:
+    """What a rank tells the others of its ``error`` (``None``: it succeeded); see :func:`raise_failures`."""
+    if error is None:
+        return None
+    message = error if isinstance(error, str) else error_text(error)
+    kind = "CheckpointingError" if isinstance(error, str) else type(error).__name__
+    return [kind, message[:_MAX_MESSAGE]]
+
+
+def raise_failures(
+    what: str, statuses: list[list[str] | None], error: BaseException | str | None = None
+) -> None:
+    """Raise the same error on every rank when any of the gathered :func:`failure_status` failed."""
+    failures = {rank: s[1] for rank, s in enumerate(statuses) if s is not None}
+    if not failures:
+        return
+    kinds = {s[0] for s in statuses if s is not None}
+    message = failed_on_ranks(what, failures)
+    # Every rank raises the same class: the failing ranks' common tierpoint error class, if any.
+    err = agreed_error(kinds.pop() if len(kinds) == 1 else "", message, failures)
+    if isinstance(error, BaseException):
+        raise err from error
+    raise err
+
+
+@contextmanager
+def agree(what: str) -> Iterator[None]:
+    """Run the block on every rank; if it raised on any rank, raise the same error on all of them.
+
+    The block must not run collectives of its own (a failing rank would skip them). Every rank enters
+    the agreement, so a rank whose block succeeded still learns that another one failed.
+    """
+    error: BaseException | None = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every failure is reported to all ranks
+        error = e
+    raise_if_any_failed(what, error)

@@ -1,0 +1,113 @@
+"""tierpoint's coordination group, and every collective run bounded: a timeout or a vanished peer
+becomes one clear error that names the silent ranks where it can.
+
+Call order: :func:`coordination_group` (lazily, once per default process group, on every rank at
+the same call site); then every collective through :func:`run_collective` (``what`` names the
+step). After a failure the group is marked broken: later collectives on it fail at once.
+
+Invariants:
+- The coordination group is a separate gloo group (also when the default group is NCCL): tierpoint
+  never issues collectives on the training group, so background saves cannot deadlock training.
+- A timeout raises :class:`CoordinationTimeoutError` (naming the ranks that did not report
+  themselves alive through the job's store within a short grace), any other collective failure a
+  :class:`CheckpointingError`; never a hang, never a raw ``RuntimeError``.
+- :func:`step_kind` keeps only what all ranks at the same step share (no numbers, no paths).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import zlib
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import CheckpointingError, CoordinationTimeoutError
+from .ranks import is_distributed
+from .timeouts import default_timeout
+
+_groups: dict[int, Any] = {}
+_broken: dict[int, tuple[Any, str]] = {}  # id(group) -> (the group, kept alive; what failed)
+
+_SILENT_GRACE_S = 3.0
+
+
+def coordination_group(timeout: timedelta | None = None) -> Any:
+    """tierpoint's dedicated gloo group (``None`` when not distributed). Collective on first call."""
+    if not is_distributed():
+        return None
+    key = id(dist.distributed_c10d._get_default_group())
+    group = _groups.get(key)
+    if group is None:
+        group = run_collective(
+            "creating tierpoint's coordination group",
+            dist.new_group,
+            backend="gloo",
+            timeout=timeout or default_timeout(),
+        )
+        _groups[key] = group
+    return group
+
+
+def run_collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` (a collective on ``kwargs["group"]``), its failure as tierpoint's error."""
+    group = kwargs.get("group")
+    broken = _broken.get(id(group)) if group is not None else None
+    if broken is not None:
+        raise CheckpointingError(
+            f"{what}: tierpoint's coordination group failed earlier ({broken[1]}) and a gloo group "
+            "does not recover: restart the job (it resumes from the latest complete checkpoint)"
+        )
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, dist.DistError) as e:  # gloo reports timeouts and dead peers as these
+        text = str(e)
+        if group is not None:
+            _broken[id(group)] = (group, f"{what}: {_first_line(text)}"[:300])
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            silent = silent_ranks(what, group)
+            who = ""
+            if silent:
+                names = "rank " if len(silent) == 1 else "ranks "
+                who = f"; no word from {names}{', '.join(map(str, silent))} (stopped or too slow)"
+            raise CoordinationTimeoutError(
+                f"{what}: ranks did not all arrive within the timeout{who} ({_first_line(text)})"
+            ) from e
+        raise CheckpointingError(
+            f"{what}: collective failed, a peer rank is probably gone ({_first_line(text)})"
+        ) from e
+
+
+def silent_ranks(what: str, group: Any) -> list[int]:
+    """After a collective on ``group`` timed out: the ranks that did not report themselves alive
+    through the job's store within a short grace (gloo's timeout does not say who is missing).
+    Only on this failure path: one key per rank, read back rank by rank. ``[]`` when unknown."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        ranks = dist.get_process_group_ranks(group) if group is not None else []
+        if not ranks:
+            ranks = list(range(dist.get_world_size()))
+        step = zlib.crc32(f"{step_kind(what)}|{ranks}".encode()) & 0x7FFFFFFF
+        prefix = f"tierpoint/alive/{step}/"
+        store.set(prefix + str(dist.get_rank()), "1")
+        missing = list(ranks)
+        deadline = time.monotonic() + _SILENT_GRACE_S
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([prefix + str(r)])]
+            if missing:
+                time.sleep(0.1)
+        return missing
+    except Exception:  # noqa: BLE001 - naming the silent ranks is a courtesy; the timeout stands
+        return []
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0][:300] if text.strip() else "no detail"
+
+
+def step_kind(what: str) -> str:
+    """The kind of step ``what`` names: numbers and paths may differ between ranks (node-local
+    directories, iterations they disagree on: the callers check those with a better message)."""
+    return re.sub(r"\d+", "N", re.sub(r"\S*[/\\]\S*", "<path>", what))
