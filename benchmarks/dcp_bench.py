@@ -76,7 +76,7 @@ from floor import raw_read, raw_read_parallel, raw_write, raw_write_direct, tens
 from machine import cpu_sample, machine_line
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 WORLD = 2
 MIB = 2**20

@@ -39,7 +39,7 @@ from rich.table import Table  # noqa: E402
 
 from tests.fault import corruption_job, kill_job  # noqa: E402
 from tests.fault.hooks.tierpoint_fault_phases import PHASES  # noqa: E402
-from tierpoint.spawn import RankFailure  # noqa: E402
+from tierpoint.testing import RankFailure  # noqa: E402
 
 SCOPES = ("rank", "job", "stop")
 SCOPE_WEIGHTS = (0.46, 0.46, 0.08)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from floor import preallocate, raw_read, raw_write, tensors_of
 
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 WORLD = 4
 

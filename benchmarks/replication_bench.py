@@ -97,7 +97,7 @@ from tierpoint.local import (
 )
 from tierpoint.local.naming import part_name
 from tierpoint.peers import transfer
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 WORLD = 4
 RANKS_PER_NODE = 2

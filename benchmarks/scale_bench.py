@@ -51,7 +51,7 @@ from tierpoint.local import (
     CliqueReplicationStrategy,
     LocalCheckpointManager,
 )
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 OPERATIONS = (
     "local save",
@@ -111,7 +111,9 @@ class Counter:
 def _caller() -> str:
     """The innermost tierpoint (or torch DCP) frame that led to a collective."""
     for frame in traceback.extract_stack()[::-1]:
-        if frame.filename.endswith(("dist.py", "spawn.py", "scale_bench.py")):
+        if "/tierpoint/dist/" in frame.filename or frame.filename.endswith(
+            ("testing.py", "scale_bench.py")
+        ):
             continue
         if "/tierpoint/" in frame.filename or "/checkpoint/" in frame.filename:
             return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"

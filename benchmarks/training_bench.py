@@ -1,6 +1,6 @@
 """Training throughput: a CPU training loop with no checkpoints, with tierpoint, and with DCP async_save.
 
-Two ranks (real processes, a real gloo group, ``tierpoint.spawn.run_ranks``), one torch thread each,
+Two ranks (real processes, a real gloo group, ``tierpoint.testing.run_ranks``), one torch thread each,
 train a small GPT-style model data-parallel: token and position embeddings, ``--layers`` pre-norm
 ``torch.nn.TransformerEncoderLayer`` blocks with a causal mask, a final LayerNorm and an LM head;
 AdamW (fused where this torch has it), a cosine LR schedule, deterministic synthetic tokens from a
@@ -72,7 +72,7 @@ from floor import preallocate, tensors_of
 from machine import _live_descendants_cpu, cpu_sample, machine_line, require_memory
 
 from tierpoint import RankLocal, TieredCheckpointManager
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 WORLD = 2
 LOCAL_EVERY = 10

@@ -1,4 +1,4 @@
-"""Shared test set-up. Multi-rank tests use :func:`tierpoint.spawn.run_ranks`."""
+"""Shared test set-up. Multi-rank tests use :func:`tierpoint.testing.run_ranks`."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tierpoint import dist as tpdist
 from tierpoint.errors import CheckpointingError, CoordinationTimeoutError
-from tierpoint.spawn import RankFailure, run_ranks
+from tierpoint.testing import RankFailure, run_ranks
 
 
 def _fail_on_rank_two(rank: int, world: int) -> dict:

@@ -2,7 +2,7 @@
 
 Conventions (stated in docs/migrating.md): a block runs in this process, in a fresh namespace,
 unless the line before its fence is ``<!-- ranks: N -->``; then it runs on N real processes joined
-by a gloo group (:func:`tierpoint.spawn.run_ranks`). Every block gets ``ROOT`` (a fresh directory
+by a gloo group (:func:`tierpoint.testing.run_ranks`). Every block gets ``ROOT`` (a fresh directory
 under /dev/shm, for the local tier) and ``BASE`` (a fresh temporary directory, for persistent
 checkpoints), both ``pathlib.Path`` and removed afterwards. A block passes when it runs to its end:
 each one asserts what a user relies on (loaded state equal to the saved one, the latest step, ...).
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch.distributed
 
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -26,7 +26,7 @@ from tierpoint import pinning
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import StagingPool, async_save, step_path
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

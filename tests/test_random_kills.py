@@ -53,7 +53,7 @@ from tierpoint.local import (
     LocalCheckpointManager,
 )
 from tierpoint.local.naming import parse_part_name, part_name
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .fault.jobs import Log as _Log
 from .fault.jobs import events as _events

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError
 from tierpoint.peers import transfer
 from tierpoint.peers.transfer import FileMove, move_files
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 
 def _payload(rank: int, nbytes: int) -> bytes:

@@ -1,11 +1,18 @@
-"""Run a function on N real local processes joined by a real gloo process group (tests, benchmarks).
+"""The multi-rank runner for tests, benchmarks and users' own tests: run a function on N real local
+processes joined by a real gloo process group.
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes (spawn start method), each joins a
 gloo group through a TCPStore that the parent hosts on a free port of 127.0.0.1, then calls
 ``fn(rank, world_size, *args)``. Ranks are forked from a fork server that imported torch once (see
-``_context``) and see the caller's environment at the time of the call. It returns the ranks' return values in rank order, or raises one
-``RankFailure`` carrying every failed rank's traceback. Ranks still running at the timeout are killed
-and reported as hung. ``fn`` must be importable (defined at module level in a test module).
+``_context``) and see the caller's environment at the time of the call. It returns the ranks' return
+values in rank order, or raises one ``RankFailure`` carrying every failed rank's traceback. Ranks
+still running at the timeout are killed and reported as hung. ``fn`` must be importable (defined at
+module level in a test module). :func:`free_port` serves launchers and test servers (the demo's
+launcher too).
+
+Call order: ``run_ranks`` from the parent process (never from inside a rank); ``free_port`` any time.
+Invariants: the library's own modules never import this one, except the demo launcher (for
+``free_port``); a rank's failure, crash or hang is never silent.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from tierpoint.local import (
     CliqueReplicationStrategy,
     LocalCheckpointManager,
 )
-from tierpoint.spawn import run_ranks
 from tierpoint.staging import in_memory_filesystem
+from tierpoint.testing import run_ranks
 
 from ..mounts import small_tmpfs
 

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
 from tierpoint import CheckpointerConfig, fileformat, storage
 from tierpoint.errors import CheckpointingError
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

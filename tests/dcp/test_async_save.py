@@ -27,7 +27,7 @@ from tierpoint.dcp import (
 from tierpoint.dcp.jobs import write_staged
 from tierpoint.dcp.writer import Writer
 from tierpoint.errors import CheckpointingError
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .file_names import data_file, fix_file_token, untokened
 from .test_writer import assert_same, local_state, zeros_like_state

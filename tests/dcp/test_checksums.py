@@ -26,7 +26,7 @@ from tierpoint.cli import main
 from tierpoint.dcp import async_save, load, save, step_path, verify_checkpoint
 from tierpoint.dcp.checksums import MAX_MANIFEST_BYTES, range_checksums
 from tierpoint.errors import CorruptCheckpointError
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .test_writer import assert_same, zeros_like_state
 

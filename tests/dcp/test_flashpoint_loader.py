@@ -24,7 +24,7 @@ from tierpoint.dcp import (
 )
 from tierpoint.dcp.flashpoint import default_metadata_object_name
 from tierpoint.errors import UnsupportedStateError
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

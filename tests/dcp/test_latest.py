@@ -16,7 +16,7 @@ from tierpoint import storage
 from tierpoint.dcp import get_latest_complete_checkpoint, save, step_path
 from tierpoint.dcp.layout import choose_latest, local_view, marker_name, step_of
 from tierpoint.errors import CheckpointingError
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .file_names import untokened
 

@@ -25,7 +25,7 @@ from tierpoint.dcp import (
     step_path,
     verify_global_md_reuse,
 )
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as torch_dcp
 
 from tierpoint import dcp
 from tierpoint.dcp.peer_fetch import plan_moves, retrieve_missing
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 WORLD = 4
 

@@ -25,7 +25,7 @@ from tierpoint.dcp.read_files import File as _File
 from tierpoint.dcp.read_files import _read_into
 from tierpoint.dcp.verified_read import _region_is_contiguous
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError, UnsupportedStateError
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from tests.collectives import CountCollectives
 from tierpoint.dcp import load, read_metadata
 from tierpoint.dcp import save as tierpoint_save
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 warnings.filterwarnings("ignore", message=".*ShardedTensor.*")

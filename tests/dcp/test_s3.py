@@ -16,7 +16,7 @@ from tierpoint import storage
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import async_save, get_latest_complete_checkpoint, save, step_path
 from tierpoint.errors import CheckpointingError
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .file_names import untokened
 

@@ -45,7 +45,7 @@ from tierpoint import storage
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import async_save, get_latest_complete_checkpoint, load, save, step_path
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError
-from tierpoint.spawn import free_port
+from tierpoint.testing import free_port
 
 from .file_names import untokened
 

@@ -19,8 +19,8 @@ from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import StagingPool, async_save, async_save_request, save, step_path
 from tierpoint.dcp import snapshot as writer  # the snapshot's copying and in-place naming
 from tierpoint.errors import CheckpointingError
-from tierpoint.spawn import run_ranks
 from tierpoint.staging import StagingBuffer
+from tierpoint.testing import run_ranks
 
 from .file_names import untokened
 from .test_writer import assert_same, zeros_like_state

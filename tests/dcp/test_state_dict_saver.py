@@ -30,7 +30,7 @@ from tierpoint.dcp import (
     verify_global_md_reuse,
 )
 from tierpoint.errors import CheckpointingError
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

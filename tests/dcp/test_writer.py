@@ -23,7 +23,7 @@ from tierpoint.dcp.state_dict_saver import (
 )
 from tierpoint.dcp.torch_save_bytes import record_template
 from tierpoint.errors import CheckpointingError
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .file_names import data_file, fix_file_token, untokened
 

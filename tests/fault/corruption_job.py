@@ -1,6 +1,6 @@
 """Corruption trials on a real 2-rank job (each rank its own simulated node), many per job.
 
-:func:`corruption_trials` (run by :func:`tierpoint.spawn.run_ranks`) saves steps 1..6 as a
+:func:`corruption_trials` (run by :func:`tierpoint.testing.run_ranks`) saves steps 1..6 as a
 :class:`~tierpoint.TieredCheckpointManager` lays them out (local tier every step, replicated to the
 other node, keeping 2; persistent tier every 2 steps, keeping 2: local steps 5 and 6 in two copies
 each, persistent steps 4 and 6; written synchronously, see :func:`_save_in_process`), then for each seed: rank 0 draws and applies one mutation
@@ -31,8 +31,8 @@ from tierpoint import TieredCheckpointManager, dcp
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp.layout import step_path
 from tierpoint.local import CliqueReplicationStrategy, LocalCheckpointManager
-from tierpoint.spawn import run_ranks
 from tierpoint.tensor_aware import BasicTensorAwareStateDict
+from tierpoint.testing import run_ranks
 from tierpoint.tiered import state as st
 from tierpoint.tiered.retention import retire_persistent_steps
 

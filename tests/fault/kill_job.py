@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tierpoint import TieredCheckpointManager
-from tierpoint.spawn import RankFailure, run_ranks
+from tierpoint.testing import RankFailure, run_ranks
 
 from .jobs import Log, events, own_process_group
 from .states import make_state, matches

@@ -15,7 +15,7 @@ from tierpoint import fileformat
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 
 def _training_state(world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, dict]:

@@ -24,7 +24,7 @@ from tierpoint.local import (
     LocalCheckpointManager,
 )
 from tierpoint.local.naming import part_name
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from ..mounts import small_tmpfs
 from .helpers import WarningRecords, assert_bitwise_equal, flip_tensor_byte, make_state

@@ -17,7 +17,7 @@ from tierpoint.local import (
     LocalCheckpointManager,
     ReplicationStrategy,
 )
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .helpers import assert_bitwise_equal, make_state
 

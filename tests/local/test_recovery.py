@@ -13,7 +13,7 @@ import pytest
 
 from tierpoint.local import BasicTensorAwareStateDict
 from tierpoint.local.naming import part_name
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .helpers import (
     WarningRecords,

@@ -18,7 +18,7 @@ from tierpoint.local import (
     CliqueReplicationStrategy,
 )
 from tierpoint.local.naming import part_name
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .helpers import (
     WarningRecords,

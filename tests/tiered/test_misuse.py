@@ -14,7 +14,7 @@ import torch
 
 from tierpoint import StateMismatchError, TieredCheckpointManager
 from tierpoint.errors import CheckpointingError
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .helpers import assert_same, fingerprint, make_state, train_step
 

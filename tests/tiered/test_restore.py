@@ -10,7 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tierpoint import TieredCheckpointManager
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .helpers import as_node, assert_same, fingerprint, make_state, train_step, wipe
 

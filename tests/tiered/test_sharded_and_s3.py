@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
 from tierpoint import TieredCheckpointManager, storage
-from tierpoint.spawn import run_ranks
+from tierpoint.testing import run_ranks
 
 from .helpers import assert_same, fingerprint, make_state, train_step
 

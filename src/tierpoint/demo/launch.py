@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..spawn import free_port
+from ..testing import free_port
 
 
 @dataclass(frozen=True)
