@@ -15,7 +15,10 @@ The parts it composes: the local tier (:class:`~tierpoint.local.LocalCheckpointM
 replication across nodes), the persistent tier (:mod:`tierpoint.dcp`, torch DCP files on a shared
 path or an object store), one :class:`~tierpoint.asyncsave.AsyncCallsQueue` (one worker process per
 rank serves both tiers), :mod:`.state` (stateful members taken apart and put back in place),
-:mod:`.retention` and :mod:`.events`.
+:mod:`.retention` and :mod:`.events`. This module holds the configuration, the schedule and the
+checks of every call; the save path (each tier's save, the persistent copy from the local part,
+the final save) is :mod:`.saving` (a mixin of the manager), the restore path across tiers
+:mod:`.restoring`.
 
 Restore order: the newest complete step of the local tier (parts fetched from peer replicas where a
 node lost its own) if it is at least as new as the newest complete persistent step, else the
@@ -43,37 +46,24 @@ import signal as signals
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from .. import dcp, storage
 from .. import dist as tpdist
+from .. import storage
 from ..asyncsave import AsyncCallsQueue
-from ..dcp.layout import complete_steps, local_view, step_path
-from ..errors import CheckpointingError, CoordinationTimeoutError, StateMismatchError
+from ..errors import CheckpointingError
 from ..local import CliqueReplicationStrategy, LocalCheckpointManager
-from ..tensor_aware import BasicTensorAwareStateDict
 from . import state as st
-from .events import EventLog, RestoreRecord, SaveRecord
-from .retention import retire_persistent_steps
+from .events import EventLog, RestoreRecord
+from .restoring import reset, restore_newest
+from .saving import SavePath, _Deferred
 
 logger = logging.getLogger("tierpoint")
 
 TIERS = ("local", "persistent")
 
 
-@dataclass
-class _Deferred:
-    """A persistent save waiting for the local save of the same step to be committed."""
-
-    step: int
-    rank_local_keys: list[str]
-    committed: bool = False
-
-
-class TieredCheckpointManager:
+class TieredCheckpointManager(SavePath):
     """Saves to the node-local and persistent tiers by schedule and restores from whichever holds
     the newest complete checkpoint (see the module docstring).
 
@@ -227,7 +217,7 @@ class TieredCheckpointManager:
         self._last_step = step
         tree = st.template(state)
         rank_local = [k for k, v in tree.items() if isinstance(v, st.RankLocal)]
-        sharded = _has_dtensor(tree)
+        sharded = st.has_dtensor(tree)
         if "local" in wanted:
             # The previous local save is committed first; its persistent copy (if due) starts now.
             self._make_room("local")
@@ -239,156 +229,6 @@ class TieredCheckpointManager:
             else:
                 self._save_persistent(step, st.persistent_form(tree, tpdist.get_rank()))
 
-    def _make_room(self, tier: str) -> None:
-        """Each tier keeps one save in flight: wait (collective) for the previous one."""
-        call = self._in_flight.get(tier)
-        if call is not None:
-            try:
-                self.queue.finalize_through(call)
-            except CheckpointingError as e:
-                logger.warning("a checkpoint save failed: %s", e)
-
-    def _schedule(
-        self,
-        tier: str,
-        request: Any,
-        record: SaveRecord,
-        committed: Callable[[], None],
-        failed: Callable[[], None],
-    ) -> None:
-        """Schedule ``request`` (this tier's save) and time its phases into ``record``: ``write``
-        (the worker: write, hash, fsync, rename or upload), ``replicate`` (the local tier's copies
-        to peers), ``commit`` (from this rank's part done to the commit on every rank: waiting for
-        the slowest rank and the next poll, then ``.metadata`` or retirement)."""
-        marks: dict[str, float] = {}
-        snapshot, background = request.preload_fn, request.background_fn
-
-        def timed_snapshot() -> Any:
-            try:
-                return snapshot() if snapshot is not None else None
-            finally:
-                marks["snapshot"] = time.perf_counter()
-
-        def after_worker(ok: bool) -> None:
-            marks["worker"] = time.perf_counter()
-            if background is not None:
-                background(ok)
-                marks["background"] = time.perf_counter()
-
-        def done(outcome: Callable[[], None]) -> Callable[[], None]:
-            def run() -> None:
-                self._in_flight.pop(tier, None)
-                now = time.perf_counter()
-                if "snapshot" in marks and "worker" in marks:
-                    record.phases["write"] = max(0.0, marks["worker"] - marks["snapshot"])
-                    last = marks.get("background", marks["worker"])
-                    if "background" in marks:
-                        record.phases["replicate"] = marks["background"] - marks["worker"]
-                    record.phases["commit"] = now - last
-                outcome()
-
-            return run
-
-        request.preload_fn = timed_snapshot
-        request.background_fn = after_worker
-        request.add_finalize_fn(done(committed))
-        request.abort_fns = [*request.abort_fns, done(failed)]
-        self._in_flight[tier] = self.queue.schedule_async_request(request)
-
-    def _save_local(self, step: int, tree: dict[str, Any]) -> None:
-        assert self.local is not None
-        self._make_room("local")
-        local_tree = st.local_form(tree)
-        record = SaveRecord("local", step, _nbytes(local_tree))
-        start = time.perf_counter()
-        request = self.local.save(BasicTensorAwareStateDict(local_tree), step, is_async=True)
-
-        def committed() -> None:
-            record.phases["durable"] = time.perf_counter() - start
-            if self._deferred is not None and self._deferred.step == step:
-                self._deferred.committed = True
-            self._events.emit(record)
-
-        def failed() -> None:
-            record.ok, record.error = False, "the local save failed on some rank"
-            if self._deferred is not None and self._deferred.step == step:
-                logger.warning(
-                    "the persistent copy of step %d is not made: its local save failed", step
-                )
-                self._deferred = None
-            self._events.emit(record)
-
-        self._schedule("local", request, record, committed, failed)
-        record.phases["snapshot"] = time.perf_counter() - start
-
-    def _save_persistent(self, step: int, tree: dict[str, Any], snapshot: bool = True) -> None:
-        assert self.persistent_dir is not None
-        path = step_path(self.persistent_dir, step)
-        record = SaveRecord("persistent", step, _nbytes(tree))
-        start = time.perf_counter()
-
-        def committed() -> None:
-            record.phases["durable"] = time.perf_counter() - start
-            if tpdist.get_rank() == 0:
-                t0 = time.perf_counter()
-                retire_persistent_steps(
-                    self.persistent_dir, self.keep_persistent, self.storage_options
-                )
-                record.phases["cleanup"] = time.perf_counter() - t0
-            self._events.emit(record)
-
-        def failed() -> None:
-            record.ok, record.error = False, f"the save to {path} failed on some rank"
-            logger.warning("persistent checkpoint of step %d failed; training goes on", step)
-            self._events.emit(record)
-
-        try:
-            self._make_room("persistent")
-            request = dcp.async_save_request(
-                tree, path, storage_options=self.storage_options or None, overwrite=True
-            )
-            self._schedule("persistent", request, record, committed, failed)
-        except CheckpointingError as e:  # planning failed on some rank (agreed): skip this save
-            record.ok, record.error = False, str(e)
-            logger.warning("persistent checkpoint of step %d not saved: %s", step, e)
-            self._events.emit(record)
-            return
-        record.phases["snapshot" if snapshot else "copy_from_local"] = time.perf_counter() - start
-
-    def poll(self) -> None:
-        """Finalize what finished on every rank (no collective when nothing is in flight) and start
-        the persistent copy of a step whose local save was just committed."""
-        self._finalize(blocking=False)
-        self._start_deferred()
-
-    def _start_deferred(self) -> None:
-        deferred = self._deferred
-        if deferred is None or not deferred.committed:
-            return
-        self._deferred = None
-        assert self.local is not None
-        tree = self.local.read_own_part(deferred.step)
-        tree.pop(st.SHARDING_KEY, None)
-        for key in deferred.rank_local_keys:
-            tree[key] = st.RankLocal(tree[key])
-        self._save_persistent(
-            deferred.step, st.persistent_form(tree, tpdist.get_rank()), snapshot=False
-        )
-
-    def _finalize(self, blocking: bool) -> None:
-        try:
-            self.queue.maybe_finalize_async_calls(blocking=blocking)
-        except CheckpointingError as e:
-            # The failed call's record says which save; training goes on with the last good ones.
-            logger.warning("a checkpoint save failed: %s", e)
-
-    def wait(self) -> None:
-        """Wait until every save in flight (and a pending persistent copy) is committed or failed."""
-        self._finalize(blocking=True)
-        if self._deferred is not None:
-            self.poll()
-            self._finalize(blocking=True)
-
     def final_save(self, state: Mapping[str, Any], step: int) -> None:
         """Write a synchronous checkpoint of ``step``: to the persistent tier (the local tier
         without one). For the end of training or a preemption; returns once it is committed."""
@@ -397,29 +237,7 @@ class TieredCheckpointManager:
         step = self._check_step(step, saving=True, final=True)
         self._agree_on_step(step)
         self._last_step = step
-        tree = st.template(state)
-        start = time.perf_counter()
-        if self.persistent_dir is None:
-            assert self.local is not None
-            local_tree = st.local_form(tree)
-            record = SaveRecord("local", step, _nbytes(local_tree))
-            if step != self.local.find_latest():
-                self.local.save(BasicTensorAwareStateDict(local_tree), step)
-        else:
-            ptree = st.persistent_form(tree, tpdist.get_rank())
-            record = SaveRecord("persistent", step, _nbytes(ptree))
-            dcp.save(
-                ptree,
-                step_path(self.persistent_dir, step),
-                storage_options=self.storage_options or None,
-                overwrite=True,
-            )
-            if tpdist.get_rank() == 0:
-                retire_persistent_steps(
-                    self.persistent_dir, self.keep_persistent, self.storage_options
-                )
-        record.phases["snapshot"] = record.phases["durable"] = time.perf_counter() - start
-        self._events.emit(record)
+        self._save_final(step, st.template(state))
 
     # ------------------------------------------------------------------------------ restoring
 
@@ -432,144 +250,20 @@ class TieredCheckpointManager:
         start = time.perf_counter()
         fresh = st.init_optimizers(state)
         try:
-            record = self._restore(state, start)
+            tree = st.template(state)
+            record = restore_newest(
+                state, tree, self.local, self.persistent_dir, self.storage_options, start
+            )
         except BaseException:
-            _reset(fresh)
+            reset(fresh)
             raise
         if record.step is None:
-            _reset(fresh)
+            reset(fresh)
         else:
             self._last_step = record.step
         self.last_restore = record
         self._events.emit(record)
         return record.step
-
-    def _restore(self, state: dict[str, Any], start: float) -> RestoreRecord:
-        tree = st.template(state)
-        skipped: list[str] = []
-        persistent = self._persistent_candidates(skipped)
-        newest_persistent = persistent[0] if persistent else -1
-        if self.local is not None:
-            record = self._restore_local(state, tree, newest_persistent, skipped, start)
-            if record is not None:
-                return record
-        for step in persistent:
-            record = self._restore_persistent(state, tree, step, skipped, start)
-            if record is not None:
-                return record
-        return RestoreRecord(None, None, time.perf_counter() - start, 0, skipped)
-
-    def _persistent_candidates(self, skipped: list[str]) -> list[int]:
-        """The complete persistent steps, newest first, as rank 0 lists them (one listing per job)."""
-        if self.persistent_dir is None:
-            return []
-        steps, error = None, None
-        if tpdist.get_rank() == 0:
-            try:
-                steps = complete_steps([local_view(self.persistent_dir, self.storage_options)])
-            except CheckpointingError as e:
-                error = str(e)
-        steps, error = tpdist.broadcast_json(
-            [steps, error], 0, f"listing persistent checkpoints under {self.persistent_dir}"
-        )
-        if error is not None:
-            skipped.append(f"persistent tier: cannot list {self.persistent_dir}: {error}")
-            logger.warning("restore: cannot list the persistent tier: %s", error)
-            return []
-        return steps
-
-    def _restore_local(
-        self,
-        state: dict[str, Any],
-        tree: dict[str, Any],
-        newest_persistent: int,
-        skipped: list[str],
-        start: float,
-    ) -> RestoreRecord | None:
-        local = self.local
-        assert local is not None
-        latest = local.find_latest()
-        if latest == -1:
-            return None
-        if latest < newest_persistent:
-            skipped.append(f"local step {latest}: older than persistent step {newest_persistent}")
-            return None
-        try:
-            ta, _ = local.load()
-        except CheckpointingError as e:
-            skipped.append(f"local tier: {e}")
-            logger.warning("restore: no local checkpoint could be loaded: %s", e)
-            return None
-        record = local.last_load
-        assert record is not None
-        if record.iteration < newest_persistent:
-            skipped.append(
-                f"local steps newer than {record.iteration}: cannot be loaded on every rank"
-            )
-            return None
-        loaded = ta.state_dict
-        live = st.local_form(tree)
-        with tpdist.agree(f"checking the state against local checkpoint step {record.iteration}"):
-            problems = st.check_loaded(live, loaded)
-            if problems:
-                raise StateMismatchError(_mismatch(record.iteration, problems))
-        loaded.pop(st.SHARDING_KEY, None)  # checked above; not part of the state
-        st.copy_into(tree, loaded)
-        st.apply(state, tree)
-        tier = "peers" if record.from_peers else "local"
-        if record.iteration != latest:  # (find_latest again would wait for the replicas)
-            skipped.append(f"newer local steps than {record.iteration}: could not be loaded")
-        return RestoreRecord(
-            record.iteration, tier, time.perf_counter() - start, record.nbytes, skipped
-        )
-
-    def _restore_persistent(
-        self,
-        state: dict[str, Any],
-        tree: dict[str, Any],
-        step: int,
-        skipped: list[str],
-        start: float,
-    ) -> RestoreRecord | None:
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-        assert self.persistent_dir is not None
-        path = step_path(self.persistent_dir, step)
-        options = self.storage_options or None
-        rank = tpdist.get_rank()
-        source = rank
-        try:
-            with tpdist.agree(f"reading the metadata of {path}"):
-                metadata = dcp.read_metadata(path, storage_options=options)
-        except (StateMismatchError, CoordinationTimeoutError):
-            raise
-        except CheckpointingError as e:
-            return self._skip(skipped, step, e)
-        prefix = f"{st.RANK_LOCAL_KEY}.{rank}."
-        if not any(k.startswith(prefix) for k in metadata.state_dict_metadata):
-            source = 0  # saved with fewer ranks: rank 0's values, as after any resharding
-        ptree = st.persistent_form(tree, source)
-        with tpdist.agree(f"checking the state against persistent step {step}"):
-            flat, _ = flatten_state_dict(ptree)
-            problems = st.check_against_metadata(flat, metadata)
-            if problems:
-                raise StateMismatchError(_mismatch(step, problems))
-        try:
-            dcp.load(ptree, path, storage_options=options)
-        except (StateMismatchError, CoordinationTimeoutError):
-            raise
-        except CheckpointingError as e:
-            return self._skip(skipped, step, e)
-        st.from_persistent_form(tree, ptree, source)
-        st.apply(state, tree)
-        return RestoreRecord(
-            step, "persistent", time.perf_counter() - start, _nbytes(ptree), skipped
-        )
-
-    @staticmethod
-    def _skip(skipped: list[str], step: int, error: BaseException) -> None:
-        skipped.append(f"persistent step {step}: {error}")
-        logger.warning("restore: skipping persistent step %d: %s", step, error)
 
     # ------------------------------------------------------------------------------ the rest
 
@@ -637,26 +331,3 @@ class TieredCheckpointManager:
             raise CheckpointingError(
                 f"ranks disagree on the step to save: {dict(enumerate(steps))}"
             )
-
-
-def _has_dtensor(tree: Any) -> bool:
-    return any(st.is_dtensor(t) for t in st.tensors_of(tree))
-
-
-def _nbytes(tree: Any) -> int:
-    """Bytes of this rank's tensors (a DTensor's local shard)."""
-    local = (t.to_local() if st.is_dtensor(t) else t for t in st.tensors_of(tree))
-    return sum(t.numel() * t.element_size() for t in local)
-
-
-def _mismatch(step: int, problems: list[str]) -> str:
-    return (
-        f"the state does not match the checkpoint of step {step} (nothing was loaded): "
-        + "; ".join(problems)
-    )
-
-
-def _reset(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Give optimizers initialised for a restore that did not happen their empty state back."""
-    for optimizer in optimizers:
-        optimizer.state.clear()

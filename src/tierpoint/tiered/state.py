@@ -225,6 +225,16 @@ def tensors_of(tree: Any) -> list[torch.Tensor]:
     return []
 
 
+def has_dtensor(tree: Any) -> bool:
+    return any(is_dtensor(t) for t in tensors_of(tree))
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of this rank's tensors (a DTensor's local shard)."""
+    local = (t.to_local() if is_dtensor(t) else t for t in tensors_of(tree))
+    return sum(t.numel() * t.element_size() for t in local)
+
+
 def _holds_tensors(value: Any) -> bool:
     return bool(tensors_of(value))
 

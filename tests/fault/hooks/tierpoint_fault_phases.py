@@ -169,6 +169,7 @@ def install_trainer(hooks_dir: str) -> None:
         return
     from tierpoint.local.manager import LocalCheckpointManager
     from tierpoint.tiered import manager as tiered
+    from tierpoint.tiered import saving
 
     def wrap(owner: Any, name: str, phase: str, flag: str | None = None) -> None:
         original = getattr(owner, name)
@@ -187,6 +188,6 @@ def install_trainer(hooks_dir: str) -> None:
 
     wrap(tiered.TieredCheckpointManager, "_save_local", "snapshot")
     wrap(tiered.TieredCheckpointManager, "restore", "restore", flag="restoring")
-    wrap(tiered, "retire_persistent_steps", "persistent.cleanup")
+    wrap(saving, "retire_persistent_steps", "persistent.cleanup")
     wrap(LocalCheckpointManager, "_replicate", "local.replicate")
     wrap(LocalCheckpointManager, "_commit", "local.commit")

@@ -1,0 +1,183 @@
+"""The restore path across tiers: the newest checkpoint complete anywhere, loaded into a state.
+
+Call order: :meth:`TieredCheckpointManager.restore` takes the state apart (``tree``) and calls
+:func:`restore_newest`; it lists the persistent tier once (rank 0, broadcast), tries the local tier
+(parts fetched from peer replicas where a node lost its own) if its newest complete step is at least
+as new as the newest persistent one, then the persistent steps newest first. On no restore the
+caller gives fresh optimizers their empty state back (:func:`reset`).
+
+Invariants: every rank gets the same answer (each decision is agreed); a step that cannot be loaded
+on every rank (missing everywhere, failing verification) is skipped with its reason (logged and
+kept in the record's ``skipped``); a different state structure raises
+:class:`StateMismatchError` on every rank before anything is copied, as does a coordination
+timeout, rather than being skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from .. import dcp
+from .. import dist as tpdist
+from ..dcp.layout import complete_steps, local_view, step_path
+from ..errors import CheckpointingError, CoordinationTimeoutError, StateMismatchError
+from ..local import LocalCheckpointManager
+from . import state as st
+from .events import RestoreRecord
+
+logger = logging.getLogger("tierpoint")
+
+
+def restore_newest(
+    state: dict[str, Any],
+    tree: dict[str, Any],
+    local: LocalCheckpointManager | None,
+    persistent_dir: str | None,
+    storage_options: dict[str, Any],
+    start: float,
+) -> RestoreRecord:
+    """Load the newest checkpoint complete in either tier into ``state`` (``tree`` its template);
+    the record's ``step`` is ``None`` when there is none. Collective."""
+    skipped: list[str] = []
+    persistent = _persistent_candidates(persistent_dir, storage_options, skipped)
+    newest_persistent = persistent[0] if persistent else -1
+    if local is not None:
+        record = _restore_local(local, state, tree, newest_persistent, skipped, start)
+        if record is not None:
+            return record
+    for step in persistent:
+        assert persistent_dir is not None
+        record = _restore_persistent(
+            persistent_dir, storage_options, state, tree, step, skipped, start
+        )
+        if record is not None:
+            return record
+    return RestoreRecord(None, None, time.perf_counter() - start, 0, skipped)
+
+
+def _persistent_candidates(
+    persistent_dir: str | None, storage_options: dict[str, Any], skipped: list[str]
+) -> list[int]:
+    """The complete persistent steps, newest first, as rank 0 lists them (one listing per job)."""
+    if persistent_dir is None:
+        return []
+    steps, error = None, None
+    if tpdist.get_rank() == 0:
+        try:
+            steps = complete_steps([local_view(persistent_dir, storage_options)])
+        except CheckpointingError as e:
+            error = str(e)
+    steps, error = tpdist.broadcast_json(
+        [steps, error], 0, f"listing persistent checkpoints under {persistent_dir}"
+    )
+    if error is not None:
+        skipped.append(f"persistent tier: cannot list {persistent_dir}: {error}")
+        logger.warning("restore: cannot list the persistent tier: %s", error)
+        return []
+    return steps
+
+
+def _restore_local(
+    local: LocalCheckpointManager,
+    state: dict[str, Any],
+    tree: dict[str, Any],
+    newest_persistent: int,
+    skipped: list[str],
+    start: float,
+) -> RestoreRecord | None:
+    latest = local.find_latest()
+    if latest == -1:
+        return None
+    if latest < newest_persistent:
+        skipped.append(f"local step {latest}: older than persistent step {newest_persistent}")
+        return None
+    try:
+        ta, _ = local.load()
+    except CheckpointingError as e:
+        skipped.append(f"local tier: {e}")
+        logger.warning("restore: no local checkpoint could be loaded: %s", e)
+        return None
+    record = local.last_load
+    assert record is not None
+    if record.iteration < newest_persistent:
+        skipped.append(f"local steps newer than {record.iteration}: cannot be loaded on every rank")
+        return None
+    loaded = ta.state_dict
+    live = st.local_form(tree)
+    with tpdist.agree(f"checking the state against local checkpoint step {record.iteration}"):
+        problems = st.check_loaded(live, loaded)
+        if problems:
+            raise StateMismatchError(_mismatch(record.iteration, problems))
+    loaded.pop(st.SHARDING_KEY, None)  # checked above; not part of the state
+    st.copy_into(tree, loaded)
+    st.apply(state, tree)
+    tier = "peers" if record.from_peers else "local"
+    if record.iteration != latest:  # (find_latest again would wait for the replicas)
+        skipped.append(f"newer local steps than {record.iteration}: could not be loaded")
+    return RestoreRecord(
+        record.iteration, tier, time.perf_counter() - start, record.nbytes, skipped
+    )
+
+
+def _restore_persistent(
+    persistent_dir: str,
+    storage_options: dict[str, Any],
+    state: dict[str, Any],
+    tree: dict[str, Any],
+    step: int,
+    skipped: list[str],
+    start: float,
+) -> RestoreRecord | None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    path = step_path(persistent_dir, step)
+    options = storage_options or None
+    rank = tpdist.get_rank()
+    source = rank
+    try:
+        with tpdist.agree(f"reading the metadata of {path}"):
+            metadata = dcp.read_metadata(path, storage_options=options)
+    except (StateMismatchError, CoordinationTimeoutError):
+        raise
+    except CheckpointingError as e:
+        return _skip(skipped, step, e)
+    prefix = f"{st.RANK_LOCAL_KEY}.{rank}."
+    if not any(k.startswith(prefix) for k in metadata.state_dict_metadata):
+        source = 0  # saved with fewer ranks: rank 0's values, as after any resharding
+    ptree = st.persistent_form(tree, source)
+    with tpdist.agree(f"checking the state against persistent step {step}"):
+        flat, _ = flatten_state_dict(ptree)
+        problems = st.check_against_metadata(flat, metadata)
+        if problems:
+            raise StateMismatchError(_mismatch(step, problems))
+    try:
+        dcp.load(ptree, path, storage_options=options)
+    except (StateMismatchError, CoordinationTimeoutError):
+        raise
+    except CheckpointingError as e:
+        return _skip(skipped, step, e)
+    st.from_persistent_form(tree, ptree, source)
+    st.apply(state, tree)
+    return RestoreRecord(step, "persistent", time.perf_counter() - start, st.nbytes(ptree), skipped)
+
+
+def _skip(skipped: list[str], step: int, error: BaseException) -> None:
+    skipped.append(f"persistent step {step}: {error}")
+    logger.warning("restore: skipping persistent step %d: %s", step, error)
+
+
+def _mismatch(step: int, problems: list[str]) -> str:
+    return (
+        f"the state does not match the checkpoint of step {step} (nothing was loaded): "
+        + "; ".join(problems)
+    )
+
+
+def reset(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Give optimizers initialised for a restore that did not happen their empty state back."""
+    for optimizer in optimizers:
+        optimizer.state.clear()

@@ -1,0 +1,239 @@
+"""The save path of :class:`~tierpoint.TieredCheckpointManager`: each tier's save scheduled and timed,
+the persistent copy made from the local part, finalizing, and the synchronous final save.
+
+Call order (the manager's :meth:`save` validates and agrees on the step, then)::
+
+    _make_room("local"); _start_deferred(); _save_local(step, tree)   # a step due locally
+    _deferred = _Deferred(step, ...)       # its persistent copy, once the local save is committed
+    _save_persistent(step, tree)           # a step due only persistently, or a DTensor state
+    poll() / wait()                        # finalize; start the persistent copy when due
+    _save_final(step, tree)                # final_save, after wait()
+
+Invariants: each tier keeps one save in flight (:meth:`_make_room` waits for the previous one, so at
+most two calls are in flight); a persistent copy is made from the local part's bytes only after the
+local save of its step is committed on every rank, and is dropped if that save failed; the
+persistent tier retires older steps (:mod:`.retention`, on rank 0) only after a newer one is
+committed; a failed persistent save is a WARNING and a failed record, training goes on.
+
+:class:`SavePath` is a mixin of the manager: it holds no state of its own, it uses the manager's
+(the attributes annotated below, all set by the manager's constructor).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import dcp
+from .. import dist as tpdist
+from ..asyncsave import AsyncCallsQueue
+from ..dcp.layout import step_path
+from ..errors import CheckpointingError
+from ..local import LocalCheckpointManager
+from ..tensor_aware import BasicTensorAwareStateDict
+from . import state as st
+from .events import EventLog, SaveRecord
+from .retention import retire_persistent_steps
+
+logger = logging.getLogger("tierpoint")
+
+
+@dataclass
+class _Deferred:
+    """A persistent save waiting for the local save of the same step to be committed."""
+
+    step: int
+    rank_local_keys: list[str]
+    committed: bool = False
+
+
+class SavePath:
+    """Saving to the tiers, asynchronously through one queue (see the module docstring)."""
+
+    local: LocalCheckpointManager | None
+    persistent_dir: str | None
+    keep_persistent: int
+    storage_options: dict[str, Any]
+    queue: AsyncCallsQueue
+    _events: EventLog
+    _deferred: _Deferred | None
+    _in_flight: dict[str, int]  # tier -> call id of its save not yet finalized
+
+    def _make_room(self, tier: str) -> None:
+        """Each tier keeps one save in flight: wait (collective) for the previous one."""
+        call = self._in_flight.get(tier)
+        if call is not None:
+            try:
+                self.queue.finalize_through(call)
+            except CheckpointingError as e:
+                logger.warning("a checkpoint save failed: %s", e)
+
+    def _schedule(
+        self,
+        tier: str,
+        request: Any,
+        record: SaveRecord,
+        committed: Callable[[], None],
+        failed: Callable[[], None],
+    ) -> None:
+        """Schedule ``request`` (this tier's save) and time its phases into ``record``: ``write``
+        (the worker: write, hash, fsync, rename or upload), ``replicate`` (the local tier's copies
+        to peers), ``commit`` (from this rank's part done to the commit on every rank: waiting for
+        the slowest rank and the next poll, then ``.metadata`` or retirement)."""
+        marks: dict[str, float] = {}
+        snapshot, background = request.preload_fn, request.background_fn
+
+        def timed_snapshot() -> Any:
+            try:
+                return snapshot() if snapshot is not None else None
+            finally:
+                marks["snapshot"] = time.perf_counter()
+
+        def after_worker(ok: bool) -> None:
+            marks["worker"] = time.perf_counter()
+            if background is not None:
+                background(ok)
+                marks["background"] = time.perf_counter()
+
+        def done(outcome: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                self._in_flight.pop(tier, None)
+                now = time.perf_counter()
+                if "snapshot" in marks and "worker" in marks:
+                    record.phases["write"] = max(0.0, marks["worker"] - marks["snapshot"])
+                    last = marks.get("background", marks["worker"])
+                    if "background" in marks:
+                        record.phases["replicate"] = marks["background"] - marks["worker"]
+                    record.phases["commit"] = now - last
+                outcome()
+
+            return run
+
+        request.preload_fn = timed_snapshot
+        request.background_fn = after_worker
+        request.add_finalize_fn(done(committed))
+        request.abort_fns = [*request.abort_fns, done(failed)]
+        self._in_flight[tier] = self.queue.schedule_async_request(request)
+
+    def _save_local(self, step: int, tree: dict[str, Any]) -> None:
+        assert self.local is not None
+        self._make_room("local")
+        local_tree = st.local_form(tree)
+        record = SaveRecord("local", step, st.nbytes(local_tree))
+        start = time.perf_counter()
+        request = self.local.save(BasicTensorAwareStateDict(local_tree), step, is_async=True)
+
+        def committed() -> None:
+            record.phases["durable"] = time.perf_counter() - start
+            if self._deferred is not None and self._deferred.step == step:
+                self._deferred.committed = True
+            self._events.emit(record)
+
+        def failed() -> None:
+            record.ok, record.error = False, "the local save failed on some rank"
+            if self._deferred is not None and self._deferred.step == step:
+                logger.warning(
+                    "the persistent copy of step %d is not made: its local save failed", step
+                )
+                self._deferred = None
+            self._events.emit(record)
+
+        self._schedule("local", request, record, committed, failed)
+        record.phases["snapshot"] = time.perf_counter() - start
+
+    def _save_persistent(self, step: int, tree: dict[str, Any], snapshot: bool = True) -> None:
+        assert self.persistent_dir is not None
+        path = step_path(self.persistent_dir, step)
+        record = SaveRecord("persistent", step, st.nbytes(tree))
+        start = time.perf_counter()
+
+        def committed() -> None:
+            record.phases["durable"] = time.perf_counter() - start
+            if tpdist.get_rank() == 0:
+                t0 = time.perf_counter()
+                retire_persistent_steps(
+                    self.persistent_dir, self.keep_persistent, self.storage_options
+                )
+                record.phases["cleanup"] = time.perf_counter() - t0
+            self._events.emit(record)
+
+        def failed() -> None:
+            record.ok, record.error = False, f"the save to {path} failed on some rank"
+            logger.warning("persistent checkpoint of step %d failed; training goes on", step)
+            self._events.emit(record)
+
+        try:
+            self._make_room("persistent")
+            request = dcp.async_save_request(
+                tree, path, storage_options=self.storage_options or None, overwrite=True
+            )
+            self._schedule("persistent", request, record, committed, failed)
+        except CheckpointingError as e:  # planning failed on some rank (agreed): skip this save
+            record.ok, record.error = False, str(e)
+            logger.warning("persistent checkpoint of step %d not saved: %s", step, e)
+            self._events.emit(record)
+            return
+        record.phases["snapshot" if snapshot else "copy_from_local"] = time.perf_counter() - start
+
+    def poll(self) -> None:
+        """Finalize what finished on every rank (no collective when nothing is in flight) and start
+        the persistent copy of a step whose local save was just committed."""
+        self._finalize(blocking=False)
+        self._start_deferred()
+
+    def _start_deferred(self) -> None:
+        deferred = self._deferred
+        if deferred is None or not deferred.committed:
+            return
+        self._deferred = None
+        assert self.local is not None
+        tree = self.local.read_own_part(deferred.step)
+        tree.pop(st.SHARDING_KEY, None)
+        for key in deferred.rank_local_keys:
+            tree[key] = st.RankLocal(tree[key])
+        self._save_persistent(
+            deferred.step, st.persistent_form(tree, tpdist.get_rank()), snapshot=False
+        )
+
+    def _finalize(self, blocking: bool) -> None:
+        try:
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointingError as e:
+            # The failed call's record says which save; training goes on with the last good ones.
+            logger.warning("a checkpoint save failed: %s", e)
+
+    def wait(self) -> None:
+        """Wait until every save in flight (and a pending persistent copy) is committed or failed."""
+        self._finalize(blocking=True)
+        if self._deferred is not None:
+            self.poll()
+            self._finalize(blocking=True)
+
+    def _save_final(self, step: int, tree: dict[str, Any]) -> None:
+        """A synchronous save of ``step`` (nothing in flight): to the persistent tier, the local
+        tier without one; returns once it is committed."""
+        start = time.perf_counter()
+        if self.persistent_dir is None:
+            assert self.local is not None
+            local_tree = st.local_form(tree)
+            record = SaveRecord("local", step, st.nbytes(local_tree))
+            if step != self.local.find_latest():
+                self.local.save(BasicTensorAwareStateDict(local_tree), step)
+        else:
+            ptree = st.persistent_form(tree, tpdist.get_rank())
+            record = SaveRecord("persistent", step, st.nbytes(ptree))
+            dcp.save(
+                ptree,
+                step_path(self.persistent_dir, step),
+                storage_options=self.storage_options or None,
+                overwrite=True,
+            )
+            if tpdist.get_rank() == 0:
+                retire_persistent_steps(
+                    self.persistent_dir, self.keep_persistent, self.storage_options
+                )
+        record.phases["snapshot"] = record.phases["durable"] = time.perf_counter() - start
+        self._events.emit(record)
