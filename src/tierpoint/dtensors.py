@@ -15,7 +15,9 @@ such as the strided shards of FSDP2 combined with tensor parallelism, are refuse
 Invariants:
 - ``rebuild`` treats the description as untrusted: every field is checked (ranks inside the world,
   this rank in the mesh, placements known, the local shard's shape the one the placements give this
-  rank) before anything is built; a mismatch raises :class:`~tierpoint.tree.SkeletonError` naming it.
+  rank) before anything is built; a mismatch raises :class:`SkeletonError` naming it.
+- This module sits below :mod:`tierpoint.tree` and never imports it: :class:`SkeletonError` lives
+  here because both raise it (``tierpoint.tree.SkeletonError`` is the same class).
 - The mesh is the one the DTensor was saved from when this process still has it (saved here, or
   :func:`remember_mesh`); otherwise it is created from the description: for a mesh spanning every
   rank in one dimension no process group is made, for others ``DeviceMesh`` creates its groups,
@@ -35,6 +37,10 @@ MAX_MESH_RANKS = 1 << 24
 
 _meshes: dict[tuple, Any] = {}
 """Device meshes this process saved DTensors from (or was given), by their description."""
+
+
+class SkeletonError(ValueError):
+    """The skeleton read from a file is malformed (the caller wraps it with the file's name)."""
 
 
 def is_dtensor(obj: Any) -> bool:
@@ -109,8 +115,6 @@ def rebuild(local: torch.Tensor, desc: Any) -> Any:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from .tree import SkeletonError
-
     shape, stride, _ = check_description(local, desc)
     mesh = _mesh(desc)
     placements = _placements(desc.get("placements"), mesh.ndim, len(shape))
@@ -133,8 +137,6 @@ def _ints(value: Any, what: str) -> list[int]:
 
 
 def _bad(message: str) -> Exception:
-    from .tree import SkeletonError
-
     return SkeletonError(message)
 
 

@@ -10,6 +10,8 @@ Invariants:
   naming its key path, unless ``allow_pickle=True`` is passed on both save and load.
 - ``unflatten`` treats the skeleton as untrusted input: unknown tags, bad indices and runaway nesting
   raise :class:`CorruptCheckpointError` (via :class:`SkeletonError`), never anything worse.
+- This module imports :mod:`tierpoint.dtensors` (below it: the DTensor nodes' encoding, and
+  :class:`SkeletonError`, which both raise and this module re-exports); never the other way round.
 
 Skeleton encoding. JSON scalars stand for themselves except where JSON is lossy; everything else is a
 JSON object with a single tag key ``"~"``:
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 
 from . import dtensors
+from .dtensors import SkeletonError
 from .errors import UnsupportedStateError
 
 MAX_DEPTH = 200
@@ -53,10 +56,6 @@ MAX_DEPTH = 200
 
 _JSON_SAFE_INT = 2**53
 _TAG = "~"
-
-
-class SkeletonError(ValueError):
-    """The skeleton read from a file is malformed (the caller wraps it with the file's name)."""
 
 
 @dataclass
