@@ -23,12 +23,12 @@ FLOORS: dict[str, int] = {
     # floor 1: formats and state trees
     "tierpoint.fileformat": 1,
     "tierpoint.tree": 1,
+    "tierpoint.dtensors": 1,  # below tree (a DTensor's node in a state tree)
     "tierpoint.tensor_aware": 1,
     # floor 2: staging and transfer
     "tierpoint.staging": 2,
     "tierpoint.pinning": 2,
     "tierpoint.snapshot_copy": 2,
-    "tierpoint.dtensors": 2,
     "tierpoint.transfer": 2,
     "tierpoint.peers": 2,
     # floor 3: async
