@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from tierpoint import dcp, fileformat
 from tierpoint.asyncsave import AsyncCallsQueue
-from tierpoint.dcp.layout import METADATA_NAME, complete_steps, local_view, step_of
+from tierpoint.dcp.step_dirs import METADATA_NAME, complete_steps, local_view, step_of
 from tierpoint.local import (
     BasicTensorAwareStateDict,
     CliqueReplicationStrategy,

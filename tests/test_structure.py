@@ -44,7 +44,6 @@ FLOORS: dict[str, int] = {
     "tierpoint.cli": 6,
     "tierpoint.demo": 6,
     "tierpoint.testing": 6,
-    "tierpoint.spawn": 6,
 }
 TIERS = ("tierpoint.local", "tierpoint.dcp", "tierpoint.tiered", "tierpoint.checkpointer")
 MAX_LINES = 420

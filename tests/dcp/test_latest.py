@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tierpoint import storage
 from tierpoint.dcp import get_latest_complete_checkpoint, save, step_path
-from tierpoint.dcp.layout import choose_latest, local_view, marker_name, step_of
+from tierpoint.dcp.step_dirs import choose_latest, local_view, marker_name, step_of
 from tierpoint.errors import CheckpointingError
 from tierpoint.testing import run_ranks
 

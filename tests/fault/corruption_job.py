@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tierpoint import TieredCheckpointManager, dcp
 from tierpoint.asyncsave import AsyncCallsQueue
-from tierpoint.dcp.layout import step_path
+from tierpoint.dcp.step_dirs import step_path
 from tierpoint.local import CliqueReplicationStrategy, LocalCheckpointManager
 from tierpoint.tensor_aware import BasicTensorAwareStateDict
 from tierpoint.testing import run_ranks

@@ -44,7 +44,7 @@ import torch
 
 from tierpoint import dcp, fileformat
 from tierpoint.checkpointer import trainer_state
-from tierpoint.dcp.layout import MARKER_PREFIX, complete_steps, local_view, step_of
+from tierpoint.dcp.step_dirs import MARKER_PREFIX, complete_steps, local_view, step_of
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import naming
 

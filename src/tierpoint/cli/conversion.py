@@ -176,10 +176,10 @@ def _write_safetensors(state: Any, dst: str) -> str:
 
 def _write_dcp(state: Any, dst: str, options: Mapping[str, Any], force: bool) -> str:
     from .. import storage
-    from ..dcp import layout
+    from ..dcp import step_dirs
     from ..dcp.saving import save
 
-    if storage.exists(storage.join(dst, layout.METADATA_NAME), options) and not force:
+    if storage.exists(storage.join(dst, step_dirs.METADATA_NAME), options) and not force:
         raise CommandError(f"{dst}: holds a DCP checkpoint already (--force to replace it)")
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         state = {"state": state}

@@ -184,12 +184,12 @@ def dcp_rows(path: str, kind: str, entries: dict[str, Entry], options: Any) -> l
     """One row per step of a DCP base, newest first, or the row of one DCP or OLMo-core step."""
     if kind in ("dcp-step", "olmo-step"):
         return [_step_row(path, path, entries, options)]
-    from ..dcp import layout
+    from ..dcp import step_dirs
 
     steps = {
         n: step for n, e in entries.items() if e.is_dir and (step := step_number(n)) is not None
     }
-    outside = layout.sibling_markers(list(entries))  # ML Flashpoint's, next to the directories
+    outside = step_dirs.sibling_markers(list(entries))  # ML Flashpoint's, next to the directories
     return [
         _step_row(path, join_url(path, name), None, options, outside.get(name, []))
         for name in sorted(steps, key=steps.__getitem__, reverse=True)
@@ -205,7 +205,7 @@ def _step_row(
 ) -> Row:
     from .. import storage
     from ..checkpointer.metadata import METADATA_FNAME as OLMO_METADATA
-    from ..dcp import layout
+    from ..dcp import step_dirs
 
     step = step_number(storage.basename(step_dir))
     step_entries = entries if entries is not None else list_entries(step_dir, options)
@@ -214,12 +214,12 @@ def _step_row(
     found = list_entries(dcp_dir, options) if olmo else step_entries
     ranks = sorted(
         {int(m.group(1)) for n in found if (m := _DATA_FILE.match(n))}
-        | {r for n in found if (r := layout.marker_rank(n)) is not None}
+        | {r for n in found if (r := step_dirs.marker_rank(n)) is not None}
     )
     markers = sorted(
-        {r for n in found if (r := layout.marker_rank(n)) is not None} | set(sibling_markers)
+        {r for n in found if (r := step_dirs.marker_rank(n)) is not None} | set(sibling_markers)
     )
-    meta = found.get(layout.METADATA_NAME)
+    meta = found.get(step_dirs.METADATA_NAME)
     size = sum(e.size for e in found.values() if not e.is_dir)
     times = [e.mtime for e in found.values() if e.mtime is not None]
     detail = ""

@@ -88,9 +88,9 @@ def join_url(url: str, *names: str) -> str:
 def step_number(name: str) -> int | None:
     """The step of a DCP ``step-<N>`` (ML Flashpoint: ``step-<N>_ckpt``) or an OLMo-core
     ``step<N>`` directory name."""
-    from ..dcp import layout
+    from ..dcp import step_dirs
 
-    step = layout.step_dir_of(name)
+    step = step_dirs.step_dir_of(name)
     if step is None and (m := _OLMO_STEP.match(name)):
         step = int(m.group(1))
     return step
@@ -98,10 +98,12 @@ def step_number(name: str) -> int | None:
 
 def is_dcp_step(names: Sequence[str]) -> bool:
     """Whether a directory holding ``names`` is a DCP step (metadata, markers or data files)."""
-    from ..dcp import layout
+    from ..dcp import step_dirs
 
     return any(
-        n == layout.METADATA_NAME or n.startswith(layout.MARKER_PREFIX) or n.endswith(".distcp")
+        n == step_dirs.METADATA_NAME
+        or n.startswith(step_dirs.MARKER_PREFIX)
+        or n.endswith(".distcp")
         for n in names
     )
 

@@ -1,7 +1,7 @@
 """ML Flashpoint's checkpoint loader names, over tierpoint's persistent tier (a thin facade).
 
 For code written against ML Flashpoint's ``MLFlashpointCheckpointLoader``: the same class names,
-methods and arguments, each delegating to tierpoint's functions (:mod:`tierpoint.dcp.layout`,
+methods and arguments, each delegating to tierpoint's functions (:mod:`tierpoint.dcp.step_dirs`,
 :mod:`~tierpoint.dcp.reader`, :mod:`~tierpoint.dcp.peer_fetch`, :mod:`~tierpoint.transfer`).
 
 Call order of a resume (every rank, collective where noted)::
@@ -14,7 +14,7 @@ Call order of a resume (every rank, collective where noted)::
 
 Directories in ML Flashpoint's layout (``step-<N>_ckpt`` with sibling
 ``step-<N>_ckpt__<local rank>__unfinished`` markers) and in tierpoint's (``step-<N>``) are both
-found (see :mod:`tierpoint.dcp.layout`). For a local base directory the latest checkpoint is made
+found (see :mod:`tierpoint.dcp.step_dirs`). For a local base directory the latest checkpoint is made
 complete on every node first: files a node's ranks need and lack are fetched from the nodes that
 hold them (:func:`tierpoint.dcp.peer_fetch.retrieve_missing`), as ML Flashpoint's loader does.
 
@@ -48,8 +48,8 @@ from .. import storage
 from ..errors import CheckpointingError, UnsupportedStateError
 from ..peers import transfer
 from .latest import get_latest_complete_checkpoint
-from .layout import METADATA_NAME, complete_checkpoints
 from .reader import Reader
+from .step_dirs import METADATA_NAME, complete_checkpoints
 
 logger = logging.getLogger("tierpoint")
 

@@ -2,13 +2,13 @@
 
 Call order: every rank of the group calls :func:`get_latest_complete_checkpoint` at the same point
 (collective when ``torch.distributed`` is initialised): every rank's listing is gathered
-(:func:`tierpoint.dcp.layout.gather_views`); for a shared base one rank decides and broadcasts; for a
+(:func:`tierpoint.dcp.step_dirs.gather_views`); for a shared base one rank decides and broadcasts; for a
 node-local base every rank walks the same candidates newest first and, for each, fetches the files
 its node lacks (:func:`tierpoint.dcp.peer_fetch.retrieve_missing`) until one is complete everywhere.
 
 Invariants: every rank returns the same path (or ``None``); a step whose save was interrupted is
-never returned (see :mod:`tierpoint.dcp.layout`); this module sits above both the listing
-(:mod:`~tierpoint.dcp.layout`) and the peer transfers (:mod:`~tierpoint.dcp.peer_fetch`), which do
+never returned (see :mod:`tierpoint.dcp.step_dirs`); this module sits above both the listing
+(:mod:`~tierpoint.dcp.step_dirs`) and the peer transfers (:mod:`~tierpoint.dcp.peer_fetch`), which do
 not import each other.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 from .. import dist as tpdist
 from .. import storage
-from .layout import complete_dirs, decider, gather_views, warn_skipped
 from .peer_fetch import retrieve_missing
+from .step_dirs import complete_dirs, decider, gather_views, warn_skipped
 
 
 def get_latest_complete_checkpoint(

@@ -54,9 +54,9 @@ from ..errors import (
     error_text,
     failed_on_ranks,
 )
-from .layout import checkpoint_id_or_path
 from .reader import DEFAULT_THREAD_COUNT, PreparedRead, Reader
 from .state_dict_saver import require_state_dict
+from .step_dirs import checkpoint_id_or_path
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 """Terminal colour codes torch puts into some messages."""

@@ -2,7 +2,7 @@
 markers, ``.metadata``, and the checkpoint location a caller gives.
 
 Call order: none; pure functions and constants, imported by every module of the tier that names a
-file (:mod:`~tierpoint.dcp.layout`, :mod:`~tierpoint.dcp.writer`, :mod:`~tierpoint.dcp.reader`,
+file (:mod:`~tierpoint.dcp.step_dirs`, :mod:`~tierpoint.dcp.writer`, :mod:`~tierpoint.dcp.reader`,
 :mod:`~tierpoint.dcp.peer_fetch`, ...), so that none of them imports another only for a name.
 
 Invariants: a step directory is ``step-<N>`` (ML Flashpoint's ``step-<N>_ckpt`` is recognised);

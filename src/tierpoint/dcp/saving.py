@@ -43,9 +43,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue, AsyncRequest
 from ..errors import CheckpointingError
-from .layout import checkpoint_id_or_path
 from .options import SaveOptions, takes_save_options
 from .state_dict_saver import save_state_dict_async_finalize, save_state_dict_async_plan
+from .step_dirs import checkpoint_id_or_path
 from .writer import Writer
 
 

@@ -12,7 +12,7 @@ Two ways to drive it:
   into a reused staging buffer runs in the trainer, the writing in tierpoint's background worker),
   and finally ``save_state_dict_async_finalize``.
 
-What it writes (see :mod:`tierpoint.dcp.layout` and :mod:`tierpoint.dcp.file_plan`): per rank
+What it writes (see :mod:`tierpoint.dcp.step_dirs` and :mod:`tierpoint.dcp.file_plan`): per rank
 ``thread_count`` files ``__<rank>_<k>.<token>.distcp`` (``token``: new for every save of this
 rank, :attr:`Writer.file_token`) written by as many threads, each file fsynced, the
 directory fsynced (async saves of CPU states to a RAM file system: one file, the staging memory
@@ -85,7 +85,7 @@ class Writer(StorageWriter):
     """Writes a torch DCP checkpoint to ``path_or_url`` (a directory or an fsspec URL prefix).
 
     Args:
-        path_or_url: the checkpoint directory, e.g. ``layout.step_path(base, step)`` (or
+        path_or_url: the checkpoint directory, e.g. ``step_dirs.step_path(base, step)`` (or
             ``checkpoint_id=``, torch's keyword; giving both is a ``TypeError``).
         thread_count: files per rank, written in parallel by as many threads (an async save to
             a RAM file system fills one file per rank during the snapshot, see

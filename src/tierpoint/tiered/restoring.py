@@ -23,7 +23,7 @@ import torch
 
 from .. import dcp
 from .. import dist as tpdist
-from ..dcp.layout import complete_steps, local_view, step_path
+from ..dcp.step_dirs import complete_steps, local_view, step_path
 from ..errors import CheckpointingError, CoordinationTimeoutError, StateMismatchError
 from ..local import LocalCheckpointManager
 from . import state as st

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import storage
-from ..dcp.layout import METADATA_NAME, complete_steps, local_view, step_path
+from ..dcp.step_dirs import METADATA_NAME, complete_steps, local_view, step_path
 
 logger = logging.getLogger("tierpoint")
 

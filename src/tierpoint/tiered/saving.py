@@ -30,7 +30,7 @@ from typing import Any
 from .. import dcp
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue
-from ..dcp.layout import step_path
+from ..dcp.step_dirs import step_path
 from ..errors import CheckpointingError
 from ..local import LocalCheckpointManager
 from ..tensor_aware import BasicTensorAwareStateDict
