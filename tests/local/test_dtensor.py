@@ -63,7 +63,7 @@ def _resume(rank: int, world: int, root: str) -> list:
     assert table.to_local().shape == (3 - rank, 3)
     assert table.device_mesh == extra["table"].device_mesh
     # Any rank checks any rank's part (as replication does on receipt) without its mesh.
-    other = LocalCheckpointManager(root, session_id="dt")._dir_of(1 - rank)
+    other = LocalCheckpointManager(root, session_id="dt")._store.dir_of(1 - rank)
     fileformat.verify(next(other.glob("iter_0000002_*")))
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optim"])

@@ -1,21 +1,24 @@
 """Loading local checkpoints: verify this rank's part, fetch missing or corrupt parts from peers,
 fall back to older iterations, and give a replaced node back the replicas it should hold.
 
-:class:`PartRecovery` is the loading half of :class:`~tierpoint.local.LocalCheckpointManager`
-(a base class; it uses the manager's paths, scan and settings, see the attributes annotated below).
+:class:`PartRecovery` is a component of :class:`~tierpoint.local.LocalCheckpointManager`, made
+with the manager's :class:`~tierpoint.local.store.PartStore`, its replication (or ``None``) and the
+load settings; it records the loaded iteration in the store (``store.latest``) and the ones it
+fell back from (``store.unloadable``).
 
-Call order: ``load()`` (collective) runs ``find_latest()``, then for the newest complete iteration and
-then each older one: every rank reads and verifies its own part; the ranks gather what each holds,
-rank 0 makes the retrieval plan (:mod:`tierpoint.local.retrieval`) and broadcasts it; the moves run
-(:mod:`tierpoint.transfer`, verified as they land); repeat until nothing is needed or a part has no
-good copy left (then the next older iteration). After the load, the replicas this rank should hold
-but lacks are planned the same way and fetched on a background thread (:meth:`wait_for_restore`).
+Call order: the manager finds the latest iteration, then calls :meth:`PartRecovery.load`
+(collective): for that iteration and then each older one (``older``, asked once): every rank reads
+and verifies its own part; the ranks gather what each holds (merged per node), every rank makes the
+same retrieval plan (:mod:`tierpoint.local.retrieval`); the moves run (:mod:`tierpoint.transfer`,
+verified as they land); repeat until nothing is needed or a part has no good copy left (then the
+next older iteration). After the load, the replicas this rank should hold but lacks are planned the
+same way and fetched on a background thread (:meth:`PartRecovery.wait_for_restore`, which the
+manager calls first in every later collective call).
 
 Invariants:
 - A load never returns a part that failed verification: a fetch counts only when a new, verified
   file took the part's name; otherwise the next holder is tried, then an older iteration.
-- Every rank returns the same iteration or raises the same error; an iteration fallen back from is
-  recorded in ``_unloadable`` (the next save removes it instead of being refused below it).
+- Every rank returns the same iteration or raises the same error.
 - Replicas of a replaced node come from the origin first (its part was verified by the load).
 """
 
@@ -24,18 +27,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .. import dist as tpdist
-from .. import fileformat, transfer
+from .. import fileformat
 from ..errors import CheckpointingError, CorruptCheckpointError, agreed_error
 from ..tensor_aware import BasicTensorAwareStateDict, TensorAwareStateDict
 from ..tree import FlatState
 from . import naming, node_reports
 from .naming import CkptID
 from .retrieval import HolderStatus, RetrievalPlan, plan_retrieval
+from .store import PartStore
 
 logger = logging.getLogger("tierpoint")
 
@@ -53,44 +57,35 @@ class LoadRecord:
 
 
 class PartRecovery:
-    """Load, peer retrieval and replica restore. The manager provides the attributes annotated here
-    and ``find_latest``, ``_scan``, ``_dir_of``, ``_part_path``, ``_ensure_dir`` and
-    ``_complete_iterations``."""
+    """Load, peer retrieval and replica restore over ``store``.
 
-    rank: int
-    world_size: int
-    session_id: str
-    repl_strategy: Any
-    verify: bool
-    mmap_load: bool
-    local_ckpt_dir: Path
-    _session_dir: Path
-    _latest: int | None
-    _newest_seen: tuple[int, int, int] | None
-    _listings: list[list[list[int]]] | None
-    _unloadable: set[int]
-    _scan_cache: dict[str, Any]
-    _mappings: transfer.MappingCache
-    _restore: threading.Thread | None
-    last_load: LoadRecord | None = None
+    Args:
+        store: the rank's part files.
+        replication: the manager's replication (a clique strategy or a user's, wrapped), or ``None``.
+        verify: check every tensor checksum of this rank's part on load.
+        mmap_load: map the part file copy-on-write instead of copying it.
+    """
 
-    def load(self, *, allow_pickle: bool = False) -> tuple[TensorAwareStateDict, CkptID]:
-        """Load this rank's part of the latest complete iteration (verified). Collective.
+    def __init__(
+        self, store: PartStore, replication: Any, *, verify: bool, mmap_load: bool
+    ) -> None:
+        self.store = store
+        self.replication = replication
+        self.verify = verify
+        self.mmap_load = mmap_load
+        self.last_load: LoadRecord | None = None
+        self._restore: threading.Thread | None = None
+
+    def load(
+        self, iteration: int, older: Callable[[int], list[int]], *, allow_pickle: bool = False
+    ) -> tuple[TensorAwareStateDict, CkptID]:
+        """Load this rank's part of ``iteration`` (the latest complete one), else of the newest of
+        ``older(iteration)`` that every rank can have. Collective.
 
         Missing or corrupt own parts are fetched from their holders first; replicas a replaced node
         should hold are restored in the background after this returns (see :meth:`wait_for_restore`).
         ``allow_pickle``: also load objects saved with ``allow_pickle=True`` (only for trusted files).
         """
-        iteration = self.find_latest()
-        if iteration == naming.NO_CHECKPOINT:
-            where = self._session_dir
-            seen = self._newest_seen
-            if seen is not None and seen[2] != self.world_size:
-                raise CheckpointingError(
-                    f"no complete local checkpoint for world size {self.world_size} under {where}: the newest "
-                    f"parts (iteration {seen[0]}) were saved with world size {seen[2]}"
-                )
-            raise CheckpointingError(f"no complete local checkpoint under {where}")
         failures: dict[int, str] = {}
         kinds: set[str] = set()
         candidates = [iteration]
@@ -99,18 +94,11 @@ class PartRecovery:
             loaded = self._load_iteration(candidate, failures, kinds, allow_pickle)
             if loaded is not None:
                 return loaded
-            self._unloadable.add(candidate)  # newer than what the job resumes from: not kept
+            self.store.unloadable.add(candidate)  # newer than what the job resumes from: not kept
             if candidate == iteration:
-                # Every rank alike (_load_iteration agrees): the older candidates, from the
-                # listings find_latest saw, or gathered now if it decided without them.
-                if self._listings is None:
-                    self._listings = self._gather_listings()
-                older = self._complete_iterations(self._listings)
-                candidates = sorted(
-                    (i for i, w in older.items() if w == self.world_size and i < iteration),
-                    reverse=True,
-                )
-        where = self._session_dir
+                # Every rank alike (_load_iteration agrees).
+                candidates = older(iteration)
+        where = self.store.session_dir
         detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
         raise agreed_error(
             kinds.pop() if len(kinds) == 1 else "",
@@ -118,16 +106,16 @@ class PartRecovery:
             failures,
         )
 
-    def _read_own(
+    def read_own(
         self, iteration: int, allow_pickle: bool, verify: bool | None = None
     ) -> tuple[Any, str, str]:
         """This rank's part of ``iteration`` read and verified: ``(loaded, reason, error kind)``."""
-        path = self._part_path(iteration)
+        path = self.store.part_path(iteration)
         verify = self.verify if verify is None else verify
         try:
             header, tensors = fileformat.read_flat(path, verify=verify, mmap=self.mmap_load)
             meta = header.extra
-            if meta.get("iteration") != iteration or meta.get("rank") != self.rank:
+            if meta.get("iteration") != iteration or meta.get("rank") != self.store.rank:
                 # another part under this name (swapped or copied over): intact, but not this one
                 raise CorruptCheckpointError(str(path), "file name disagrees with its metadata")
             # validates the skeleton before use; DTensors are built (on their mesh, which may create
@@ -150,14 +138,14 @@ class PartRecovery:
         ``failures`` / ``kinds``).
         """
         start = time.perf_counter()
-        loaded, reason, kind = self._read_own(iteration, allow_pickle)
+        loaded, reason, kind = self.read_own(iteration, allow_pickle)
         first_reason = reason
         from_peers = False
         bad: list[list[int]] = []
-        group = self.repl_strategy.group if self.repl_strategy else tpdist.coordination_group()
+        group = self.replication.group if self.replication else tpdist.coordination_group()
         what = f"loading local checkpoint iteration {iteration}"
-        for _ in range(self.world_size + 1):
-            status = HolderStatus(loaded is not None, self._held_origins(iteration), bad)
+        for _ in range(self.store.world_size + 1):
+            status = HolderStatus(loaded is not None, self.store.held_origins(iteration), bad)
             # Own parts only; replicas are restored after the load.
             statuses, plan = self._agree_on_plan(status, None, what, reason=reason, kind=kind)
             refused = {
@@ -186,10 +174,10 @@ class PartRecovery:
             self._log_plan(iteration, plan, "part(s) from peers")
             failed = self._fetch(iteration, plan, group)
             bad += failed  # sources that failed stay excluded
-            source = next((s for s, d, o in plan.moves if d == self.rank == o), None)
-            if loaded is None and source is not None and [source, self.rank] not in failed:
+            source = next((s for s, d, o in plan.moves if d == self.store.rank == o), None)
+            if loaded is None and source is not None and [source, self.store.rank] not in failed:
                 # Every checksum was verified on receipt: no second pass over the bytes.
-                loaded, reason, kind = self._read_own(iteration, allow_pickle, verify=False)
+                loaded, reason, kind = self.read_own(iteration, allow_pickle, verify=False)
                 if loaded is not None:
                     logger.warning(  # the reason names the file
                         "local part of iteration %d replaced by the copy held by rank %d: %s",
@@ -198,7 +186,7 @@ class PartRecovery:
                         first_reason,
                     )
                 else:
-                    bad.append([source, self.rank])
+                    bad.append([source, self.store.rank])
         with tpdist.agree(what):
             if loaded is None:
                 raise CheckpointingError(reason)
@@ -209,16 +197,16 @@ class PartRecovery:
         )
         ta.restore_tensor_device()
         tpdist.log_progress(
-            f"loaded local checkpoint iteration {iteration} (rank {self.rank})",
+            f"loaded local checkpoint iteration {iteration} (rank {self.store.rank})",
             header.file_size,
             start,
         )
-        self._latest = iteration
+        self.store.latest = iteration
         self.last_load = LoadRecord(
             iteration, from_peers, header.file_size, time.perf_counter() - start
         )
         self._restore_replicas(iteration)
-        return ta, CkptID(iteration, self.rank, self.session_id)
+        return ta, CkptID(iteration, self.store.rank, self.store.session_id)
 
     def _restore_replicas(self, iteration: int) -> None:
         """Give back the replicas of ``iteration`` that ranks should hold but lack (a replaced node).
@@ -227,14 +215,14 @@ class PartRecovery:
         strategy's restore group while training resumes. :meth:`wait_for_restore` joins it, and so
         does every later collective call of this manager.
         """
-        strategy = self.repl_strategy
+        strategy = self.replication
         if strategy is None or strategy.replication_factor < 2:
             return
         what = f"restoring the replicas of local checkpoint iteration {iteration}"
-        status = HolderStatus(True, self._held_origins(iteration), [])
+        status = HolderStatus(True, self.store.held_origins(iteration), [])
         _, plan = self._agree_on_plan(status, strategy.holders, what)
         for holder, origin in plan.unreplicated:
-            if holder == self.rank:
+            if holder == self.store.rank:
                 _warn_unrestored(iteration, origin, "no rank holds a good copy")
         if not plan.moves:
             return
@@ -258,11 +246,11 @@ class PartRecovery:
         if self._nothing_to_plan(status, holders):
             return [], RetrievalPlan([], [], [])
         records = tpdist.gather_by_node(
-            {"rank": self.rank, **vars(status), **extra},
+            {"rank": self.store.rank, **vars(status), **extra},
             node_reports.merge_statuses,
             f"{what}: gathering what is held",
         )
-        statuses = node_reports.expand_statuses(records, self.world_size)
+        statuses = node_reports.expand_statuses(records, self.store.world_size)
         plan = plan_retrieval([HolderStatus.from_json(x) for x in statuses], holders)
         return statuses, plan
 
@@ -273,14 +261,14 @@ class PartRecovery:
             held = set(status.holds)
             complete = all(
                 origin in held
-                for origin in range(self.world_size)
-                if origin != self.rank and self.rank in holders(origin)
+                for origin in range(self.store.world_size)
+                if origin != self.store.rank and self.store.rank in holders(origin)
             )
         flag = tpdist.reduce_ints([complete], "min", "agreeing whether anything must be fetched")
         return bool(flag[0])
 
     def _log_plan(self, iteration: int, plan: RetrievalPlan, what: str) -> None:
-        if self.rank == 0:
+        if self.store.rank == 0:
             logger.info(
                 "local iteration %d: restoring %d %s: %s",
                 iteration,
@@ -320,70 +308,26 @@ class PartRecovery:
             raise CheckpointingError(f"restoring replicas did not finish within {limit:g} s")
         self._restore = None
 
-    def _part_moves(
-        self, iteration: int, triples: list[tuple[int, int, int]]
-    ) -> list[transfer.FileMove]:
-        """``(source, destination, origin)`` -> moves of origin's part between the two directories."""
-        name = naming.part_name
-        return [
-            transfer.FileMove(
-                src,
-                dst,
-                str(self._dir_of(src) / name(iteration, o)),
-                str(self._dir_of(dst) / name(iteration, o)),
-            )
-            for src, dst, o in triples
-        ]
-
-    def _held_origins(self, iteration: int) -> list[int]:
-        return sorted({origin for it, origin, _ in self._scan() if it == iteration})
-
     def _fetch(self, iteration: int, plan: RetrievalPlan, group: Any) -> list[list[int]]:
         """Carry out ``plan``'s moves; return ``[source, origin]`` of the moves to here that failed.
 
         A move succeeded only if a new file took the destination's name: a corrupt part that a
         failed transfer left in place is not a fetched one.
         """
-        moves = self._part_moves(iteration, plan.moves)
-        before = {m.dst_path: naming.version_of(m.dst_path) for m in moves if m.dst == self.rank}
-        self._ensure_dir()
+        rank = self.store.rank
+        moves = self.store.part_moves(iteration, plan.moves)
+        before = {m.dst_path: naming.version_of(m.dst_path) for m in moves if m.dst == rank}
+        self.store.ensure_dir()
         try:
-            transfer.move_files(
-                moves,
-                group,
-                timeout=tpdist.default_timeout().total_seconds(),
-                digest=False,
-                verify=ReceivedPart,
-                mappings=self._mappings,
-            )
+            self.store.move_parts(moves, group)
         except CheckpointingError as e:
             logger.warning("retrieving parts of iteration %d: %s", iteration, e)
-        self._scan_cache.clear()
+        self.store.forget_scans()
         return [
             [m.src, o]
             for m, (_, _, o) in zip(moves, plan.moves)
-            if m.dst == self.rank and naming.version_of(m.dst_path) in (None, before[m.dst_path])
+            if m.dst == rank and naming.version_of(m.dst_path) in (None, before[m.dst_path])
         ]
-
-
-class ReceivedPart(fileformat.PartVerifier):
-    """A part arriving from a peer: every checksum holds (checked as it lands) and it is the part
-    its name says."""
-
-    def __init__(self, move: transfer.FileMove, data: memoryview) -> None:
-        super().__init__(move.dst_path, data)
-        self.move = move
-
-    def finish(self) -> fileformat.PartHeader:
-        header = super().finish()
-        expected = naming.parse_part_name(Path(self.move.dst_path).name)
-        meta = header.extra
-        if expected is None or (meta.get("iteration"), meta.get("rank")) != expected:
-            raise CorruptCheckpointError(
-                self.move.dst_path,
-                f"rank {self.move.src} sent a part whose metadata does not match its name",
-            )
-        return header
 
 
 def _warn_unrestored(iteration: int, origin: int, why: str) -> None:

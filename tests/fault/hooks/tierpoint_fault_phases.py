@@ -167,7 +167,7 @@ def install_trainer(hooks_dir: str) -> None:
         sys.path.insert(0, hooks_dir)
     if not install("trainer"):
         return
-    from tierpoint.local.manager import LocalCheckpointManager
+    from tierpoint.local.saving import PartSaver
     from tierpoint.tiered import manager as tiered
     from tierpoint.tiered import saving
 
@@ -189,5 +189,5 @@ def install_trainer(hooks_dir: str) -> None:
     wrap(tiered.TieredCheckpointManager, "_save_local", "snapshot")
     wrap(tiered.TieredCheckpointManager, "restore", "restore", flag="restoring")
     wrap(saving, "retire_persistent_steps", "persistent.cleanup")
-    wrap(LocalCheckpointManager, "_replicate", "local.replicate")
-    wrap(LocalCheckpointManager, "_commit", "local.commit")
+    wrap(PartSaver, "replicate", "local.replicate")
+    wrap(PartSaver, "commit", "local.commit")

@@ -1,0 +1,144 @@
+"""Before a local save writes anything: every rank agrees on the iteration and on what to keep.
+
+Call order: :meth:`tierpoint.local.saving.PartSaver.save` calls :func:`agree_on_iteration`
+(collective) first. When every rank's committed parts are as its last commit left them, one
+all-reduce of a few integers decides (O(1) bytes per rank); otherwise every rank's listing is
+gathered and the complete iterations are computed from them.
+
+Invariants: every rank returns the same set of complete iterations to keep, or raises the same
+:class:`CheckpointingError` (ranks disagree on the iteration; it is not newer than every complete,
+loadable iteration or than an async save still in flight). ``keep_last`` counts the new iteration.
+Nothing is written, except this rank's directory is created.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+from .. import dist as tpdist
+from ..errors import CheckpointingError
+from . import naming
+from .store import Listing, PartStore, complete_iterations
+
+logger = logging.getLogger("tierpoint")
+
+AfterCommit = tuple[frozenset[int], Listing]
+"""What a rank knew after its last commit: the complete iterations then kept, and its sorted
+listing (:meth:`PartStore.scan`)."""
+
+
+def agree_on_iteration(
+    store: PartStore,
+    iteration: int,
+    *,
+    keep_last: int,
+    in_flight: int,
+    after_commit: AfterCommit | None,
+) -> set[int]:
+    """Check (on every rank alike) that all ranks save the same, new ``iteration``; return the
+    complete iterations to keep besides it. Collective.
+
+    ``in_flight``: the newest async save this rank requested and that is not finalized (-1: none);
+    ``after_commit``: what this rank knew after its last commit (``None``: nothing, listings are
+    gathered).
+    """
+    keep = _agree_unchanged(store, iteration, keep_last, in_flight, after_commit)
+    if keep is not None:
+        return keep
+    gathered = _gather_parts(
+        store,
+        "save: agreeing on the iteration",
+        {"iteration": iteration, "requested": in_flight, "unloadable": sorted(store.unloadable)},
+    )
+    requested = [g["iteration"] for g in gathered]
+    if len(set(requested)) != 1:
+        raise CheckpointingError(
+            f"ranks disagree on the iteration to save: {dict(enumerate(requested))}"
+        )
+    unloadable = {i for g in gathered for i in g["unloadable"]}
+    complete = {
+        i: world
+        for i, world in complete_iterations([g["parts"] for g in gathered]).items()
+        if world == store.world_size and i not in unloadable
+    }
+    keep = keep_for(iteration, complete, max(g["requested"] for g in gathered), keep_last)
+    superseded = sorted({p[0] for g in gathered for p in g["parts"] if p[0] >= iteration})
+    if superseded and store.rank == 0:
+        logger.warning(
+            "saving local iteration %d removes iteration(s) %s, which this job cannot load "
+            "(saved with another world size, incomplete, or without a good copy of some part)",
+            iteration,
+            ", ".join(map(str, superseded)),
+        )
+    return keep
+
+
+def keep_for(iteration: int, complete: Iterable[int], in_flight: int, keep_last: int) -> set[int]:
+    """The complete iterations to keep when saving ``iteration`` (``keep_last`` counts it);
+    refuses an iteration that is not newer than every complete one and than ``in_flight``
+    (the newest async save requested on any rank and not finalized)."""
+    latest = max(complete, default=naming.NO_CHECKPOINT)
+    if iteration <= latest:
+        raise CheckpointingError(
+            f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
+        )
+    if iteration <= in_flight:
+        raise CheckpointingError(
+            f"cannot save iteration {iteration}: an async save of iteration {in_flight} was "
+            "requested and is not finalized; iterations must increase"
+        )
+    older = sorted((i for i in complete if i < iteration), reverse=True)
+    return set(older[: keep_last - 1])
+
+
+def _agree_unchanged(
+    store: PartStore,
+    iteration: int,
+    keep_last: int,
+    in_flight: int,
+    known: AfterCommit | None,
+) -> set[int] | None:
+    """What to keep when saving ``iteration``, agreed by one all-reduce (O(1) bytes per rank),
+    if every rank's committed parts are as its last commit left them (``known``) and every rank
+    knows the same complete iterations; ``None`` (listings must be gathered) otherwise, on every
+    rank.
+
+    The all-reduce also carries the requested iteration (equal on every rank) and the newest
+    async save still in flight, so the same refusals as with gathered listings follow."""
+    unchanged = known is not None and not store.unloadable
+    if unchanged:
+        try:
+            store.ensure_dir()
+            unchanged = sorted(store.scan()) == known[1]
+        except (OSError, CheckpointingError):
+            unchanged = False  # the gathered path reports it
+    complete = sorted(known[0]) if known is not None and unchanged else []
+    digest = zlib.crc32(json.dumps(complete).encode()) & 0x7FFFFFFF
+    low = tpdist.reduce_ints(
+        [unchanged, iteration, -iteration, digest, -digest, -in_flight],
+        "min",
+        "save: agreeing on the iteration",
+    )
+    if not (low[0] == 1 and low[1] == -low[2] and low[3] == -low[4]):
+        return None
+    return keep_for(iteration, complete, -low[5], keep_last)
+
+
+def _gather_parts(store: PartStore, what: str, payload: dict[str, Any]) -> list[Any]:
+    """Every rank's ``payload`` with its committed parts (``"parts"``, see :meth:`PartStore.scan`);
+    a rank that cannot create or list its directory makes every rank raise."""
+    error = None
+    try:
+        store.ensure_dir()
+        parts = store.scan()
+    except (OSError, CheckpointingError) as e:
+        parts, error = [], e
+    gathered = tpdist.all_gather_json(
+        {**payload, "parts": parts, "error": tpdist.failure_status(error)}, what
+    )
+    tpdist.raise_failures(what, [g["error"] for g in gathered], error)
+    return gathered

@@ -1,0 +1,340 @@
+"""Saving local checkpoints: agree on the iteration, write this rank's part, replicate, commit.
+
+:class:`PartSaver` is a component of :class:`~tierpoint.local.LocalCheckpointManager`, made with
+the manager's :class:`~tierpoint.local.store.PartStore`, its replication (or ``None``) and the save
+settings (``keep_last``, ``recycle``).
+
+Call order (:meth:`PartSaver.save`, collective, after the manager checked the iteration and the
+world): set up the replication; agree on the iteration and on what to keep
+(:mod:`tierpoint.local.agreement`); remove every rank's leftover parts of that
+iteration and newer ones and agree on it (the barrier before any rank writes); then, sync: write the
+part, replicate, agree, :meth:`PartSaver.commit`; async: return an
+:class:`~tierpoint.asyncsave.AsyncRequest` whose snapshot runs when the queue schedules it, whose
+worker job (:mod:`tierpoint.local.jobs`) writes or seals the part, whose background step
+replicates it and whose finalization commits it (or :meth:`PartSaver.abort` removes it).
+
+Invariants:
+- Complete or invisible: a part becomes visible by renaming its dirty file after fsync; the previous
+  complete checkpoint is retired only after every rank agreed that the new one is committed; no
+  iteration is completed by the parts of two saves. A save is refused only below a newer loadable
+  iteration (or an async save still in flight).
+- All ranks agree on the iteration, its success or failure (every rank raises the same
+  :class:`CheckpointingError` and removes the failed iteration's files).
+- Recycling: a file no complete checkpoint needs any more becomes a spare whose pages the next save
+  rewrites (several times faster on tmpfs than filling a new file).
+- Async snapshots on a RAM tier go straight into the pending part's dirty file (a recycled spare,
+  its space reserved before anything is copied) through the store's mappings; only the snapshot of
+  the pending save writes through such a mapping, and the worker only seals the file. On a disk
+  tier, or with CUDA tensors, the snapshot goes into a reused memfd staging buffer
+  (:mod:`tierpoint.staging`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import dist as tpdist
+from .. import fileformat, transfer
+from ..asyncsave.request import AsyncRequest
+from ..errors import CheckpointingError
+from ..files import in_memory_filesystem
+from ..staging import Stager
+from ..tensor_aware import TensorAwareStateDict
+from ..tree import FlatState
+from . import naming
+from .agreement import AfterCommit, agree_on_iteration
+from .jobs import seal_staged_part, write_staged_part
+from .naming import CkptID
+from .replication import UserReplication
+from .store import PartStore
+
+logger = logging.getLogger("tierpoint")
+
+
+class PartSaver:
+    """Sync and async saves of this rank's part over ``store``.
+
+    Args:
+        store: the rank's part files.
+        replication: the manager's replication (a clique strategy or a user's, wrapped), or ``None``.
+        keep_last: how many complete iterations to keep (the newest ones).
+        recycle: reuse the pages of expired part files for new ones.
+    """
+
+    def __init__(
+        self, store: PartStore, replication: Any, *, keep_last: int, recycle: bool
+    ) -> None:
+        self.store = store
+        self.replication = replication
+        self.keep_last = keep_last
+        self.recycle = recycle
+        self.pending: int | None = None  # the async save scheduled and not finalized
+        self.requested: set[int] = set()  # async saves handed out, not yet finalized or aborted
+        # The iterations complete after this rank's last commit, and its sorted listing then.
+        self.after_commit: AfterCommit | None = None
+        self.last_replication: transfer.MoveStats | None = None
+        self.stager = Stager()
+        self._tier_in_memory: bool | None = None
+
+    def save(
+        self, state: TensorAwareStateDict, iteration: int, is_async: bool = False
+    ) -> AsyncRequest | None:
+        """Save this rank's part of ``iteration`` (checked already). Collective; see the module
+        docstring."""
+        if not isinstance(state, TensorAwareStateDict):
+            raise CheckpointingError(
+                f"save expects a TensorAwareStateDict (e.g. BasicTensorAwareStateDict(state)), got {type(state).__name__}"
+            )
+        if self.pending is not None and not is_async:
+            raise CheckpointingError(
+                f"the async save of iteration {self.pending} is not finalized yet: call "
+                "AsyncCallsQueue.maybe_finalize_async_calls(blocking=True) before a sync save"
+            )
+        start = time.perf_counter()
+        if self.replication is not None:
+            self.replication.setup()  # collective on first use (lazy strategies create their group)
+        keep = agree_on_iteration(
+            self.store,
+            iteration,
+            keep_last=self.keep_last,
+            in_flight=max(self.requested, default=naming.NO_CHECKPOINT),
+            after_commit=self.after_commit,
+        )
+        logger.debug("save %d: iteration agreed in %.3f s", iteration, time.perf_counter() - start)
+        replication = self.replication
+        try:
+            with tpdist.agree(f"saving local checkpoint iteration {iteration}"):
+                # Before any rank writes (this agreement is the barrier): a part of this iteration
+                # left by a killed job would complete it together with another rank's new part.
+                self.store.remove_from(iteration)
+                flat = state.to_flat()
+                plan = fileformat.plan_part(flat, self._extra(iteration))
+            if not is_async:
+                with tpdist.agree(f"writing local checkpoint iteration {iteration}"):
+                    self._write_part(flat, plan, iteration)
+            user_strategy = isinstance(replication, UserReplication)
+            if replication is not None and (user_strategy or not is_async):
+                with tpdist.agree(f"replicating local checkpoint iteration {iteration}"):
+                    if user_strategy:  # as NVRx: in the training process, also for async saves
+                        self._replicate_with_user_strategy(state, iteration)
+                    else:
+                        self.replicate(iteration, written=True)
+        except CheckpointingError:
+            self.abort(iteration)
+            raise
+        if not is_async:
+            logger.debug(
+                "save %d: written and agreed after %.3f s", iteration, time.perf_counter() - start
+            )
+            self.commit(iteration, keep, plan.data_size, start)
+            return None
+        self.requested.add(iteration)
+        return self._async_request(flat, plan, iteration, keep)
+
+    def _extra(self, iteration: int) -> dict[str, Any]:
+        """The metadata a part of ``iteration`` saved by this rank carries."""
+        return {
+            "iteration": iteration,
+            "rank": self.store.rank,
+            "world_size": self.store.world_size,
+            "session_id": self.store.session_id,
+        }
+
+    # ------------------------------------------------------------------------------ commit, abort
+
+    def commit(self, iteration: int, keep: set[int], nbytes: int, start: float) -> None:
+        """Every rank committed ``iteration``: make it the latest and retire what is not kept.
+
+        ``keep`` was chosen when the save was requested; an async save committed since then (the
+        previous one, finalized in between) is newer than all of it and counts towards ``keep_last``.
+        """
+        store = self.store
+        if store.latest is not None and store.latest < iteration:
+            keep = set(sorted(keep | {store.latest}, reverse=True)[: self.keep_last - 1])
+        self.pending = None
+        self.requested.discard(iteration)
+        store.latest = iteration
+        self.after_commit = None
+        copies = self.replication.replication_factor if self.replication is not None else 1
+        store.retire(keep | {iteration}, max_spares=copies if self.recycle else 0)
+        store.remember_own_part(iteration)
+        with contextlib.suppress(OSError, CheckpointingError):  # else the next save gathers
+            self.after_commit = (frozenset(keep | {iteration}), sorted(store.scan()))
+        tpdist.log_progress(
+            f"saved local checkpoint iteration {iteration} (rank {store.rank})", nbytes, start
+        )
+
+    def abort(self, iteration: int) -> None:
+        """``iteration`` failed on some rank (alike on every rank): remove its files here."""
+        self.after_commit = None
+        if self.pending == iteration:
+            self.pending = None
+        self.requested.discard(iteration)
+        self.store.remove_iteration(iteration)
+        self.store.latest = None
+        if self.replication is not None:
+            # Every rank aborts alike, so every rank replaces the group (a timed-out exchange may
+            # have left messages in flight on the old one).
+            self.replication.reset()
+
+    # ------------------------------------------------------------------------------ writing
+
+    def _write_part(self, flat: FlatState, plan: fileformat.PartPlan, iteration: int) -> None:
+        path = self.store.part_path(iteration)
+        spare = self.store.take_spare() if self.recycle else None
+        result = fileformat.write_flat(path, flat, plan=plan, recycle=spare)
+        logger.debug(
+            "wrote %s (%d bytes, %.3f s, %s)",
+            path,
+            result.nbytes,
+            result.seconds,
+            "recycled" if spare else "new",
+        )
+
+    def _async_request(
+        self, flat: FlatState, plan: fileformat.PartPlan, iteration: int, keep: set[int]
+    ) -> AsyncRequest:
+        path = self.store.part_path(iteration)
+        start = time.perf_counter()
+        in_place = self._snapshots_in_place(flat)
+        if in_place:
+            self.stager.close()  # the part files are the staging memory now
+
+        def snapshot() -> dict[str, Any]:
+            # Runs when the queue schedules the request: after the previous save was finalized, so
+            # the staging buffer and the spare file are free (refused otherwise, alike on every rank).
+            if self.pending is not None:
+                self.requested.discard(iteration)
+                raise CheckpointingError(
+                    f"the async save of local iteration {iteration} was scheduled while the one of "
+                    f"iteration {self.pending} is still in flight: nothing written (the local tier "
+                    "keeps one async save in flight; use AsyncCallsQueue(max_in_flight=1), the "
+                    "default)"
+                )
+            latest = self.store.latest
+            if latest is not None and latest >= iteration:  # alike on every rank
+                self.requested.discard(iteration)
+                raise CheckpointingError(
+                    f"the async save of local iteration {iteration} was scheduled after iteration "
+                    f"{latest} was saved: nothing written (a stale request would retire "
+                    "the newer checkpoint)"
+                )
+            self.pending = iteration
+            spare = self.store.take_spare() if self.recycle else None
+            t0 = time.perf_counter()
+            # Off the training thread (an overlapped snapshot), hashing each piece just copied costs
+            # little more than the copy and spares the worker a pass over the memory; on it, the
+            # copy alone is what training waits for.
+            hash_now = threading.current_thread() is not threading.main_thread()
+            if in_place:
+                kwargs = {"checksums": self._stage_in_place(flat, plan, path, spare, hash_now)}
+            else:
+                buffer, checksums = (
+                    self.stager.stage_and_hash(flat, plan)
+                    if hash_now
+                    else (self.stager.stage(flat, plan), None)
+                )
+                recycle = str(spare) if spare else None
+                kwargs = {"buffer": buffer, "checksums": checksums, "recycle": recycle}
+            logger.debug("snapshot of iteration %d: %.3f s", iteration, time.perf_counter() - t0)
+            return kwargs
+
+        clique = self.replication is not None and not isinstance(self.replication, UserReplication)
+        return AsyncRequest(
+            seal_staged_part if in_place else write_staged_part,
+            (str(path), plan.to_json()),
+            [lambda: self.commit(iteration, keep, plan.data_size, start)],
+            preload_fn=snapshot,
+            abort_fns=[lambda: self.abort(iteration)],
+            description=f"async save of local checkpoint iteration {iteration}",
+            background_fn=(lambda written: self.replicate(iteration, written)) if clique else None,
+        )
+
+    def _snapshots_in_place(self, flat: FlatState) -> bool:
+        """Whether an async snapshot goes straight into the part file's pages: the tier is in RAM
+        (so those pages are shared memory, as a staging buffer is), spares are recycled (so the
+        pages exist already and are reused) and every tensor is on the CPU."""
+        if self._tier_in_memory is None:  # decided once: the tier does not change file system
+            self._tier_in_memory = in_memory_filesystem(self.store.directory)
+        return (
+            self.recycle
+            and self._tier_in_memory
+            and all(t.device.type == "cpu" for t in flat.tensors)
+        )
+
+    def _stage_in_place(
+        self,
+        flat: FlatState,
+        plan: fileformat.PartPlan,
+        path: Path,
+        spare: Path | None,
+        hash_now: bool,
+    ) -> list[str] | None:
+        """Copy ``flat`` into the data section of ``path``'s dirty file (the spare's pages when
+        there is one) through a mapping kept from save to save; the worker then seals it."""
+        dirty = fileformat.dirty_name(path)
+        size = fileformat.prepare_planned(dirty, plan, recycle=spare)
+        mapped = self.store.mappings.map(str(dirty), size, writable=True)[1]
+        data = mapped[plan.data_start() : plan.data_start() + plan.data_size]
+        return self.stager.stage_into(flat, plan, data, hash=hash_now)
+
+    # ------------------------------------------------------------------------------ replicating
+
+    def replicate(self, iteration: int, written: bool) -> None:
+        """Send this rank's part to its clique and receive the clique's parts (collective).
+
+        ``written`` False: this rank's own write failed; its peers learn it at once.
+        """
+        replication = self.replication
+        if replication is None or replication.replication_factor < 2:
+            return
+        start = time.perf_counter()
+        store = self.store
+        moves = store.part_moves(
+            iteration,
+            [(o, h, o) for o in range(store.world_size) for h in replication.holders(o)],
+        )
+        stats = store.move_parts(
+            moves,
+            replication.group,
+            unavailable=None if written else f"rank {store.rank} could not write its own part",
+            reuse=lambda move: store.take_spare(leftovers=False) if self.recycle else None,
+        )
+        self.last_replication = stats
+        logger.debug(
+            "replicated iteration %d: sent %d, received %d bytes in %.3f s",
+            iteration,
+            stats.sent_bytes,
+            stats.received_bytes,
+            time.perf_counter() - start,
+        )
+
+    def _replicate_with_user_strategy(self, state: TensorAwareStateDict, iteration: int) -> None:
+        """Run the user's ``replicate`` (collective) and write what it gives this rank to keep as
+        replica parts."""
+        replication = self.replication
+        assert isinstance(replication, UserReplication)
+        store = self.store
+        ckpt_id = CkptID(iteration, store.rank, store.session_id)
+        for ckpt, (saved, origin, session) in replication.replicate(state, ckpt_id):
+            if origin == store.rank:
+                continue
+            if (
+                saved != iteration
+                or session != store.session_id
+                or type(origin) is not int
+                or not 0 <= origin < store.world_size
+            ):
+                raise CheckpointingError(
+                    f"{type(replication.strategy).__name__}.replicate returned a checkpoint "
+                    f"of {(saved, origin, session)} while saving {ckpt_id}"
+                )
+            flat = ckpt.to_flat()
+            extra = {**self._extra(iteration), "rank": origin}
+            path = store.part_path(iteration, origin)
+            fileformat.write_flat(path, flat, plan=fileformat.plan_part(flat, extra))

@@ -1,0 +1,298 @@
+"""PartStore: where each rank's part files live, which parts are committed, and what is known of
+the complete iterations.
+
+Call order: the manager makes one store (no collective, nothing touched on disk) and hands it to
+its components (:mod:`~tierpoint.local.discovery`, :mod:`~tierpoint.local.recovery`,
+:mod:`~tierpoint.local.saving`). They call :meth:`PartStore.scan` to list this rank's committed
+parts, :func:`complete_iterations` on every rank's listing, :meth:`PartStore.part_path` /
+:meth:`PartStore.move_parts` to write and exchange parts, and :meth:`PartStore.retire` /
+:meth:`PartStore.remove_iteration` once every rank agreed what to keep. Nothing here is collective.
+
+Invariants:
+- Only a committed, structurally valid part is listed (its header checked once per file version).
+- A spare (``spare_<n>.free``) is renamed away from its committed name before it is reused and is
+  never a part of any checkpoint; a mapped file is never made a spare nor handed out for reuse, and
+  the mappings of files removed here are dropped (a mapping pins a file's pages).
+- ``latest`` is an iteration every rank agreed on (found complete, loaded or committed) or ``None``
+  when not known; ``unloadable`` holds the complete iterations a load found no good copy of (the
+  next save removes them instead of being refused below them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .. import dist as tpdist
+from .. import fileformat, transfer
+from ..errors import CheckpointingError, CorruptCheckpointError
+from ..files import unlink_quietly
+from . import naming
+
+logger = logging.getLogger("tierpoint")
+
+Listing = list[list[int]]
+"""One rank's (or node's) committed parts: ``[iteration, origin rank, world size]`` each."""
+
+
+class PartStore:
+    """This rank's part files under ``root/<session_id>/<rank>/`` (own parts and replicas), the
+    places of the other ranks' files, and the mappings kept over them."""
+
+    def __init__(self, root: Path, session_id: str) -> None:
+        self.root = root
+        self.session_id = session_id
+        self.mappings = transfer.MappingCache()
+        self.latest: int | None = None
+        self.unloadable: set[int] = set()
+        self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int] | None]] = {}
+
+    # ------------------------------------------------------------------------------ places
+
+    @property
+    def rank(self) -> int:
+        return tpdist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return tpdist.get_world_size()
+
+    @property
+    def session_dir(self) -> Path:
+        return self.root / self.session_id
+
+    def dir_of(self, holder: int) -> Path:
+        """Where rank ``holder`` keeps its files (on its own node)."""
+        return self.session_dir / str(holder)
+
+    @property
+    def directory(self) -> Path:
+        """This rank's directory."""
+        return self.dir_of(self.rank)
+
+    def part_path(self, iteration: int, origin: int | None = None) -> Path:
+        """Where this rank keeps the part of ``origin`` (default: its own) of ``iteration``."""
+        return self.directory / naming.part_name(iteration, self.rank if origin is None else origin)
+
+    def ensure_dir(self) -> None:
+        path = self.directory
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path, 0o700)
+
+    # ------------------------------------------------------------------------------ listing
+
+    def scan(self) -> Listing:
+        """This rank's committed, structurally valid parts: ``[iteration, origin rank, world size]``.
+
+        A header is validated once per file version (inode, size, mtime), so saves do not re-read it
+        (and an unusable one is warned about once).
+        """
+        if not self.directory.is_dir():
+            return []
+        found = []
+        seen: dict[str, tuple[tuple[int, int, int], list[int] | None]] = {}
+        for entry in os.scandir(self.directory):
+            parsed = naming.parse_part_name(entry.name)
+            if parsed is None:
+                continue
+            version = naming.file_version(entry.stat())
+            cached = self._scan_cache.get(entry.name)
+            if cached is not None and cached[0] == version:
+                part = cached[1]
+            else:  # an unusable file is reported once per version, not on every scan
+                part = _validate_part(entry.path, *parsed)
+            seen[entry.name] = (version, part)
+            if part is not None:
+                found.append(part)
+        self._scan_cache = seen
+        return found
+
+    def remember_own_part(self, iteration: int) -> None:
+        """Spare the next scan re-reading the header of the part this process just wrote."""
+        path = self.part_path(iteration)
+        version = naming.version_of(path)
+        if version is not None:
+            self._scan_cache[path.name] = (version, [iteration, self.rank, self.world_size])
+
+    def forget_scans(self) -> None:
+        """Validate every header anew on the next scan (files arrived from peers)."""
+        self._scan_cache.clear()
+
+    def held_origins(self, iteration: int) -> list[int]:
+        """The origin ranks whose part of ``iteration`` this rank holds."""
+        return sorted({origin for it, origin, _ in self.scan() if it == iteration})
+
+    def holds_parts(self) -> bool:
+        try:
+            return bool(self.scan())
+        except (OSError, CheckpointingError):
+            return False
+
+    def other_ranks_with_parts(self) -> list[int]:
+        """The other ranks whose directories under this session hold parts (``OSError`` when the
+        session directory cannot be listed)."""
+        return sorted(
+            int(d.name)
+            for d in os.scandir(self.session_dir)
+            if d.name.isdigit()
+            and int(d.name) != self.rank
+            and any(naming.parse_part_name(n) for n in os.listdir(d.path))
+        )
+
+    def part_files(self, dirty: bool = False) -> Iterator[tuple[os.DirEntry, int]]:
+        """This rank's part files (own and replicas; with ``dirty``, unfinished ones too) and the
+        iteration of each."""
+        for entry in os.scandir(self.directory):
+            name = entry.name.removesuffix(naming.DIRTY_SUFFIX) if dirty else entry.name
+            parsed = naming.parse_part_name(name)
+            if parsed is not None:
+                yield entry, parsed[0]
+
+    # ------------------------------------------------------------------------------ moving parts
+
+    def part_moves(
+        self, iteration: int, triples: Iterable[tuple[int, int, int]]
+    ) -> list[transfer.FileMove]:
+        """``(source, destination, origin)`` -> moves of origin's part between the two directories."""
+        name = naming.part_name
+        return [
+            transfer.FileMove(
+                src,
+                dst,
+                str(self.dir_of(src) / name(iteration, o)),
+                str(self.dir_of(dst) / name(iteration, o)),
+            )
+            for src, dst, o in triples
+        ]
+
+    def move_parts(
+        self, moves: list[transfer.FileMove], group: Any, **options: Any
+    ) -> transfer.MoveStats:
+        """Carry out ``moves`` over ``group`` (collective over it), each received part verified as
+        it lands (:class:`ReceivedPart`); ``options``: more of :func:`tierpoint.transfer.move_files`."""
+        return transfer.move_files(
+            moves,
+            group,
+            timeout=tpdist.default_timeout().total_seconds(),
+            digest=False,  # the part file carries its own checksums, verified on receipt
+            verify=ReceivedPart,
+            mappings=self.mappings,
+            **options,
+        )
+
+    # ------------------------------------------------------------------------------ removing
+
+    def take_spare(self, leftovers: bool = True) -> Path | None:
+        """A file whose pages a new file may reuse: a spare, or (``leftovers``) a stale dirty file."""
+        for entry in os.scandir(self.directory):
+            reusable = naming.is_spare_name(entry.name) or (
+                leftovers and naming.is_dirty_name(entry.name)
+            )
+            if reusable and not fileformat.is_mapped(entry.path):
+                return Path(entry.path)
+        return None
+
+    def retire(self, keep: set[int], max_spares: int) -> None:
+        """Remove every file of this rank that no iteration in ``keep`` needs, keeping up to
+        ``max_spares`` of them as spares."""
+        directory = self.directory
+        spares = [e.name for e in os.scandir(directory) if naming.is_spare_name(e.name)]
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            parsed = naming.parse_part_name(entry.name)
+            stale = naming.is_dirty_name(entry.name) or (
+                parsed is not None and parsed[0] not in keep
+            )
+            if not stale:
+                continue
+            if len(spares) < max_spares and not fileformat.is_mapped(entry.path):
+                spare = naming.spare_name(len(spares))
+                os.replace(entry.path, directory / spare)
+                spares.append(spare)
+            else:
+                unlink_quietly(entry.path)
+        fileformat.fsync_dir(directory)
+        self.forget_removed_files()
+
+    def remove_from(self, iteration: int) -> None:
+        """Remove this rank's committed parts (own and replicas) of ``iteration`` and newer ones; a
+        part that cannot be removed raises (``OSError``)."""
+        removed = False
+        for entry, saved in self.part_files():
+            if saved >= iteration:
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
+                removed = True
+        if removed:
+            fileformat.fsync_dir(self.directory)
+            self.forget_removed_files()
+
+    def remove_iteration(self, iteration: int) -> None:
+        """Remove this rank's files of ``iteration``, unfinished ones too (quietly)."""
+        if not self.directory.is_dir():
+            return
+        for entry, saved in self.part_files(dirty=True):
+            if saved == iteration:
+                unlink_quietly(entry.path)
+        self.forget_removed_files()
+
+    def forget_removed_files(self) -> None:
+        """Unmap the files that no longer exist (a mapping pins their pages)."""
+        if len(self.mappings):
+            try:
+                present = [e.path for e in os.scandir(self.directory)]
+            except OSError:
+                present = []
+            self.mappings.retain(present)
+
+
+def complete_iterations(listings: Iterable[Listing]) -> dict[int, int]:
+    """Iterations whose parts exist for every rank of the world size they were saved with, and
+    that world size."""
+    origins: dict[int, set[int]] = {}
+    worlds: dict[int, set[int]] = {}
+    for listing in listings:
+        for iteration, origin, world in listing:
+            origins.setdefault(iteration, set()).add(origin)
+            worlds.setdefault(iteration, set()).add(world)
+    complete = {}
+    for iteration, ranks in origins.items():
+        sizes = worlds[iteration]
+        if len(sizes) == 1:
+            (world,) = sizes
+            if ranks >= set(range(world)):
+                complete[iteration] = world
+    return complete
+
+
+def _validate_part(path: str, iteration: int, origin: int) -> list[int] | None:
+    try:
+        world = naming.part_world_size(path, iteration, origin)
+    except (OSError, CheckpointingError) as e:
+        logger.warning("ignoring unusable local part %s: %s", path, e)
+        return None
+    return [iteration, origin, world]
+
+
+class ReceivedPart(fileformat.PartVerifier):
+    """A part arriving from a peer: every checksum holds (checked as it lands) and it is the part
+    its name says."""
+
+    def __init__(self, move: transfer.FileMove, data: memoryview) -> None:
+        super().__init__(move.dst_path, data)
+        self.move = move
+
+    def finish(self) -> fileformat.PartHeader:
+        header = super().finish()
+        expected = naming.parse_part_name(Path(self.move.dst_path).name)
+        meta = header.extra
+        if expected is None or (meta.get("iteration"), meta.get("rank")) != expected:
+            raise CorruptCheckpointError(
+                self.move.dst_path,
+                f"rank {self.move.src} sent a part whose metadata does not match its name",
+            )
+        return header
