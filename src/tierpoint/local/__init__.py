@@ -4,6 +4,13 @@ Public names: :class:`LocalCheckpointManager`, :class:`CkptID`, the replication 
 :class:`CliqueReplicationStrategy` and :class:`LazyCliqueReplicationStrategy`, the base class
 :class:`ReplicationStrategy` for a user's own strategy (NVRx's ``replicate``), and the NVRx-compatible exception
 names :data:`CheckpointingException` and :class:`SameMachineReplicationException`.
+
+Inside, one idea per module, lower ones first: ``naming`` (file names and places), ``store`` (this
+rank's files: scan, complete iterations, spares, retirement), ``retrieval`` and ``node_reports``
+(pure planning and merging), ``replication`` (strategies), ``jobs`` (the worker's jobs),
+``discovery`` (``find_latest``), ``agreement`` (what a save may write and keep), ``saving`` and
+``recovery`` (components over the store), and ``manager``, the facade with NVRx's names
+(``nvrx_names`` holds its file-name helpers).
 """
 
 from ..errors import CheckpointingException, SameMachineReplicationException

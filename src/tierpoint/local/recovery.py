@@ -109,7 +109,9 @@ class PartRecovery:
     def read_own(
         self, iteration: int, allow_pickle: bool, verify: bool | None = None
     ) -> tuple[Any, str, str]:
-        """This rank's part of ``iteration`` read and verified: ``(loaded, reason, error kind)``."""
+        """This rank's part of ``iteration`` read and checked (``verify``: the checksums too, by
+        default as the manager was made): ``(loaded, reason, error kind)``, ``loaded`` being
+        ``(header, tensors)`` or ``None`` (then ``reason`` and the kind say why). No collective."""
         path = self.store.part_path(iteration)
         verify = self.verify if verify is None else verify
         try:
