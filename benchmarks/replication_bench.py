@@ -49,7 +49,7 @@ sends that much and receives as much at the same time). Phase tables split the s
 replication step, and the slower wiped rank's recovery, into exclusive seconds: mapping and opening
 files, waiting for bytes on the wire, checksum verification, fsync, renames, and for recovery also
 the read of the own part and the collectives (which include waiting for slower ranks). They come
-from wrapping tierpoint.transfer's steps inside the rank processes (the benchmark's own
+from wrapping tierpoint.peers.transfer's steps inside the rank processes (the benchmark's own
 monkey-patching; nothing in the library changes; a hook that no longer exists is reported, not
 fatal). The last line tells how much CPU other processes took meanwhile, the usual cause of noise.
 
@@ -195,7 +195,7 @@ class PhaseClock:
 
 
 class _TimedOs:
-    """Stands in for ``os`` inside tierpoint.transfer: times fsync and rename within a commit."""
+    """Stands in for ``os`` inside tierpoint.peers: times fsync and rename within a commit."""
 
     def __init__(self, real: Any, clock: PhaseClock) -> None:
         self._real, self._clock = real, clock
@@ -217,7 +217,7 @@ class _TimedOs:
 
 
 class _TimedDist:
-    """Stands in for ``torch.distributed`` inside tierpoint.transfer: times posting isend/irecv."""
+    """Stands in for ``torch.distributed`` inside tierpoint.peers: times posting isend/irecv."""
 
     def __init__(self, real: Any, clock: PhaseClock) -> None:
         self._real, self._clock = real, clock
@@ -235,7 +235,7 @@ class _TimedDist:
 
 
 def instrument(clock: PhaseClock) -> list[str]:
-    """Wrap tierpoint.transfer's steps (in this process only); return the hooks that do not exist."""
+    """Wrap tierpoint.peers.transfer's steps (in this process only); return the hooks that do not exist."""
     missing: list[str] = []
 
     def wrap(owner: Any, name: str, label: Callable[[tuple, dict], str | None]) -> None:
@@ -285,7 +285,7 @@ def instrument(clock: PhaseClock) -> list[str]:
         if hasattr(transfer, name):
             setattr(transfer, name, proxy(getattr(transfer, name), clock))
         else:
-            missing.append(f"tierpoint.transfer.{name}")
+            missing.append(f"tierpoint.peers.{name}")
     return missing
 
 
@@ -346,7 +346,7 @@ def exchange_mapped(src: Path, dst: Path, peer: int, group: Any, populate: bool)
     receiving into a fresh shared mapping of an existing tmpfs file whose pages exist (a recycled
     spare), mapping and unmapping included.
 
-    ``populate`` False maps as tierpoint.transfer does (the source private and writable, as
+    ``populate`` False maps as tierpoint.peers does (the source private and writable, as
     ``ACCESS_COPY``); True maps both with ``MAP_POPULATE``, the source shared and read-only (a
     private writable mapping would be populated by copying every page)."""
     extra = getattr(mmap, "MAP_POPULATE", 0) if populate else 0

@@ -54,7 +54,7 @@ def test_wiped_node_is_restored_from_peers(tmp_path: Path) -> None:
 def _load_then_rank_0_dies(rank: int, world: int, root: str) -> tuple[float, list[str]]:
     import time
 
-    from tierpoint import transfer
+    from tierpoint.peers import transfer
 
     as_node(rank)
     records = WarningRecords()

@@ -2,7 +2,7 @@
 
 For code written against ML Flashpoint's ``MLFlashpointCheckpointLoader``: the same class names,
 methods and arguments, each delegating to tierpoint's functions (:mod:`tierpoint.dcp.step_dirs`,
-:mod:`~tierpoint.dcp.reader`, :mod:`~tierpoint.dcp.peer_fetch`, :mod:`~tierpoint.transfer`).
+:mod:`~tierpoint.dcp.reader`, :mod:`~tierpoint.dcp.peer_fetch`, :mod:`~tierpoint.peers.transfer`).
 
 Call order of a resume (every rank, collective where noted)::
 

@@ -4,7 +4,7 @@ the files its ranks read.
 When each node writes a checkpoint to its own disk, a node holds only its ranks' ``.distcp`` files,
 and only the coordinator's node holds ``.metadata``. After a restart (ranks on other nodes, a
 node that lost files) a node may lack what its ranks must read. :func:`retrieve_missing` fetches it
-from the nodes that have it, over tierpoint's coordination group (:mod:`tierpoint.transfer`:
+from the nodes that have it, over tierpoint's coordination group (:mod:`tierpoint.peers.transfer`:
 bucketed, checksummed on receipt, committed atomically).
 
 Call order: every rank calls :func:`retrieve_missing` for the same step directory (the path on its

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import dist as tpdist
-from .. import fileformat, storage, transfer
+from .. import fileformat, storage
 from ..asyncsave.request import AsyncRequest
 from ..errors import CheckpointingError
+from ..peers import transfer
 from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from . import naming

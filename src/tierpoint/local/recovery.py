@@ -9,7 +9,7 @@ fell back from (``store.unloadable``).
 Call order: the manager finds the latest iteration, then calls :meth:`PartRecovery.load`
 (collective): for that iteration and then each older one (``older``, asked once): every rank reads
 and verifies its own part; the ranks gather what each holds (merged per node), every rank makes the
-same retrieval plan (:mod:`tierpoint.local.retrieval`); the moves run (:mod:`tierpoint.transfer`,
+same retrieval plan (:mod:`tierpoint.local.retrieval`); the moves run (:mod:`tierpoint.peers.transfer`,
 verified as they land); repeat until nothing is needed or a part has no good copy left (then the
 next older iteration). After the load, the replicas this rank should hold but lacks are planned the
 same way and fetched on a background thread (:meth:`PartRecovery.wait_for_restore`, which the

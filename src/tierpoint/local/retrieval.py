@@ -2,7 +2,7 @@
 
 Call order (inside a collective load): every rank reports a :class:`HolderStatus` for the iteration
 being loaded; every rank calls :func:`plan_retrieval` on all reports (the same result everywhere); every
-rank carries out the moves (:func:`tierpoint.transfer.move_files`) and reports again, until nothing
+rank carries out the moves (:func:`tierpoint.peers.transfer.move_files`) and reports again, until nothing
 is needed or nothing more can be fetched.
 
 The plan is a pure function of the reports, so it is easy to test and identical wherever it is

@@ -39,10 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import dist as tpdist
-from .. import fileformat, transfer
+from .. import fileformat
 from ..asyncsave.request import AsyncRequest
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
+from ..peers import transfer
 from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from ..tree import FlatState

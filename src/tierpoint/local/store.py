@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import dist as tpdist
-from .. import fileformat, transfer
+from .. import fileformat
 from ..errors import CheckpointingError, CorruptCheckpointError
 from ..files import unlink_quietly
+from ..peers import transfer
 from . import naming
 
 logger = logging.getLogger("tierpoint")
@@ -172,7 +173,7 @@ class PartStore:
         self, moves: list[transfer.FileMove], group: Any, **options: Any
     ) -> transfer.MoveStats:
         """Carry out ``moves`` over ``group`` (collective over it), each received part verified as
-        it lands (:class:`ReceivedPart`); ``options``: more of :func:`tierpoint.transfer.move_files`."""
+        it lands (:class:`ReceivedPart`); ``options``: more of :func:`tierpoint.peers.transfer.move_files`."""
         return transfer.move_files(
             moves,
             group,

@@ -1,4 +1,4 @@
-"""tierpoint.transfer.move_files on real gloo ranks: content, buckets, verification, dead peers."""
+"""tierpoint.peers.transfer.move_files on real gloo ranks: content, buckets, verification, dead peers."""
 
 from __future__ import annotations
 
