@@ -32,7 +32,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .. import dist as tpdist
 from .. import fileformat, storage
 from ..asyncsave.request import AsyncRequest
 from ..errors import CheckpointingError
@@ -141,11 +140,11 @@ class LocalCheckpointManager(NVRxFileNames):
 
     @property
     def rank(self) -> int:
-        return tpdist.get_rank()
+        return self._store.rank
 
     @property
     def world_size(self) -> int:
-        return tpdist.get_world_size()
+        return self._store.world_size
 
     @property
     def local_ckpt_dir(self) -> Path:
