@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,13 +33,19 @@ def test_killed_three_ways_the_demo_ends_bit_equal_to_an_uninterrupted_run() -> 
     node_at = rng.choice([s for s in (12, 15, 18) if s > rank_at + 3])
     all_at = rng.choice([s for s in (21, 24) if s > node_at + 3])
     failures = f"rank@{rank_at},node@{node_at},all@{all_at}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tierpoint.demo", "--width=32", f"--failures={failures}"],
-        capture_output=True,
-        text=True,
-        timeout=400,  # below pytest's, so that a stuck run shows the demo's own output
-        env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160"),
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tierpoint.demo", "--width=32", f"--failures={failures}"],
+            capture_output=True,
+            text=True,
+            timeout=400,  # below pytest's, so that a stuck run shows the demo's own output
+            env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160"),
+        )
+    except subprocess.TimeoutExpired:
+        _remove_new_demo_dirs(shm, before)  # a killed demo cannot remove its RAM files itself
+        raise
+    if proc.returncode != 0:
+        _remove_new_demo_dirs(shm, before)  # kept by the demo for inspection: the output says why
     out = proc.stdout
     assert proc.returncode == 0, f"{failures}\n{out}\n{proc.stderr[-3000:]}"
     resumes = [line for line in out.splitlines() if "resumed at step" in line]
@@ -75,3 +82,9 @@ def test_bad_failure_lists_are_refused_before_anything_runs() -> None:
         )
         assert proc.returncode == 2 and "--failures" not in proc.stdout, proc.stderr
         assert "failure" in proc.stderr
+
+
+def _remove_new_demo_dirs(shm: Path, before: set[Path]) -> None:
+    if shm.is_dir():
+        for leftover in set(shm.glob("tierpoint-demo-*")) - before:
+            shutil.rmtree(leftover, ignore_errors=True)
