@@ -37,21 +37,6 @@ class RetrievalPlan:
     lost: list[int]  # ranks whose own part no rank can supply
     unreplicated: list[tuple[int, int]]  # (holder, origin) replicas that cannot be restored now
 
-    def to_json(self) -> dict:
-        return {
-            "moves": [list(m) for m in self.moves],
-            "lost": self.lost,
-            "unreplicated": [list(u) for u in self.unreplicated],
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict) -> RetrievalPlan:
-        return cls(
-            [tuple(m) for m in obj["moves"]],
-            list(obj["lost"]),
-            [tuple(u) for u in obj["unreplicated"]],
-        )
-
 
 def plan_retrieval(
     statuses: Sequence[HolderStatus], holders_of: Callable[[int], list[int]] | None
