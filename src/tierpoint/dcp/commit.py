@@ -175,8 +175,8 @@ def _gather_results(
     - no rank failed, one directory, one file token, and every rank's results equal those of the
       last commit of its cache (an unchanged layout, the common case): nothing is gathered
       (``None`` everywhere; the coordinator commits the remembered results under the new token);
-    - no rank failed and one directory: every rank's results on the coordinator alone (``None``
-      elsewhere);
+    - no rank failed and one directory: every rank's results on the coordinator alone (an empty
+      list elsewhere);
     - otherwise every rank's payload on every rank, so that each raises the same error."""
     h = _hash31(payload["directory"])
     t = _hash31(payload["token"])
