@@ -64,14 +64,16 @@ def run_collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except (RuntimeError, dist.DistError) as e:  # gloo reports timeouts and dead peers as these
         text = str(e)
-        if group is not None:
-            _broken[id(group)] = (group, f"{what}: {_first_line(text)}"[:300])
-        if "timed out" in text.lower() or "timeout" in text.lower():
+        timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        who = ""
+        if timed_out:
             silent = silent_ranks(what, group)
-            who = ""
             if silent:
                 names = "rank " if len(silent) == 1 else "ranks "
                 who = f"; no word from {names}{', '.join(map(str, silent))} (stopped or too slow)"
+        if group is not None:  # a later call on the group names the silent ranks too
+            _broken[id(group)] = (group, f"{what}{who}: {_first_line(text)}"[:300])
+        if timed_out:
             raise CoordinationTimeoutError(
                 f"{what}: ranks did not all arrive within the timeout{who} ({_first_line(text)})"
             ) from e
