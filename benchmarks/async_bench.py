@@ -158,6 +158,10 @@ class TierpointSaver:
         self.state_fn = state_fn
         self.key = "tp_ov" if queue_kw.get("overlap_snapshot") else "tp"
 
+    def warm_up(self) -> None:
+        """Prepare the first save ahead (staging memory, spare files) and wait until it is done."""
+        self.manager.warm_up(BasicTensorAwareStateDict(self.state_fn()), wait=True)
+
     def save(self) -> tuple[float, float]:
         """Save and schedule one checkpoint: (seconds in ``save``, seconds in ``schedule``)."""
         start = time.perf_counter()

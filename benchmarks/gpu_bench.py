@@ -10,7 +10,8 @@ Measured, interleaved (A B C A B C ...: the machine drifts), after warm-up saves
   side stream, one synchronize) and into pageable memory (allocated and touched beforehand);
 - local tier (``LocalCheckpointManager`` + ``AsyncCallsQueue``): blocking time (``save`` +
   ``schedule_async_request``), when the snapshot is copied, time to durable; plain and with
-  ``overlap_snapshot=True``; and the first (cold) save's blocking time;
+  ``overlap_snapshot=True``; and the first save's blocking time, after ``warm_up`` (as a job
+  would call it, steps ahead) and without it;
 - persistent tier (``tierpoint.dcp.async_save`` into a fresh step directory each time, a reused
   ``StagingPool``): blocking time, time to durable; first save too;
 - torch DCP ``async_save`` (``no_dist=True``) with its default staging and with a reused pinned
@@ -22,7 +23,8 @@ Measured, interleaved (A B C A B C ...: the machine drifts), after warm-up saves
   thread waited for per save.
 
 Tables give medians; ratios to the floor are medians of per-repetition ratios (neighbours in time).
-Host memory (RSS and the tier's files) is shown before and after the training loop. Everything
+Host memory (RSS and the tier's files) is shown before and after the training loop, and after each
+of ``--memory-saves`` (50) saves taking turns between the tiers, a state of at most 1 GiB. Everything
 written goes under one fresh directory (/dev/shm when it has room), removed at the end.
 
 Run: ``./run bench gpu [--reps 5] [--json results.json]``; without CUDA it exits with a message.
@@ -252,11 +254,56 @@ class GptTrainer:
         }
 
 
-def host_memory(root: Path) -> str:
+def host_bytes(root: Path) -> tuple[int, int]:
+    """This process's resident memory and the bytes of every file under ``root``."""
     with open("/proc/self/status") as f:
         rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
-    files = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    return rss, sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def host_memory(root: Path) -> str:
+    rss, files = host_bytes(root)
     return f"RSS {rss / GIB:.2f} GiB, checkpoint files {files / GIB:.2f} GiB"
+
+
+def bench_memory(
+    root: Path, gib: float, saves: int, device: torch.device, stack: contextlib.ExitStack
+) -> Times:
+    """Host memory over ``saves`` saves, taking turns: the local tier plain, overlapped, and the
+    persistent tier (a state of at most 1 GiB: a leak grows with the saves, not the state). RSS
+    and the files under ``root`` after each; growth counted from the 5th save (warm by then)."""
+    state = on_device(make_state(min(gib, 1.0)), device)
+    sync(device)
+    local = TierpointSaver(root / "mem-local", lambda: state, stack)
+    local.warm_up()
+    kinds = [
+        local.measure,
+        TierpointSaver(
+            root / "mem-local", lambda: state, stack, local, overlap_snapshot=True
+        ).measure,
+        PersistentSaver(root / "mem-persistent", state, stack).measure,
+    ]
+    rss, files = [], []
+    for k in range(saves):
+        kinds[k % len(kinds)]()
+        r, f = host_bytes(root)
+        rss.append(r)
+        files.append(f)
+    base = min(4, saves - 1)
+    growth = max(rss[base:]) - rss[base]
+    print(
+        f"\nhost memory over {saves} saves (local plain, overlapped, persistent in turn, "
+        f"{nbytes_of(tensors_of(state)) / 1e9:.2f} GB state): RSS after save {base + 1} "
+        f"{rss[base] / GIB:.2f} GiB, after save {saves} {rss[-1] / GIB:.2f} GiB, at most "
+        f"{max(rss[base:]) / GIB:.2f} GiB; checkpoint files {files[base] / GIB:.2f} -> "
+        f"{files[-1] / GIB:.2f} GiB"
+    )
+    return {
+        "memory_rss": [float(r) for r in rss],
+        "memory_files": [float(f) for f in files],
+        "memory_growth": [float(growth)],
+        "memory_state": [float(nbytes_of(tensors_of(state)))],
+    }
 
 
 def bench_training(
@@ -271,9 +318,8 @@ def bench_training(
         "ov25": TierpointSaver(root / "train-ov", trainer.state, stack, overlap_snapshot=True),
     }
     savers["tp10"], savers["ov10"] = savers["tp25"], savers["ov25"]  # same tiers, other cadence
-    for key in ("tp25", "ov25"):
-        for _ in range(2):
-            savers[key].measure()  # warm: pinned staging, files, the worker
+    savers["tp25"].warm_up()  # pinned staging and spare files (one manager: the first save)
+    savers["ov25"].warm_up()
     dcp_saver = DcpTrainingSaver(root, trainer.state, None)  # torch's default options
     stack.callback(dcp_saver.finalize)
     failures: dict[str, str] = {}
@@ -323,7 +369,8 @@ def print_saves(times: Times, nbytes: int, count: int, reps: int, failures: dict
         ("local tier async: blocking (save + schedule)", "tp_block"),
         ("  snapshot copied", "tp_copied"),
         ("  time to durable", "tp_durable"),
-        ("  first save (cold): blocking", "tp_first_block"),
+        ("  first save after warm_up: blocking", "tp_first_block"),
+        ("  first save without warm_up: blocking", "tp_cold_block"),
         ("local tier, overlap_snapshot: blocking", "tp_ov_block"),
         ("  snapshot copied (wait_for_snapshot returns)", "tp_ov_copied"),
         ("  time to durable", "tp_ov_durable"),
@@ -395,11 +442,21 @@ def print_checks(times: Times) -> None:
         ratio = paired(times, num, den)
         ok = ratio >= target if at_least else ratio <= target
         print(f"{label:52s} {ratio:5.2f}x  {'PASS' if ok else 'MISS'}")
-    if times.get("tp_first_block") and times.get("tp_block"):
-        ratio = times["tp_first_block"][0] / median(times["tp_block"])
+    if times.get("memory_growth"):
+        growth, state = times["memory_growth"][0], times["memory_state"][0]
+        allowed = max(64 << 20, 0.02 * state)  # allocator noise, not a buffer per save
+        saves = len(times["memory_rss"])
         print(
-            f"{'first local save <= 2x a steady one':52s} {ratio:5.2f}x  {'PASS' if ratio <= 2 else 'MISS'}"
+            f"{f'host memory flat over {saves} saves (RSS growth)':52s} {growth / 2**20:5.0f} MiB "
+            f"{'PASS' if growth <= allowed else 'MISS'}"
         )
+    for label, first, steady in (
+        ("first local save (after warm_up) <= 2x a steady one", "tp_first_block", "tp_block"),
+        ("first persistent save <= 2x a steady one", "pt_first_block", "pt_block"),
+    ):
+        if times.get(first) and times.get(steady):
+            ratio = times[first][0] / median(times[steady])
+            print(f"{label:52s} {ratio:5.2f}x  {'PASS' if ratio <= 2 else 'MISS'}")
 
 
 # ------------------------------------------------------------------------------------ main
@@ -413,7 +470,11 @@ def bench_saves(
     sync(device)
     failures: dict[str, str] = {}
     stack.callback(shutil.rmtree, root / "tier", ignore_errors=True)  # after the queues closed
+    with contextlib.ExitStack() as cold_stack:  # a first save without warm_up, for comparison
+        first_cold = TierpointSaver(root / "cold", lambda: state, cold_stack).measure()
+    shutil.rmtree(root / "cold", ignore_errors=True)
     local = TierpointSaver(root / "tier", lambda: state, stack)
+    local.warm_up()  # as a job would, steps before its first save
     first_local = local.measure()
     local.measure()
     overlapped = TierpointSaver(root / "tier", lambda: state, stack, local, overlap_snapshot=True)
@@ -443,6 +504,7 @@ def bench_saves(
     run_interleaved(contenders, 1)  # warm-up: DCP's first save allocates its staging
     times = run_interleaved(contenders, reps)
     times["tp_first_block"] = [first_local["tp_block"]]
+    times["tp_cold_block"] = [first_cold["tp_block"]]
     times["pt_first_block"] = [first_persistent["pt_block"]]
     print_saves(times, nbytes_of(tensors), len(tensors), reps, failures)
     return times, failures
@@ -458,6 +520,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=1024, help="GPT width")
     p.add_argument("--seq", type=int, default=512, help="GPT sequence length")
     p.add_argument("--vocab", type=int, default=32768, help="GPT vocabulary")
+    p.add_argument("--memory-saves", type=int, default=50, help="saves of the memory check")
     p.add_argument("--json", type=Path, default=None, help="also write every figure here")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args(argv)
@@ -493,6 +556,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        with contextlib.ExitStack() as stack:
+            times.update(bench_memory(root, gib, args.memory_saves, device, stack))
+        gc.collect()
         with contextlib.ExitStack() as stack:
             train_times, memory = bench_training(root, args, device, stack)
         times.update(train_times)

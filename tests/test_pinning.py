@@ -180,6 +180,21 @@ def test_a_layout_change_unpins_the_old_buffer_before_unmapping_it(tmp_path):
     assert fake.violations == [] and fake.live == {} and fake.pending is None
 
 
+def test_warm_up_pins_the_staging_buffer_before_the_first_save_which_reuses_it(tmp_path):
+    with fake_runtime() as fake:
+        manager = LocalCheckpointManager(tmp_path, session_id="job", recycle=False)
+        manager.warm_up(BasicTensorAwareStateDict(_state(256, 0)), wait=True)
+        assert (fake.registered, len(fake.live)) == (1, 1)  # pinned ahead, off the save
+        with AsyncCallsQueue() as queue:
+            for it in (1, 2):
+                _save_async(manager, queue, it, rows=256)
+        assert fake.registered == 1  # the saves found it pinned
+        _loads(tmp_path, 2, rows=256)
+        del manager
+        gc.collect()
+    assert fake.violations == [] and fake.live == {} and fake.pending is None
+
+
 def _dcp_saves(rank: int, world: int, root: str, in_place: bool) -> dict:
     from tierpoint.dcp.writer import stages_in_place
 

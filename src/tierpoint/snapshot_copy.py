@@ -13,7 +13,8 @@ tensor with its place in it, then call :func:`copy_tensors`; it returns once eve
 - Any other CPU tensor goes through ``Tensor.copy_`` (hashed afterwards with ``hash=True``).
 - CUDA tensors go through :func:`copy_from_devices`: one side stream per device (reused) that first
   waits for the device's current stream, so the copy sees every kernel queued before the call;
-  ``non_blocking`` into pinned memory, in one pass of calls, synchronised before returning. Their
+  ``non_blocking`` into pinned memory, issued in one call per device (:func:`issue_copies`),
+  synchronised before returning. Their
   checksums are left to the writer (nothing of a device copy is in the CPU cache to hash from):
   ``copy_tensors`` then returns ``None``.
 
@@ -24,6 +25,7 @@ properties; ``torch`` provides the device copies.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -33,6 +35,8 @@ import torch
 import xxhash
 
 from .fileformat import byte_view, checksum
+
+logger = logging.getLogger("tierpoint")
 
 _CHUNK = 8 << 20
 """Bytes one ``memmove`` of a lane copies."""
@@ -94,11 +98,32 @@ def copy_from_devices(
                 stream = _side_streams[device] = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                for src, dst in pairs:
-                    dst.copy_(src.detach(), non_blocking=pinned)
+                issue_copies([s.detach() for s, _ in pairs], [d for _, d in pairs], pinned)
             streams.append(stream)
         for stream in streams:
             stream.synchronize()
+
+
+_batched_copies = True  # False once torch refused a batched copy: one call per tensor from then on
+
+
+def issue_copies(
+    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], non_blocking: bool
+) -> None:
+    """``targets[k].copy_(sources[k])`` for every k, queued in one call to torch
+    (``_foreach_copy_``, which holds the GIL once, not once per tensor: a background snapshot of
+    hundreds of tensors then barely competes with the training thread that launches kernels); one
+    call per tensor where torch refuses the batch."""
+    global _batched_copies
+    if _batched_copies and len(sources) > 1:
+        try:
+            torch._foreach_copy_(list(targets), list(sources), non_blocking=non_blocking)
+            return
+        except (RuntimeError, TypeError, AttributeError) as e:  # redone one by one: idempotent
+            _batched_copies = False
+            logger.debug("batched copies refused (%s): one copy per tensor", e)
+    for src, dst in zip(sources, targets):
+        dst.copy_(src, non_blocking=non_blocking)
 
 
 def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:

@@ -9,7 +9,9 @@ are still in the CPU cache (for a snapshot taken off the training thread: the wo
 writes, one memory pass less). ``Stager.stage_into(flat, plan, data)`` copies into memory the caller
 owns instead: when checkpoints live on a RAM file system (:func:`in_memory_filesystem`), the shared
 mapping of the part file itself, so that the part file is the staging memory and the worker has
-nothing left to write but the header.
+nothing left to write but the header. ``stager.warm(plan, device)``, called ahead of the first save
+(from a background thread, see :meth:`tierpoint.local.LocalCheckpointManager.warm_up`), allocates,
+faults in and pins the buffer, so that the first save costs what a steady one does.
 
 Invariants:
 - A buffer is allocated once per layout (dtypes, shapes, offsets) and reused while the layout is
@@ -70,13 +72,19 @@ class StagingBuffer:
                 raise
         self._map = mmap.mmap(self.fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
-        if directory is not None and nbytes:
-            _populate(self._map, self.tensor.data_ptr())
+        if directory is not None:
+            self.populate()
         self._pin = PinnedRange()
         # Holds the mapping, so the mapping outlives the range's release, whoever drops the buffer.
         self._free = weakref.finalize(self, _unmap, self._pin, self._map, self.fd)
         self.offsets: list[tuple[int, int]] | None = None
         self.dtypes: list[str] | None = None
+
+    def populate(self) -> None:
+        """Fault every page of the buffer in, writable, now (else the first copy into each page
+        allocates and zeroes it)."""
+        if self.nbytes:
+            _populate(self._map, self.tensor.data_ptr())
 
     def pin(self, device: int | None) -> bool:
         """Page-lock the buffer for copies from ``device`` (a CUDA index; None: nothing to pin for),
@@ -181,6 +189,16 @@ class Stager:
             buf = StagingBuffer(plan.data_size)
             buf.offsets, buf.dtypes = list(plan.offsets), list(plan.dtypes)
             self.buffer = buf
+        buf.pin(device)
+        return buf
+
+    def warm(self, plan: PartPlan, device: int | None = None) -> StagingBuffer:
+        """:meth:`buffer_for`, with every page of the buffer faulted in now (a fresh buffer's pages
+        are otherwise allocated and zeroed by the first copy into them): ahead of the first save,
+        so that it costs what a steady one does."""
+        buf = self.buffer_for(plan)
+        if not buf.pinned:  # pinning faults the pages in itself
+            buf.populate()
         buf.pin(device)
         return buf
 

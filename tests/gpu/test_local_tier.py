@@ -74,3 +74,20 @@ def test_mixed_cpu_and_cuda_tensors_keep_their_devices(tmp_path):
     assert_same(got, want)
     assert got["model"]["embed.cpu"].device.type == "cpu"
     cuda_still_works()
+
+
+@pytest.mark.parametrize("mode", ["async", "overlapped"])
+def test_warm_up_pins_ahead_and_the_first_saves_use_its_buffer(tmp_path, mode):
+    state = model_state(7)
+    manager = LocalCheckpointManager(tmp_path, session_id="job")
+    manager.warm_up(BasicTensorAwareStateDict(state), wait=True)
+    warmed = manager._stager.buffer
+    assert warmed is not None
+    assert warmed.pinned == (DEVICE == "cuda")  # pinned ahead, not inside the first save
+    with AsyncCallsQueue(overlap_snapshot=mode == "overlapped") as queue:
+        for it in (7, 8):
+            want = clone(state)
+            _save(manager, queue, state, it, mode)
+            assert manager._stager.buffer is warmed
+            assert_same(_load(tmp_path, it), want)
+    cuda_still_works()

@@ -8,6 +8,7 @@ Call order (every rank, at the same point of the training loop, as with NVRx)::
     if iteration != -1:
         ta_state_dict, ckpt_id = manager.load()     # collective (agrees on success)
     ...
+    manager.warm_up(BasicTensorAwareStateDict(state))         # optional, not collective
     manager.save(BasicTensorAwareStateDict(state), iteration)   # collective
 
 The work is done by components over one :class:`~tierpoint.local.store.PartStore` (this rank's
@@ -218,6 +219,31 @@ class LocalCheckpointManager(NVRxFileNames):
         plus a minute; the transfers themselves time out before that).
         """
         self._recovery.wait_for_restore(timeout)
+
+    def warm_up(self, ta_state_dict: TensorAwareStateDict, *, wait: bool = False) -> None:
+        """Prepare the first saves of ``ta_state_dict``'s layout ahead of time, in a background
+        thread: the staging memory (allocated, its pages faulted in, pinned for CUDA tensors) and,
+        on a RAM tier, the spare files the first saves fill. Without it the first saves pay for
+        all of that. Not collective; call it once the state has the layout it is saved with (after
+        the first optimizer step creates the optimizer's state), well before the first save, which
+        waits for it. ``wait``: return once it is done."""
+        if not isinstance(ta_state_dict, TensorAwareStateDict):
+            raise CheckpointingError(
+                "warm_up expects a TensorAwareStateDict (e.g. BasicTensorAwareStateDict(state)), "
+                f"got {type(ta_state_dict).__name__}"
+            )
+        self.wait_for_restore()  # the restore takes spares too
+        self._saver.warm_up(ta_state_dict)
+        if wait:
+            self.wait_for_warm_up()
+
+    def wait_for_warm_up(self, timeout: float | None = None) -> None:
+        """Wait until :meth:`warm_up`'s preparation is over (failures are logged as warnings: the
+        saves then prepare what they need themselves). Not collective. Raises
+        :class:`CheckpointingError` after ``timeout`` seconds (default: the coordination timeout)."""
+        error = self._saver.join_warm_up(timeout)
+        if error is not None:
+            raise error
 
     def save(
         self, ta_state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False

@@ -12,6 +12,9 @@ part, replicate, agree, :meth:`PartSaver.commit`; async: return an
 :class:`~tierpoint.asyncsave.AsyncRequest` whose snapshot runs when the queue schedules it, whose
 worker job (:mod:`tierpoint.local.jobs`) writes or seals the part, whose background step
 replicates it and whose finalization commits it (or :meth:`PartSaver.abort` removes it).
+:meth:`PartSaver.warm_up` (optional, any time before a save) prepares the staging buffer and spare
+files in a background thread; every save first waits for it (an unfinished one fails the save on
+every rank, agreed).
 
 Invariants:
 - Complete or invisible: a part becomes visible by renaming its dirty file after fsync; the previous
@@ -44,6 +47,7 @@ from ..asyncsave.request import AsyncRequest
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
 from ..peers import transfer
+from ..pinning import copy_device
 from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from ..tree import FlatState
@@ -81,6 +85,7 @@ class PartSaver:
         self.last_replication: transfer.MoveStats | None = None
         self.stager = Stager()
         self._tier_in_memory: bool | None = None
+        self._warming: threading.Thread | None = None
 
     def save(
         self, state: TensorAwareStateDict, iteration: int, is_async: bool = False
@@ -97,6 +102,7 @@ class PartSaver:
                 "AsyncCallsQueue.maybe_finalize_async_calls(blocking=True) before a sync save"
             )
         start = time.perf_counter()
+        warm_up_timeout = self.join_warm_up()
         if self.replication is not None:
             self.replication.setup()  # collective on first use (lazy strategies create their group)
         keep = agree_on_iteration(
@@ -110,6 +116,8 @@ class PartSaver:
         replication = self.replication
         try:
             with tpdist.agree(f"saving local checkpoint iteration {iteration}"):
+                if warm_up_timeout is not None:
+                    raise warm_up_timeout
                 # Before any rank writes (this agreement is the barrier): a part of this iteration
                 # left by a killed job would complete it together with another rank's new part.
                 self.store.remove_from(iteration)
@@ -136,6 +144,53 @@ class PartSaver:
             return None
         self.requested.add(iteration)
         return self._async_request(flat, plan, iteration, keep)
+
+    # ------------------------------------------------------------------------------ warming up
+
+    def warm_up(self, state: TensorAwareStateDict) -> None:
+        """Prepare, in a background thread, what the first saves of ``state``'s layout would
+        otherwise pay for: the staging buffer (allocated, faulted in, pinned for a state with CUDA
+        tensors) and, on a RAM tier with recycling, the spare files the first saves write into
+        (their pages allocated). Not collective; the next save waits for it."""
+        self.join_warm_up()
+        flat = state.to_flat()
+        plan = fileformat.plan_part(flat, self._extra(0))
+        self.store.ensure_dir()
+        staged = not self._snapshots_in_place(flat)
+        device = copy_device(flat.tensors)
+        spares = 0
+        if self.recycle and self._tier_in_memory:
+            # Own parts in flight and kept, and the replicas of as many saves of other ranks.
+            copies = self.replication.replication_factor if self.replication is not None else 1
+            spares = (self.keep_last + 1) * copies
+
+        def warm() -> None:
+            try:
+                if staged:
+                    self.stager.warm(plan, device)
+                if spares:
+                    self.store.make_spares(plan.file_size(), spares)
+            except BaseException as e:  # noqa: BLE001 - the save goes on cold; said once
+                logger.warning("warming up for the first local save failed: %s", e)
+
+        thread = threading.Thread(target=warm, name="tierpoint-warm-up", daemon=True)
+        thread.start()
+        self._warming = thread
+
+    def join_warm_up(self, timeout: float | None = None) -> CheckpointingError | None:
+        """Wait for :meth:`warm_up`'s thread (default: the coordination timeout); the error to
+        raise if it is still running then, else None."""
+        thread = self._warming
+        if thread is None:
+            return None
+        thread.join(tpdist.default_timeout().total_seconds() if timeout is None else timeout)
+        if thread.is_alive():
+            return CheckpointingError(
+                f"rank {self.store.rank}: preparing the staging memory and spare files of the "
+                "local tier did not finish in time (is the tier's file system stalled?)"
+            )
+        self._warming = None
+        return None
 
     def _extra(self, iteration: int) -> dict[str, Any]:
         """The metadata a part of ``iteration`` saved by this rank carries."""

@@ -29,7 +29,7 @@ from typing import Any
 from .. import dist as tpdist
 from .. import fileformat
 from ..errors import CheckpointingError, CorruptCheckpointError
-from ..files import unlink_quietly
+from ..files import reserve, unlink_quietly
 from ..peers import transfer
 from . import naming
 
@@ -209,13 +209,38 @@ class PartStore:
             if not stale:
                 continue
             if len(spares) < max_spares and not fileformat.is_mapped(entry.path):
-                spare = naming.spare_name(len(spares))
+                spare = _unused_spare_name(spares)
                 os.replace(entry.path, directory / spare)
                 spares.append(spare)
             else:
                 unlink_quietly(entry.path)
         fileformat.fsync_dir(directory)
         self.forget_removed_files()
+
+    def make_spares(self, nbytes: int, count: int) -> int:
+        """Add spares of ``nbytes`` (their space allocated) until this rank has ``count``: ahead of
+        the first saves, which then reuse pages instead of allocating them. Stops, keeping what it
+        made, at the first one the tier has no room for; returns how many it made. Nothing may take
+        spares meanwhile (the saver waits for this before saving)."""
+        self.ensure_dir()
+        directory = self.directory
+        spares = [e.name for e in os.scandir(directory) if naming.is_spare_name(e.name)]
+        made = 0
+        while len(spares) < count:
+            name = _unused_spare_name(spares)
+            try:
+                fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    reserve(fd, nbytes)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                unlink_quietly(directory / name)
+                logger.info("no room for a spare part file in %s (%s)", directory, e)
+                break
+            spares.append(name)
+            made += 1
+        return made
 
     def remove_from(self, iteration: int) -> None:
         """Remove this rank's committed parts (own and replicas) of ``iteration`` and newer ones; a
@@ -249,6 +274,10 @@ class PartStore:
             except OSError:
                 present = []
             self.mappings.retain(present)
+
+
+def _unused_spare_name(spares: list[str]) -> str:
+    return next(n for k in range(len(spares) + 1) if (n := naming.spare_name(k)) not in spares)
 
 
 def complete_iterations(listings: Iterable[Listing]) -> dict[int, int]:

@@ -9,6 +9,7 @@ Call order (every rank, at the same points of the training loop)::
     for step in range((step or 0) + 1, total + 1):
         train_step()
         manager.maybe_save(step, state)      # returns after the snapshot; saves by schedule
+                                             # (its first call not due warms the local tier up)
     manager.close()                          # waits for what is in flight
 
 The parts it composes: the local tier (:class:`~tierpoint.local.LocalCheckpointManager`, with clique
@@ -53,6 +54,7 @@ from .. import storage
 from ..asyncsave import AsyncCallsQueue
 from ..errors import CheckpointingError
 from ..local import CliqueReplicationStrategy, LocalCheckpointManager
+from ..tensor_aware import BasicTensorAwareStateDict
 from . import state as st
 from .events import EventLog, RestoreRecord
 from .restoring import reset, restore_newest
@@ -153,6 +155,7 @@ class TieredCheckpointManager(SavePath):
         self._signalled = False
         self._watching_signal = False
         self._closed = False
+        self._warmed_up = False  # the local tier's warm-up started (at the first step not saved)
 
     @staticmethod
     def _replication(factor: int, jump: int | None) -> CliqueReplicationStrategy | None:
@@ -197,6 +200,14 @@ class TieredCheckpointManager(SavePath):
             sys.exit(0)
         if tiers:
             self.save(step, state, tiers)
+        elif self.local is not None and not self._warmed_up:
+            # The first call after training started: the state has its layout (the optimizer's
+            # state exists), and the first local save is steps away.
+            self._warmed_up = True
+            try:
+                self.local.warm_up(BasicTensorAwareStateDict(st.local_form(st.template(state))))
+            except CheckpointingError as e:  # the save says so, on every rank
+                logger.debug("no warm-up for the local tier: %s", e)
         return tiers
 
     def save(self, step: int, state: Mapping[str, Any], tiers: str | Iterable[str] = TIERS) -> None:
@@ -296,7 +307,11 @@ class TieredCheckpointManager(SavePath):
             self.wait()
         finally:
             self._closed = True
-            self.queue.close()
+            try:
+                if self.local is not None:
+                    self.local.wait_for_warm_up()
+            finally:
+                self.queue.close()
 
     def __enter__(self) -> TieredCheckpointManager:
         return self
