@@ -10,7 +10,8 @@ norm weights, int64 step counters, small tensors, a plain int):
 - tierpoint blocking time: ``manager.save(BasicTensorAwareStateDict(state), it, is_async=True)``
   plus ``queue.schedule_async_request(request)`` (flatten, plan, snapshot into the reused staging
   memory: all the training thread pays), split into its two calls; and the time to durable (from the
-  start of ``save`` until ``maybe_finalize_async_calls(blocking=True)`` returns). Steady state: two
+  start of ``save`` until ``maybe_finalize_async_calls(blocking=True)`` returns); the first save
+  after ``warm_up`` and, in a tier of its own, without it. Steady state: two
   untimed warm-up saves first, and the previous save is finalized before each timed one (the tier is
   on tmpfs, so the snapshot goes straight into the recycled part file's pages);
 - the same with ``AsyncCallsQueue(overlap_snapshot=True)`` (same manager and files): what ``save`` +
@@ -466,8 +467,10 @@ def print_save_table(
         ("tierpoint async, overlap_snapshot: blocking", "tp_ov_block"),
         ("  snapshot copied (wait_for_snapshot returns)", "tp_ov_copied"),
         ("  time to durable", "tp_ov_durable"),
-        ("tierpoint async: first save, blocking (cold)", "tp_first_block"),
-        ("tierpoint async: first save, durable (worker start)", "tp_first_durable"),
+        ("tierpoint async: first save after warm_up, blocking", "tp_first_block"),
+        ("tierpoint async: first save after warm_up, durable", "tp_first_durable"),
+        ("tierpoint async: first save without warm_up, blocking", "tp_cold_block"),
+        ("tierpoint async: first save without warm_up, durable", "tp_cold_durable"),
         ("DCP async_save (default staging): blocking", "dcp_default_block"),
         ("DCP async_save (default staging): time to durable", "dcp_default_durable"),
         ("DCP async_save (reused stager): blocking", "dcp_stager_block"),
@@ -562,7 +565,11 @@ def bench_saves(
     state = make_state(gib)
     tensors = tensors_of(state)
     stack.callback(shutil.rmtree, root / "tier", ignore_errors=True)  # after the queue closed
+    with contextlib.ExitStack() as cold_stack:  # a first save without warm_up, for comparison
+        cold = TierpointSaver(root / "cold", lambda: state, cold_stack).measure()
+    shutil.rmtree(root / "cold", ignore_errors=True)
     tierpoint = TierpointSaver(root / "tier", lambda: state, stack)
+    tierpoint.warm_up()  # as a job would, steps before its first save
     first = [tierpoint.measure() for _ in range(WARMUP_SAVES)][0]
     overlapped = TierpointSaver(
         root / "tier", lambda: state, stack, tierpoint, overlap_snapshot=True
@@ -587,6 +594,8 @@ def bench_saves(
     times = run_interleaved(contenders, reps)
     times["tp_first_block"] = [first["tp_block"]]
     times["tp_first_durable"] = [first["tp_durable"]]
+    times["tp_cold_block"] = [cold["tp_block"]]
+    times["tp_cold_durable"] = [cold["tp_durable"]]
     check_round_trip(tierpoint.manager, tensors)
     print_save_table(times, nbytes_of(tensors), len(tensors), reps, [layout_note, stager_note])
     return times, stager is not None

@@ -169,7 +169,7 @@ class PartSaver:
                 if staged:
                     self.stager.warm(plan, device)
                 if spares:
-                    self.store.make_spares(plan.file_size(), spares)
+                    self.store.make_spares(plan.file_size(), spares, mapped=not staged)
             except BaseException as e:  # noqa: BLE001 - the save goes on cold; said once
                 logger.warning("warming up for the first local save failed: %s", e)
 
