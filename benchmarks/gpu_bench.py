@@ -13,7 +13,7 @@ Measured, interleaved (A B C A B C ...: the machine drifts), after warm-up saves
   ``overlap_snapshot=True``; and the first save's blocking time, after ``warm_up`` (as a job
   would call it, steps ahead) and without it;
 - persistent tier (``tierpoint.dcp.async_save`` into a fresh step directory each time, a reused
-  ``StagingPool``): blocking time, time to durable; first save too;
+  ``StagingPool``): blocking time, time to durable; the first save after ``tierpoint.dcp.warm_up``;
 - torch DCP ``async_save`` (``no_dist=True``) with its default staging and with a reused pinned
   ``DefaultStager`` (where this torch has one); a contender torch refuses is reported as failed;
 - a training loop: a GPT-style model (``--layers`` x ``--width``, sequence 512, batch 8, bf16
@@ -172,6 +172,11 @@ class PersistentSaver:
         stack.callback(self.pool.close)
         self.steps = itertools.count(1)
         self.previous: Path | None = None
+
+    def warm_up(self) -> None:
+        """The first save's staging memory, prepared ahead (as a job would, steps before it)."""
+        tpdcp.warm_up(self.state, self.root, staging_pool=self.pool)
+        self.pool.wait_for_spare(120)
 
     def measure(self) -> Metrics:
         self.pool.wait_for_spare(120)  # the next in-place file is ready: a quiet start
@@ -376,7 +381,7 @@ def print_saves(times: Times, nbytes: int, count: int, reps: int, failures: dict
         ("  time to durable", "tp_ov_durable"),
         ("persistent tier (tierpoint.dcp.async_save): blocking", "pt_block"),
         ("  time to durable", "pt_durable"),
-        ("  first save (cold): blocking", "pt_first_block"),
+        ("  first save after warm_up: blocking", "pt_first_block"),
         ("torch DCP async_save (default staging): blocking", "dcp_default_block"),
         ("  time to durable", "dcp_default_durable"),
         ("torch DCP async_save (reused pinned stager): blocking", "dcp_stager_block"),
@@ -452,7 +457,7 @@ def print_checks(times: Times) -> None:
         )
     for label, first, steady in (
         ("first local save (after warm_up) <= 2x a steady one", "tp_first_block", "tp_block"),
-        ("first persistent save <= 2x a steady one", "pt_first_block", "pt_block"),
+        ("first persistent save (after warm_up) <= 2x a steady", "pt_first_block", "pt_block"),
     ):
         if times.get(first) and times.get(steady):
             ratio = times[first][0] / median(times[steady])
@@ -480,6 +485,7 @@ def bench_saves(
     overlapped = TierpointSaver(root / "tier", lambda: state, stack, local, overlap_snapshot=True)
     overlapped.measure()
     persistent = PersistentSaver(root / "persistent", state, stack)
+    persistent.warm_up()
     first_persistent = persistent.measure()
     stager, stager_note = reusable_stager()
     if stager is not None:

@@ -195,6 +195,25 @@ def test_warm_up_pins_the_staging_buffer_before_the_first_save_which_reuses_it(t
     assert fake.violations == [] and fake.live == {} and fake.pending is None
 
 
+def test_dcp_warm_up_pins_ahead_and_the_pool_unpins_before_unmapping(tmp_path):
+    from tierpoint.dcp import warm_up
+
+    with fake_runtime() as fake:
+        pool = StagingPool()
+        warm_up(_state(256, 1), step_path(tmp_path, 1), staging_pool=pool)
+        assert pool.wait_for_spare(60)
+        assert fake.registered == 1  # pinned ahead of the first save
+        with AsyncCallsQueue() as queue:
+            for step in (1, 2):
+                async_save(
+                    _state(256, step), step_path(tmp_path, step), queue=queue, staging_pool=pool
+                ).result(timeout=120)
+        assert fake.registered == 1 and pool.allocations == 1  # the saves took that buffer
+        pool.close()
+        gc.collect()
+    assert fake.violations == [] and fake.live == {} and fake.pending is None
+
+
 def _dcp_saves(rank: int, world: int, root: str, in_place: bool) -> dict:
     from tierpoint.dcp.writer import stages_in_place
 

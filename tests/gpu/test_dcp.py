@@ -13,7 +13,15 @@ import torch.distributed.checkpoint as torch_dcp
 from tierpoint import dcp
 from tierpoint.asyncsave import AsyncCallsQueue
 
-from .helpers import assert_same, clone, cuda_still_works, model_state, needs_gpu, scribble
+from .helpers import (
+    DEVICE,
+    assert_same,
+    clone,
+    cuda_still_works,
+    model_state,
+    needs_gpu,
+    scribble,
+)
 
 pytestmark = needs_gpu
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -45,5 +53,29 @@ def test_async_save_of_cuda_tensors_loads_with_tierpoint_and_torch(tmp_path, shm
             theirs = _zeros_like(want)
             torch_dcp.load(theirs, checkpoint_id=path)
             assert_same(theirs, want)
+    pool.close()
+    cuda_still_works()
+
+
+@pytest.mark.parametrize("where", ["disk", "ram"])
+def test_warm_up_pins_ahead_and_the_first_async_save_takes_its_buffer(tmp_path, shm_dir, where):
+    base = tmp_path if where == "disk" else shm_dir
+    pool = dcp.StagingPool()
+    state = model_state(4)
+    dcp.warm_up(state, dcp.step_path(base, 4), staging_pool=pool)
+    assert pool.wait_for_spare(120) and pool.allocations == 1
+    with AsyncCallsQueue() as queue:
+        want = clone(state)
+        path = dcp.step_path(base, 4)
+        future = dcp.async_save(state, path, queue=queue, staging_pool=pool)
+        scribble(state)
+        assert future.result(timeout=300) == path
+        mine = _zeros_like(want)
+        dcp.load(mine, path)
+        assert_same(mine, want)
+    pool.wait_for_spare(120)
+    # CUDA states stage in memory; CPU ones (TIERPOINT_TEST_DEVICE=cpu) in place on a RAM disk,
+    # where the pool then prepares the next save's file: either way the warmed buffer was taken
+    assert pool.allocations == (2 if where == "ram" and DEVICE == "cpu" else 1)
     pool.close()
     cuda_still_works()

@@ -26,6 +26,7 @@ from .state_dict_saver import (
     verify_global_md_reuse,
 )
 from .verify import CheckpointSummary, verify_checkpoint
+from .warm_up import warm_up
 from .writer import Writer
 
 __all__ = [
@@ -57,4 +58,5 @@ __all__ = [
     "step_path",
     "verify_checkpoint",
     "verify_global_md_reuse",
+    "warm_up",
 ]

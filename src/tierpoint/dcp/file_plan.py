@@ -157,6 +157,17 @@ def plan_files(plan: SavePlan, prefix: str, thread_count: int) -> RankFiles:
     return RankFiles(tuple(files), base, key)
 
 
+_RECORD_OVERHEAD = 16 << 10
+"""More than a torch.save record adds to a tensor's bytes (its zip entries and pickle), and more
+than a file's start costs (rounded up for direct I/O)."""
+
+
+def staging_bound(tensor_bytes: Sequence[int], max_files: int = 64) -> int:
+    """An upper bound of :attr:`RankFiles.staging_bytes` for a plan of tensors of these sizes (or
+    of some of them) in at most ``max_files`` files, without planning."""
+    return sum(aligned(n) + _RECORD_OVERHEAD for n in tensor_bytes) + max_files * direct_write.ALIGN
+
+
 def padding(gap: int) -> bytes:
     return bytes(gap) if gap > 0 else b""
 

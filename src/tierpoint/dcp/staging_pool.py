@@ -11,6 +11,11 @@ that file system, see :class:`tierpoint.staging.StagingBuffer`); the snapshot fi
 preparing the next one (allocated, faulted in and templated) in a background thread, so that the
 next save finds it ready and nothing is left for the worker to write.
 
+``pool.warm_up(nbytes, device, in_place_dir)`` (:func:`tierpoint.dcp.warm_up`), ahead of the first
+save, prepares one buffer in the background (allocated for an upper bound of the save's tensor
+sections, its pages faulted in, pinned for a state on a device): the first ``acquire`` whose layout
+fits takes it, whatever the layout (planning has not happened yet), and writes its templates.
+
 Invariants:
 - A buffer is allocated once per layout (:attr:`RankFiles.key`) and reused by later saves of the
   same layout: host memory stays flat. A save never gets a buffer another unfinished save still uses
@@ -54,6 +59,7 @@ class StagingPool:
         self._spare: tuple[tuple, int, StagingBuffer] | None = None  # (layout key, st_dev, buffer)
         self._preparing: list[threading.Thread] = []  # started threads preparing a spare
         self._closed = False  # set by close(), cleared by the next acquire(): no spare meanwhile
+        self._warm: tuple[int | None, StagingBuffer] | None = None  # (st_dev if in place, buffer)
         self.allocations = 0
         """How many buffers were ever allocated (tests check reuse with it)."""
 
@@ -62,6 +68,7 @@ class StagingPool:
         (a spare prepared earlier when it fits), else memfd memory."""
         with self._lock:
             self._closed = False
+        self._join_preparing(_SPARE_WAIT)
         if in_place_dir is not None:
             buf = self._in_place_buffer(files, in_place_dir)
             if buf is not None:
@@ -75,9 +82,8 @@ class StagingPool:
             for _, stale in self._free:  # another layout: it is not coming back
                 stale.close()
             self._free.clear()
-        buf = _allocate(files)
+        buf = self._take_warm(files, None) or self._allocate(files)
         with self._lock:
-            self.allocations += 1
             self._busy[buf.id] = files.key
         return buf
 
@@ -109,6 +115,35 @@ class StagingPool:
                 return
         buf.close()
 
+    def warm_up(self, nbytes: int, device: int | None, in_place_dir: str | None = None) -> None:
+        """Prepare, in a background thread, one buffer of ``nbytes`` for the next save that has no
+        buffer of its layout yet: its pages faulted in, pinned for copies from ``device`` (a CUDA
+        index, or None), file-backed on ``in_place_dir``'s file system if given (see
+        :func:`tierpoint.dcp.warm_up`). Replaces a buffer an earlier call prepared and no save took."""
+        self._join_preparing(_SPARE_WAIT)
+
+        def prepare() -> None:
+            try:
+                buf = StagingBuffer(nbytes, in_place_dir)  # a file-backed one is faulted in
+                if not buf.file_backed:
+                    buf.populate()
+                buf.pin(device)
+                where = os.stat(in_place_dir).st_dev if in_place_dir is not None else None
+            except Exception as e:  # noqa: BLE001 - the first save allocates itself
+                logger.warning("preparing staging memory ahead of the first save failed: %s", e)
+                return
+            with self._lock:
+                old, self._warm = self._warm, (where, buf)
+                self.allocations += 1
+            if old is not None:
+                old[1].close()
+
+        thread = threading.Thread(target=prepare, name="tierpoint-warm-up", daemon=True)
+        with self._lock:
+            self._closed = False
+            thread.start()
+            self._preparing.append(thread)
+
     def wait_for_spare(self, timeout: float | None = None) -> bool:
         """Wait until the background preparation of the next in-place buffer (if any) is over;
         False if it still runs after ``timeout`` seconds. (Nothing needs this: the next save waits
@@ -130,17 +165,36 @@ class StagingPool:
             if self._spare is not None:
                 self._spare[2].close()
                 self._spare = None
+            if self._warm is not None:
+                self._warm[1].close()
+                self._warm = None
 
     @property
     def bytes_held(self) -> int:
         with self._lock:
             spare = self._spare[2].nbytes if self._spare is not None else 0
-            return sum(b.nbytes for _, b in self._free) + spare
+            warm = self._warm[1].nbytes if self._warm is not None else 0
+            return sum(b.nbytes for _, b in self._free) + spare + warm
 
     # ------------------------------------------------------------------ in-place buffers
 
+    def _take_warm(self, files: RankFiles, device: int | None) -> StagingBuffer | None:
+        """The buffer :meth:`warm_up` prepared, if it is big enough and of the wanted kind (memfd:
+        ``device`` None; else file-backed on that file system), its templates written; else None."""
+        with self._lock:
+            warm = self._warm
+            if warm is None or warm[0] != device or warm[1].nbytes < files.staging_bytes:
+                return None
+            self._warm = None
+        buf = warm[1]
+        try:
+            _write_templates(buf, files)
+        except BaseException:
+            buf.close()
+            raise
+        return buf
+
     def _in_place_buffer(self, files: RankFiles, directory: str) -> StagingBuffer | None:
-        self._join_preparing(_SPARE_WAIT)
         device = os.stat(directory).st_dev
         with self._lock:
             spare, self._spare = self._spare, None
@@ -152,13 +206,18 @@ class StagingPool:
                 return buf
             buf.close()
         try:
-            buf = _allocate(files, directory)
+            buf = self._take_warm(files, device) or self._allocate(files, directory)
         except OSError as e:
             logger.info("no room to stage in place in %s (%s): staging in memory", directory, e)
             return None
         with self._lock:
-            self.allocations += 1
             self._busy[buf.id] = files.key
+        return buf
+
+    def _allocate(self, files: RankFiles, directory: str | None = None) -> StagingBuffer:
+        buf = _allocate(files, directory)
+        with self._lock:
+            self.allocations += 1
         return buf
 
     def _prepare_spare(self, used: StagingBuffer, files: RankFiles, directory: str) -> None:

@@ -171,7 +171,7 @@ class PartSaver:
                 if spares:
                     self.store.make_spares(plan.file_size(), spares, mapped=not staged)
             except BaseException as e:  # noqa: BLE001 - the save goes on cold; said once
-                logger.warning("warming up for the first local save failed: %s", e)
+                logger.warning("warming up for the first local save failed: %s", str(e))
 
         thread = threading.Thread(target=warm, name="tierpoint-warm-up", daemon=True)
         thread.start()

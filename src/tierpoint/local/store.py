@@ -238,7 +238,8 @@ class PartStore:
                     os.close(fd)
             except OSError as e:
                 unlink_quietly(directory / name)
-                logger.info("no room for a spare part file in %s (%s)", directory, e)
+                # the text, not the error: its traceback would keep this store's mappings alive
+                logger.info("no room for a spare part file in %s (%s)", directory, str(e))
                 break
             spares.append(name)
             made += 1

@@ -1,0 +1,83 @@
+"""Warming the persistent tier up: the staging memory of the first async save, prepared ahead of it.
+
+Call order (every rank, not collective)::
+
+    tierpoint.dcp.warm_up(state_dict, step_path(base, first_step))   # after the first optimizer step
+    ...                                                               # train
+    tierpoint.dcp.async_save(state_dict, step_path(base, first_step))  # finds its buffer ready
+
+:func:`warm_up` reads the state's tensor sizes and devices and asks the staging pool for one buffer
+of an upper bound of the save's tensor sections (:meth:`StagingPool.warm_up`: allocated, its pages
+faulted in, pinned for CUDA tensors, in a background thread); the first save without a buffer of
+its layout takes it. Planning is not done here (it is collective, and the layout a save stages is
+known only after it), so the bound is taken from the state alone.
+
+Invariants: nothing is written to the checkpoint directory; a warm-up that fails is a WARNING and
+the first save allocates as it would have; host memory: at most one warmed buffer per pool.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import storage
+from ..dtensors import is_dtensor, local_shard
+from ..pinning import copy_device
+from .file_plan import staging_bound
+from .saving import stateful_to_state_dict
+from .snapshot import stages_in_place
+from .staging_pool import StagingPool
+from .step_dirs import checkpoint_id_or_path
+from .writer import DEFAULT_POOL
+
+
+def warm_up(
+    state_dict: dict[str, Any],
+    path_or_url: str | os.PathLike | None = None,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    staging_pool: StagingPool | None = None,
+) -> None:
+    """Prepare the staging memory of the first :func:`~tierpoint.dcp.async_save` of
+    ``state_dict`` to ``path_or_url`` (a step directory, or the directory the steps go in) in a
+    background thread, so that the first save costs what a steady one does. Not collective; call it
+    once the state has the layout it is saved with (after the first optimizer step), steps before
+    the first save. ``staging_pool``: the pool the saves use (default: the module's)."""
+    path = checkpoint_id_or_path(path_or_url, checkpoint_id, "warm_up")
+    tensors = list(_tensors(stateful_to_state_dict(state_dict)))
+    device = copy_device(tensors)
+    in_place_dir = None
+    if device is None and storage.is_local(path):  # CUDA states stage in memory (pinned, reused)
+        existing = _existing_dir(storage.local_path(path))
+        if existing is not None and stages_in_place(existing):
+            in_place_dir = existing
+    pool = staging_pool if staging_pool is not None else DEFAULT_POOL
+    pool.warm_up(
+        staging_bound([t.numel() * t.element_size() for t in tensors]), device, in_place_dir
+    )
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if is_dtensor(value):
+        yield local_shard(value)
+    elif isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _existing_dir(path: str) -> str | None:
+    """``path``, or its nearest ancestor that exists (a step directory is made by its save)."""
+    for candidate in (Path(path), *Path(path).parents):
+        if candidate.is_dir():
+            return str(candidate)
+    return None
