@@ -65,3 +65,7 @@ def test_copies_issued_in_one_batch_or_one_by_one_where_torch_refuses(
     snapshot_copy.issue_copies(sources, targets, non_blocking=False)
     assert all(torch.equal(s, t) for s, t in zip(sources, targets))
     assert snapshot_copy._batched_copies is False  # not tried again
+
+
+def test_cpu_tensors_have_no_training_streams_to_wait_for():
+    assert snapshot_copy.training_streams([torch.ones(2), torch.zeros(3, dtype=torch.int64)]) == {}

@@ -12,7 +12,9 @@ tensor with its place in it, then call :func:`copy_tensors`; it returns once eve
   copied, while it is still in the CPU cache (one memory pass, not two).
 - Any other CPU tensor goes through ``Tensor.copy_`` (hashed afterwards with ``hash=True``).
 - CUDA tensors go through :func:`copy_from_devices`: one side stream per device (reused) that first
-  waits for the device's current stream, so the copy sees every kernel queued before the call;
+  waits for the training thread's stream (:func:`training_streams`, taken when the save was
+  requested; the overlapped snapshot copies on another thread), so the copy sees every kernel
+  queued before;
   ``non_blocking`` into pinned memory, issued in one call per device (:func:`issue_copies`),
   synchronised before returning. Their
   checksums are left to the writer (nothing of a device copy is in the CPU cache to hash from):
@@ -28,7 +30,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -48,17 +50,32 @@ _pool_lock = threading.Lock()
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
+Streams = Mapping[torch.device, "torch.cuda.Stream"]
+"""A stream per CUDA device (see :func:`training_streams`)."""
+
+
+def training_streams(tensors: Sequence[torch.Tensor]) -> dict[torch.device, torch.cuda.Stream]:
+    """The current stream of each CUDA device ``tensors`` are on, for the calling thread: taken on
+    the training thread when a save is requested, so that a snapshot copied later, perhaps on
+    another thread (whose current stream may differ), waits for the kernels queued there."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    return {d: torch.cuda.current_stream(d) for d in devices}
+
+
 def copy_tensors(
     sources: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor],
     pinned: bool,
     hash: bool = False,
+    after: Streams | None = None,
 ) -> list[str] | None:
     """Copy each source into its target (host memory; ``pinned``: page-locked). ``hash``: return
-    the checksum of each staged tensor, in order, when every source is on the CPU (else None)."""
+    the checksum of each staged tensor, in order, when every source is on the CPU (else None).
+    ``after``: the streams device copies wait for (:func:`training_streams`; default: this
+    thread's current streams)."""
     with torch.no_grad():
         if any(s.device.type == "cuda" for s in sources):
-            copy_from_devices(sources, targets, pinned)
+            copy_from_devices(sources, targets, pinned, after)
             return None
         if hash:
             return [_copy_and_hash(src, dst) for src, dst in zip(sources, targets)]
@@ -79,11 +96,14 @@ def copy_tensors(
 
 
 def copy_from_devices(
-    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], pinned: bool
+    sources: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    pinned: bool,
+    after: Streams | None = None,
 ) -> None:
     """Copy ``sources`` (some on CUDA devices) into host ``targets``; returns once every byte is in
     place. ``pinned``: the targets are page-locked, so the copies are queued ``non_blocking`` and
-    waited for once. Other sources are copied on the way."""
+    waited for once. ``after``: see :func:`copy_tensors`. Other sources are copied on the way."""
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     with torch.no_grad():
         for src, dst in zip(sources, targets):
@@ -96,7 +116,8 @@ def copy_from_devices(
             stream = _side_streams.get(device)
             if stream is None:
                 stream = _side_streams[device] = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
+            waited = (after or {}).get(device)
+            stream.wait_stream(waited if waited is not None else torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 issue_copies([s.detach() for s, _ in pairs], [d for _, d in pairs], pinned)
             streams.append(stream)

@@ -42,7 +42,7 @@ import torch
 from .fileformat import DTYPES, PartPlan
 from .files import in_memory_filesystem as in_memory_filesystem  # re-exported
 from .pinning import PinnedRange, copy_device
-from .snapshot_copy import copy_tensors
+from .snapshot_copy import Streams, copy_tensors
 from .tree import FlatState
 
 _ids = itertools.count(1)
@@ -202,20 +202,21 @@ class Stager:
         buf.pin(device)
         return buf
 
-    def stage(self, flat: FlatState, plan: PartPlan) -> StagingBuffer:
-        """Copy every tensor of ``flat`` into the staging buffer for ``plan`` (blocking)."""
+    def stage(self, flat: FlatState, plan: PartPlan, after: Streams | None = None) -> StagingBuffer:
+        """Copy every tensor of ``flat`` into the staging buffer for ``plan`` (blocking); device
+        copies wait for the streams ``after`` (see :func:`tierpoint.snapshot_copy.copy_tensors`)."""
         buf = self.buffer_for(plan, copy_device(flat.tensors))
-        copy_tensors(flat.tensors, buf.views(plan), buf.pinned)
+        copy_tensors(flat.tensors, buf.views(plan), buf.pinned, after=after)
         return buf
 
     def stage_and_hash(
-        self, flat: FlatState, plan: PartPlan
+        self, flat: FlatState, plan: PartPlan, after: Streams | None = None
     ) -> tuple[StagingBuffer, list[str] | None]:
         """:meth:`stage`, also returning each tensor's xxh3-64 checksum (plan order), computed on
         one thread as the copy goes (no second pass over the memory). None instead of checksums
         when some tensors come from a device: the worker hashes them (off this process's GIL)."""
         buf = self.buffer_for(plan, copy_device(flat.tensors))
-        return buf, copy_tensors(flat.tensors, buf.views(plan), buf.pinned, hash=True)
+        return buf, copy_tensors(flat.tensors, buf.views(plan), buf.pinned, True, after)
 
     @staticmethod
     def stage_into(

@@ -91,3 +91,26 @@ def test_warm_up_pins_ahead_and_the_first_saves_use_its_buffer(tmp_path, mode):
             assert manager._stager.buffer is warmed
             assert_same(_load(tmp_path, it), want)
     cuda_still_works()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="streams are CUDA's")
+@pytest.mark.parametrize("mode", ["async", "overlapped"])
+def test_the_snapshot_waits_for_work_queued_on_the_training_threads_own_stream(tmp_path, mode):
+    """Training on a stream of its own: the snapshot (on another thread when overlapped, whose
+    current stream is the default one) still copies what that stream's kernels wrote."""
+    state = model_state(9)
+    manager = LocalCheckpointManager(tmp_path, session_id="job")
+    training = torch.cuda.Stream()
+    with AsyncCallsQueue(overlap_snapshot=mode == "overlapped") as queue:
+        with torch.cuda.stream(training):
+            torch.cuda._sleep(200_000_000)  # the stream is busy a while...
+            state["model"]["layer0.attn.w"].fill_(3.0)  # ...before this write lands
+            want = clone(state)  # queued after the write, on the same stream
+            ta = BasicTensorAwareStateDict(state)
+            queue.schedule_async_request(manager.save(ta, 9, is_async=True))
+            queue.wait_for_snapshot()
+        queue.maybe_finalize_async_calls(blocking=True)
+    got = _load(tmp_path, 9)
+    assert_same(got, want)
+    assert bool((got["model"]["layer0.attn.w"] == 3.0).all())
+    cuda_still_works()

@@ -28,7 +28,7 @@ from .. import storage
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
 from ..pinning import copy_device
-from ..snapshot_copy import copy_tensors
+from ..snapshot_copy import Streams, copy_tensors
 from ..staging import StagingBuffer
 from .file_plan import RankFiles
 
@@ -63,11 +63,17 @@ def copy_pairs(
     return sources, targets
 
 
-def fill(buf: StagingBuffer, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+def fill(
+    buf: StagingBuffer,
+    sources: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    after: Streams | None = None,
+) -> None:
     """Copy ``sources`` into their ``targets`` in ``buf``, pinning ``buf`` first (once per buffer:
-    a pool's buffers are pinned already) when the sources are on a device."""
+    a pool's buffers are pinned already) when the sources are on a device; device copies wait for
+    the streams ``after`` (:func:`tierpoint.snapshot_copy.training_streams`)."""
     buf.pin(copy_device(sources))
-    _copy(sources, targets, buf)
+    _copy(sources, targets, buf, after)
 
 
 def stages_in_place(path: str) -> bool:
@@ -106,5 +112,10 @@ def name_in_place(
         storage.write_file(target, [tensors, records], fsync=False)  # the worker fsyncs it
 
 
-def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor], buf: StagingBuffer) -> None:
-    copy_tensors(sources, targets, buf.pinned)
+def _copy(
+    sources: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    buf: StagingBuffer,
+    after: Streams | None = None,
+) -> None:
+    copy_tensors(sources, targets, buf.pinned, after=after)

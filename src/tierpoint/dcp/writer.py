@@ -64,6 +64,7 @@ from torch.futures import Future
 from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text
+from ..snapshot_copy import Streams, training_streams
 from ..staging import StagingBuffer
 from . import directory
 from .checksums import item_ranges
@@ -139,6 +140,7 @@ class Writer(StorageWriter):
         self._buffer: StagingBuffer | None = None
         self._prefix = ""
         self._in_place = False  # the async save's staging memory is the checkpoint file itself
+        self._training_streams: Streams = {}  # taken in the trainer, for an overlapped snapshot
         self._busy_key: str | None = None  # this writer's claim (see directory.claim)
         self.earlier_files: list[str] = []
         """Data files and ``.metadata`` of an earlier save this rank saw at set-up (local paths)."""
@@ -275,9 +277,10 @@ class Writer(StorageWriter):
         self._claim()
         # A state with CUDA tensors stages in the pool's reused pinned memory, not in place: every
         # in-place file would be pinned anew, which costs the trainer more than the worker's writing.
-        on_device = any(
-            self._planner_data(s.item).device.type == "cuda" for f in files.files for s in f.tensors
+        self._training_streams = training_streams(
+            [self._planner_data(s.item) for f in files.files for s in f.tensors]
         )
+        on_device = bool(self._training_streams)
         self._in_place = stages_in_place(self.path) and not on_device
         if self._in_place:  # one file per rank: there is no writing left to share among threads
             self._files = files = self._named_files(1)
@@ -300,7 +303,7 @@ class Writer(StorageWriter):
         buf = self.pool.acquire(files, step_dir)
         self._buffer = buf
         sources, targets = copy_pairs(plan, files, buf, self._planner_data)
-        fill(buf, sources, targets)
+        fill(buf, sources, targets, self._training_streams)
         byte_records = self._resolve_bytes()
         self._keep_results(files.write_results(plan, byte_sizes(files, byte_records)))
         items = item_ranges(self._results or [])  # what the worker hashes, per file

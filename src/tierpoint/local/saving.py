@@ -48,6 +48,7 @@ from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
 from ..peers import transfer
 from ..pinning import copy_device
+from ..snapshot_copy import training_streams
 from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from ..tree import FlatState
@@ -258,6 +259,7 @@ class PartSaver:
         path = self.store.part_path(iteration)
         start = time.perf_counter()
         in_place = self._snapshots_in_place(flat)
+        after = training_streams(flat.tensors)  # this thread's: the snapshot may run on another
         if in_place:
             self.stager.close()  # the part files are the staging memory now
 
@@ -291,9 +293,9 @@ class PartSaver:
                 kwargs = {"checksums": self._stage_in_place(flat, plan, path, spare, hash_now)}
             else:
                 buffer, checksums = (
-                    self.stager.stage_and_hash(flat, plan)
+                    self.stager.stage_and_hash(flat, plan, after)
                     if hash_now
-                    else (self.stager.stage(flat, plan), None)
+                    else (self.stager.stage(flat, plan, after), None)
                 )
                 recycle = str(spare) if spare else None
                 kwargs = {"buffer": buffer, "checksums": checksums, "recycle": recycle}

@@ -84,6 +84,11 @@ class TieredCheckpointManager(SavePath):
         poll_every: ``maybe_save`` finalizes finished saves every N steps (and whenever a save is
             due). While a save is in flight each poll is one small all-gather, so polling every step
             costs training time; default: half the shortest save interval.
+        overlap_snapshot: copy each snapshot on a background thread while the next steps' forward
+            and backward passes run (on GPUs: into pinned memory, at the PCIe rate); each optimizer
+            in the state waits for it before its step changes a parameter. Code that changes the
+            state's tensors in place otherwise (a forward pass updating batch-norm statistics)
+            calls :meth:`wait_for_snapshot` first, or leaves this off.
 
     Collective: construction (node layout), ``restore``, ``maybe_save``, ``save``, ``wait``,
     ``final_save`` and ``close`` are called by every rank at the same point.
@@ -105,6 +110,7 @@ class TieredCheckpointManager(SavePath):
         on_event: Callable[[dict[str, Any]], Any] | None = None,
         timeout: float | None = None,
         poll_every: int | None = None,
+        overlap_snapshot: bool = False,
     ) -> None:
         for name, value, low in (
             ("local_every", local_every, 0),
@@ -115,6 +121,10 @@ class TieredCheckpointManager(SavePath):
         ):
             if type(value) is not int or value < low:
                 raise CheckpointingError(f"{name} must be an integer >= {low}, got {value!r}")
+        if type(overlap_snapshot) is not bool:
+            raise CheckpointingError(
+                f"overlap_snapshot must be True or False, got {overlap_snapshot!r}"
+            )
         if persistent_dir is None and persistent_every:
             persistent_every = 0
         if not local_every and not persistent_every:
@@ -143,7 +153,10 @@ class TieredCheckpointManager(SavePath):
                 self._replication(replication_factor, replication_jump),
                 keep_last=keep_local,
             )
-        self.queue = AsyncCallsQueue(max_in_flight=2, timeout=timeout)
+        self.queue = AsyncCallsQueue(
+            max_in_flight=2, timeout=timeout, overlap_snapshot=overlap_snapshot
+        )
+        self._optimizer_hooks: dict[int, Any] = {}  # id(optimizer) -> hook (overlap_snapshot)
         if self.persistent_dir is not None:  # the worker's first persistent save needs them
             self.queue.preload("tierpoint.dcp.writer", "tierpoint.dcp.checksums")
         self.last_restore: RestoreRecord | None = None
@@ -226,6 +239,12 @@ class TieredCheckpointManager(SavePath):
         if "local" not in wanted:  # the local tier's save agrees on the step itself
             self._agree_on_step(step)
         self._last_step = step
+        if self.queue.overlap_snapshot:
+            for optimizer in st.optimizers(state):
+                if id(optimizer) not in self._optimizer_hooks:
+                    self._optimizer_hooks[id(optimizer)] = self.queue.install_optimizer_hook(
+                        optimizer
+                    )
         tree = st.template(state)
         rank_local = [k for k, v in tree.items() if isinstance(v, st.RankLocal)]
         sharded = st.has_dtensor(tree)
@@ -295,6 +314,11 @@ class TieredCheckpointManager(SavePath):
     def _agree_on_signal(self) -> bool:
         return bool(tpdist.reduce_ints([self._signalled], "max", "agreeing on a signal")[0])
 
+    def wait_for_snapshot(self, timeout: float | None = None) -> None:
+        """With ``overlap_snapshot``: return once the snapshot copy in flight (if any) is done, so
+        that the state's tensors may change. Not collective; the optimizers' steps call it."""
+        self.queue.wait_for_snapshot(timeout)
+
     def stats(self) -> dict[str, Any]:
         """Counts, blocking time per save and time to durable per tier, and the restores."""
         return self._events.summary()
@@ -311,6 +335,9 @@ class TieredCheckpointManager(SavePath):
                 if self.local is not None:
                     self.local.wait_for_warm_up()
             finally:
+                for hook in self._optimizer_hooks.values():
+                    hook.remove()
+                self._optimizer_hooks.clear()
                 self.queue.close()
 
     def __enter__(self) -> TieredCheckpointManager:

@@ -73,11 +73,16 @@ def init_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     done = []
-    for value in _members(state):
-        if isinstance(value, torch.optim.Optimizer) and not value.state:
-            _init_optim_state(value)
-            done.append(value)
+    for optimizer in optimizers(state):
+        if not optimizer.state:
+            _init_optim_state(optimizer)
+            done.append(optimizer)
     return done
+
+
+def optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers among ``state``'s members (nested dicts and ``RankLocal`` included)."""
+    return [v for v in _members(state) if isinstance(v, torch.optim.Optimizer)]
 
 
 def _members(state: Mapping[str, Any]) -> list[Any]:
