@@ -35,24 +35,28 @@ def _zeros_like(state: object) -> object:
     return -1
 
 
+def _save_and_check(state: dict, path: str, queue: AsyncCallsQueue, pool: dcp.StagingPool) -> None:
+    """Save ``state`` asynchronously, change it at once, and load the checkpoint back with
+    tierpoint and with plain torch DCP: both give the state as it was at the save."""
+    want = clone(state)
+    future = dcp.async_save(state, path, queue=queue, staging_pool=pool)
+    scribble(state)
+    assert future.result(timeout=300) == path
+    mine = _zeros_like(want)
+    dcp.load(mine, path)
+    assert_same(mine, want)
+    theirs = _zeros_like(want)
+    torch_dcp.load(theirs, checkpoint_id=path)
+    assert_same(theirs, want)
+
+
 @pytest.mark.parametrize("where", ["disk", "ram"])
 def test_async_save_of_cuda_tensors_loads_with_tierpoint_and_torch(tmp_path, shm_dir, where):
     base = tmp_path if where == "disk" else shm_dir
     pool = dcp.StagingPool()
     with AsyncCallsQueue() as queue:
         for step in (1, 2, 3):
-            state = model_state(step)
-            want = clone(state)
-            path = dcp.step_path(base, step)
-            future = dcp.async_save(state, path, queue=queue, staging_pool=pool)
-            scribble(state)
-            assert future.result(timeout=300) == path
-            mine = _zeros_like(want)
-            dcp.load(mine, path)
-            assert_same(mine, want)
-            theirs = _zeros_like(want)
-            torch_dcp.load(theirs, checkpoint_id=path)
-            assert_same(theirs, want)
+            _save_and_check(model_state(step), dcp.step_path(base, step), queue, pool)
     pool.close()
     cuda_still_works()
 
@@ -65,14 +69,7 @@ def test_warm_up_pins_ahead_and_the_first_async_save_takes_its_buffer(tmp_path, 
     dcp.warm_up(state, dcp.step_path(base, 4), staging_pool=pool)
     assert pool.wait_for_spare(120) and pool.allocations == 1
     with AsyncCallsQueue() as queue:
-        want = clone(state)
-        path = dcp.step_path(base, 4)
-        future = dcp.async_save(state, path, queue=queue, staging_pool=pool)
-        scribble(state)
-        assert future.result(timeout=300) == path
-        mine = _zeros_like(want)
-        dcp.load(mine, path)
-        assert_same(mine, want)
+        _save_and_check(state, dcp.step_path(base, 4), queue, pool)
     pool.wait_for_spare(120)
     # CUDA states stage in memory; CPU ones (TIERPOINT_TEST_DEVICE=cpu) in place on a RAM disk,
     # where the pool then prepares the next save's file: either way the warmed buffer was taken

@@ -186,13 +186,7 @@ class StagingPool:
             if warm is None or warm[0] != device or warm[1].nbytes < files.staging_bytes:
                 return None
             self._warm = None
-        buf = warm[1]
-        try:
-            _write_templates(buf, files)
-        except BaseException:
-            buf.close()
-            raise
-        return buf
+        return _templated(warm[1], files)
 
     def _in_place_buffer(self, files: RankFiles, directory: str) -> StagingBuffer | None:
         device = os.stat(directory).st_dev
@@ -253,7 +247,11 @@ class StagingPool:
 
 
 def _allocate(files: RankFiles, directory: str | None = None) -> StagingBuffer:
-    buf = StagingBuffer(files.staging_bytes, directory)
+    return _templated(StagingBuffer(files.staging_bytes, directory), files)
+
+
+def _templated(buf: StagingBuffer, files: RankFiles) -> StagingBuffer:
+    """``buf`` with ``files``' templates written (closed if that fails)."""
     try:
         _write_templates(buf, files)
     except BaseException:
