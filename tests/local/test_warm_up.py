@@ -116,3 +116,17 @@ def test_spare_names_never_collide_when_saves_retire_parts_beside_warm_spares(sh
         assert len(_spares(manager)) <= 2
     ta, ckpt = LocalCheckpointManager(shm_dir, session_id="job").load()
     assert ckpt.iteration == 5 and torch.equal(ta.state_dict["w"], _state(5)["w"])
+
+
+def test_warm_up_while_an_async_save_is_in_flight_leaves_its_memory_alone(tmp_path):
+    manager = LocalCheckpointManager(tmp_path, session_id="job")
+    with AsyncCallsQueue() as queue:
+        request = manager.save(BasicTensorAwareStateDict(_state(1)), 1, is_async=True)
+        staged = manager._stager.buffer
+        # another layout: warming it up now would free the buffer the save is about to fill
+        manager.warm_up(BasicTensorAwareStateDict(_state(0, rows=64)), wait=True)
+        assert manager._stager.buffer is staged
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+    ta, ckpt = LocalCheckpointManager(tmp_path, session_id="job").load()
+    assert ckpt.iteration == 1 and torch.equal(ta.state_dict["w"], _state(1)["w"])
