@@ -147,16 +147,21 @@ def issue_copies(
         dst.copy_(src, non_blocking=non_blocking)
 
 
+def plain_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds its values as they are, back to back: a contiguous, strided
+    CPU tensor without a lazy conjugate or negation."""
+    return (
+        t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
 def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Whether ``src`` can be copied into ``dst`` as raw bytes."""
-    return (
-        src.device.type == "cpu"
-        and src.layout == torch.strided
-        and src.dtype == dst.dtype
-        and src.is_contiguous()
-        and not src.is_conj()
-        and not src.is_neg()
-    )
+    return src.dtype == dst.dtype and plain_bytes(src)
 
 
 def _copy_and_hash(src: torch.Tensor, dst: torch.Tensor) -> str:

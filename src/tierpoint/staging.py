@@ -11,7 +11,10 @@ owns instead: when checkpoints live on a RAM file system (:func:`in_memory_files
 mapping of the part file itself, so that the part file is the staging memory and the worker has
 nothing left to write but the header. ``stager.warm(plan, device)``, called ahead of the first save
 (from a background thread, see :meth:`tierpoint.local.LocalCheckpointManager.warm_up`), allocates,
-faults in and pins the buffer, so that the first save costs what a steady one does.
+faults in and pins the buffer, so that the first save costs what a steady one does. A
+:class:`SourceFile` stands in for a staging buffer when the state's tensors already view the pages
+of a file whose bytes stay as they are (a committed local part): the worker maps the file read-only
+and reads the tensors' bytes from it; the snapshot copies nothing.
 
 Invariants:
 - A buffer is allocated once per layout (dtypes, shapes, offsets) and reused while the layout is
@@ -26,23 +29,29 @@ Invariants:
   garbage collection or interpreter exit (a ``weakref.finalize`` that holds the mapping). A buffer
   that could not be pinned is used unpinned.
 - Copies are :mod:`tierpoint.snapshot_copy`'s (the one engine both tiers use).
+- A :class:`SourceFile` maps only addresses its owner keeps alive, and only plain bytes (a tensor
+  that is not, or lies outside its regions, has no place in it: the caller copies it instead).
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import ctypes
 import functools
 import itertools
 import mmap
 import os
 import weakref
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from .fileformat import DTYPES, PartPlan
 from .files import in_memory_filesystem as in_memory_filesystem  # re-exported
 from .pinning import PinnedRange, copy_device
-from .snapshot_copy import Streams, copy_tensors
+from .snapshot_copy import Streams, copy_tensors, plain_bytes
 from .tree import FlatState
 
 _ids = itertools.count(1)
@@ -124,6 +133,61 @@ class StagingBuffer:
         """Unpin, unmap and close the buffer (idempotent)."""
         self.__dict__.pop("tensor", None)
         self._free()
+
+
+class SourceFile:
+    """A read-only file whose bytes some of the caller's tensors view, shared with the worker by
+    descriptor in place of a staging buffer: a job reads those tensors' bytes from the file itself
+    (mapped read-only there, :func:`tierpoint.asyncsave.worker.resolve_buffer`), so the snapshot
+    copies nothing.
+
+    ``fd``: the file, open for reading (duplicated: the caller keeps its own descriptor).
+    ``regions``: ``(address, length, offset)``: the ``length`` bytes at ``address`` in this process
+    are the file's bytes at ``offset``. ``owner``: what keeps that memory alive (the tensors), held
+    until :meth:`close`, so that no other memory takes those addresses meanwhile. The caller
+    guarantees that the file's bytes do not change until every job reading them has finished (the
+    local tier holds its part, see :meth:`tierpoint.local.LocalCheckpointManager.hold_own_part`).
+    """
+
+    def __init__(self, fd: int, regions: Iterable[tuple[int, int, int]], owner: Any = None) -> None:
+        self.id = f"{os.getpid()}-{next(_ids)}"
+        self.fd = os.dup(fd)
+        self.nbytes = os.fstat(self.fd).st_size
+        self._regions = sorted((a, n, o) for a, n, o in regions if n > 0)
+        if any(o < 0 or o + n > self.nbytes for _, n, o in self._regions):
+            os.close(self.fd)
+            raise ValueError("a region lies outside the file")
+        self._starts = [a for a, _, _ in self._regions]
+        self._owner = owner
+        self._map: mmap.mmap | None = None
+        self._close_fd = weakref.finalize(self, os.close, self.fd)  # dropped unclosed: no leak
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """Where ``t``'s bytes lie in the file (``None``: not inside one region, or not plain
+        bytes, see :func:`tierpoint.snapshot_copy.plain_bytes`)."""
+        if not plain_bytes(t):
+            return None
+        at, n = t.data_ptr(), t.numel() * t.element_size()
+        k = bisect.bisect_right(self._starts, at) - 1
+        if k < 0:
+            return None
+        address, length, offset = self._regions[k]
+        return offset + at - address if at + n <= address + length else None
+
+    def view(self) -> memoryview:
+        """The file's bytes, mapped read-only in this process (a job run here, not in a worker)."""
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, max(self.nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ)
+        return memoryview(self._map)[: self.nbytes]
+
+    def close(self) -> None:
+        """Close the descriptor and the mapping, let the owner go (idempotent)."""
+        self._owner = None
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # views alive: unmapped when they go
+                self._map.close()
+            self._map = None
+        self._close_fd()
 
 
 def _unmap(pinned: PinnedRange, mapping: mmap.mmap, fd: int) -> None:

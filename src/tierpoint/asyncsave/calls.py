@@ -35,9 +35,8 @@ from ..errors import (
     error_text,
     failed_on_ranks,
 )
-from ..staging import StagingBuffer
 from .request import AsyncRequest
-from .worker import Worker
+from .worker import SHARED, Worker
 
 logger = logging.getLogger("tierpoint")
 
@@ -57,7 +56,7 @@ class Call:
     worker_result: Outcome | None = None
     background: threading.Thread | None = None
     local: Outcome | None = None  # this rank's final outcome
-    buffers: set[str] = field(default_factory=set)  # staging buffers the call's arguments use
+    buffers: set[str] = field(default_factory=set)  # shared memory the call's arguments use
 
     def set_worker_result(self, result: Outcome) -> None:
         """The worker's outcome; also the call's own when there is no background step."""
@@ -168,7 +167,7 @@ def snapshot_and_dispatch(call: Call, worker: Worker | None, pending: PendingCal
         else:
             assert worker is not None
             args = tuple(request.async_fn_args)
-            call.buffers = {v.id for v in (*args, *kwargs.values()) if isinstance(v, StagingBuffer)}
+            call.buffers = {v.id for v in (*args, *kwargs.values()) if isinstance(v, SHARED)}
             # Staging buffers no pending call uses any more (a layout changed) leave the worker.
             worker.drop_buffers(pending.buffers_in_use())
             worker.submit(call.id, request.async_fn, args, kwargs)

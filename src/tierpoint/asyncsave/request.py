@@ -21,7 +21,8 @@ checks its fields (:meth:`AsyncRequest.validate`) and refuses a request that was
 Arguments travel to the worker by pickle over a private pipe between the two processes (never from
 a file); ``async_fn`` travels by module and name, so it must sit at the top level of a module the
 worker can import (not in the script being run, not a lambda): scheduling refuses anything else.
-:class:`~tierpoint.staging.StagingBuffer` arguments travel as shared memory, not as bytes.
+:class:`~tierpoint.staging.StagingBuffer` and :class:`~tierpoint.staging.SourceFile` arguments
+travel as shared memory (by descriptor), not as bytes.
 """
 
 from __future__ import annotations

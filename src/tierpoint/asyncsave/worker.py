@@ -14,7 +14,9 @@ no worker outlives its rank.
 Invariants: the worker knows no file format and no tier. A call is any function at the top level of
 an importable module (it travels by module and name; the tiers keep theirs in their own ``jobs``
 modules, e.g. :mod:`tierpoint.local.jobs`, :mod:`tierpoint.dcp.jobs`); a staging buffer argument
-arrives as a :class:`BufferRef`, whose bytes :func:`resolve_buffer` gives.
+arrives as a :class:`BufferRef`, whose bytes :func:`resolve_buffer` gives; so does a
+:class:`~tierpoint.staging.SourceFile` (mapped read-only: a job reads a file the trainer's tensors
+view instead of a staging copy of them).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..errors import CheckpointingError, CoordinationTimeoutError, error_text
-from ..staging import StagingBuffer
+from ..staging import SourceFile, StagingBuffer
 
 logger = logging.getLogger("tierpoint")
 
@@ -54,10 +56,17 @@ class BufferRef:
     nbytes: int
 
 
-def resolve_buffer(buffer: StagingBuffer | BufferRef) -> memoryview:
-    """The bytes of a staging buffer, in the trainer (direct) or in the worker (mapped by id)."""
+SHARED = (StagingBuffer, SourceFile)
+"""What travels to the worker as shared memory (by descriptor, once), not as bytes."""
+
+
+def resolve_buffer(buffer: StagingBuffer | SourceFile | BufferRef) -> memoryview:
+    """The bytes of a staging buffer or a source file (read-only), in the trainer (direct) or in
+    the worker (mapped by id)."""
     if isinstance(buffer, StagingBuffer):
         return memoryview(buffer.tensor.numpy())
+    if isinstance(buffer, SourceFile):
+        return buffer.view()
     return _buffers[buffer.id][: buffer.nbytes]
 
 
@@ -139,9 +148,10 @@ def worker_main(conn: Any, parent_pid: int | None = None) -> None:
         if kind == "stop":
             return
         if kind == "buffer":
-            _, buf_id, nbytes = msg
+            _, buf_id, nbytes, writable = msg
             fd = reduction.recv_handle(conn)
-            maps[buf_id] = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            maps[buf_id] = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=prot)
             os.close(fd)
             _buffers[buf_id] = memoryview(maps[buf_id])
         elif kind == "import":
@@ -203,9 +213,10 @@ class Worker:
         return self.process.poll()
 
     def _transport(self, value: Any) -> Any:
-        if isinstance(value, StagingBuffer):
+        if isinstance(value, SHARED):
             if value.id not in self._sent:
-                self._conn.send(("buffer", value.id, value.nbytes))
+                writable = isinstance(value, StagingBuffer)  # a source file is only read
+                self._conn.send(("buffer", value.id, value.nbytes, writable))
                 reduction.send_handle(self._conn, value.fd, self.process.pid)
                 self._sent.add(value.id)
             return BufferRef(value.id, value.nbytes)

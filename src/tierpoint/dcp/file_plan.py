@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
@@ -172,9 +173,10 @@ def padding(gap: int) -> bytes:
     return bytes(gap) if gap > 0 else b""
 
 
-def file_views(spec: FileSpec, data: Sequence[memoryview]) -> list[memoryview | bytes]:
-    """The tensor section of ``spec`` as views: zero padding, head, ``data[k]``, tail per tensor."""
-    out: list[memoryview | bytes] = []
+def file_views(spec: FileSpec, data: Sequence[Any]) -> list[Any]:
+    """The tensor section of ``spec`` as views: zero padding, head, ``data[k]``, tail per tensor
+    (``data[k]``: a view of tensor ``k``'s bytes, or whatever stands for it)."""
+    out: list[Any] = []
     pos = 0
     for slot, raw in zip(spec.tensors, data):
         if slot.offset > pos:

@@ -1,16 +1,19 @@
 """The persistent tier's job for the background worker: write a rank's staged files and its checksum
-manifest, or make the files the snapshot staged in place durable.
+manifest, make the files the snapshot staged in place durable, or write the files straight from a
+source file's pages (nothing staged).
 
 Call order: :meth:`~tierpoint.dcp.writer.Writer.get_save_function_and_args` gives
 :func:`write_staged` as an async save's ``async_fn``; its snapshot adds the ``buffer``,
-``byte_records`` and ``items`` keywords; the worker imports this module by name and runs it. A
-synchronous save (:meth:`~tierpoint.dcp.writer.Writer.write_now`) calls
-:func:`write_with_manifest` in the trainer.
+``byte_records`` and ``items`` keywords (and ``source`` and ``pieces`` when the tensors' bytes are
+read from a :class:`~tierpoint.staging.SourceFile` instead of a staging buffer); the worker
+imports this module by name and runs it. A synchronous save
+(:meth:`~tierpoint.dcp.writer.Writer.write_now`) calls :func:`write_with_manifest` in the trainer.
 
 Invariants: every item is hashed from the bytes being written (xxh3-64, see
-:mod:`tierpoint.dcp.checksums`); the job returns only once the rank's data files and its manifest
-are written (and fsynced, with ``sync_files``), so a rank that reports success has both; a failure
-is a :class:`~tierpoint.errors.CheckpointingError` naming the file.
+:mod:`tierpoint.dcp.checksums`; a source file's pages are read for both, and its owner keeps them
+unchanged until the save is finalized or aborted); the job returns only once the rank's data files
+and its manifest are written (and fsynced, with ``sync_files``), so a rank that reports success has
+both; a failure is a :class:`~tierpoint.errors.CheckpointingError` naming the file.
 """
 
 from __future__ import annotations
@@ -37,17 +40,27 @@ def write_staged(
     buffer: Any,
     byte_records: list[list[bytes]],
     items: dict[str, list[tuple[int, int]]],
+    source: Any = None,
+    pieces: list[list[Any]] | None = None,
 ) -> int:
     """Write staged files and their checksum manifest (runs in the background worker): file ``k``
     is the staging range ``[base, base + length)`` followed by its serialized non-tensor values;
     ``items``: the ``(offset, length)`` of every item in each file, hashed from these bytes. With
-    no ``buffer`` the snapshot staged the files in place: they are hashed and made durable."""
-    if buffer is None:
+    no ``buffer`` the snapshot staged the files in place: they are hashed and made durable; or,
+    given a ``source`` file, it staged nothing: file ``k``'s tensor section is ``pieces[k]``, record
+    bytes and ``(offset, length)`` ranges of the source (see :func:`~tierpoint.dcp.snapshot.
+    source_pieces`), read from the source's pages as they are written."""
+    if source is not None and pieces is not None:
+        data = resolve_buffer(source)
+        sections = [[_piece(data, p) for p in file_pieces] for file_pieces in pieces]
+    elif buffer is None:
         return _sync_in_place(path, [name for name, _, _ in files], items, sync_files)
-    data = resolve_buffer(buffer)
+    else:
+        data = resolve_buffer(buffer)
+        sections = [[data[base : base + length]] for _, base, length in files]
     contents = [
-        (name, [data[base : base + length], *records])
-        for (name, base, length), records in zip(files, byte_records)
+        (name, [*section, *records])
+        for (name, _, _), section, records in zip(files, sections, byte_records)
     ]
     return write_with_manifest(
         path, contents, items, storage_options, thread_count, sync_files, upload, timeout
@@ -80,6 +93,14 @@ def write_with_manifest(
         timeout=timeout,
     )
     return sum(written[: len(contents)])
+
+
+def _piece(data: memoryview, piece: Any) -> Any:
+    """A piece of a file's tensor section: its bytes, or the view of a source range."""
+    if isinstance(piece, tuple):
+        offset, length = piece
+        return data[offset : offset + length]
+    return piece
 
 
 def _sync_in_place(

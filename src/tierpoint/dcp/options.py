@@ -4,7 +4,7 @@ save entry point those keywords.
 ``tierpoint.dcp.save``, ``async_save_request`` and ``async_save`` take the same keywords
 (``process_group``, ``thread_count``, ``storage_options``, ``planner``, ``coordinator_rank``,
 ``enable_cache``, ``metadata_cache``, ``staging_pool``, ``sync_files``, ``upload``,
-``overwrite``). Each is declared here once, with its default, as a field of the frozen dataclass
+``overwrite``; the async ones ``source_file`` too). Each is declared here once, with its default, as a field of the frozen dataclass
 :class:`SaveOptions`; :func:`takes_save_options` wraps an entry point written as
 ``fn(..., *, <its own keywords>, options: SaveOptions)`` into one that users call with the
 keywords, as before.
@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from ..staging import SourceFile
 from ..storage import DEFAULT_UPLOAD, UploadOptions
 from .staging_pool import StagingPool
 from .state_dict_saver import CheckpointMetadataCache
@@ -55,6 +56,7 @@ class SaveOptions:
     sync_files: bool = True
     upload: UploadOptions = DEFAULT_UPLOAD
     overwrite: bool = False
+    source_file: SourceFile | None = None
 
 
 _FIELDS = dataclasses.fields(SaveOptions)

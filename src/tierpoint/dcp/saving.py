@@ -49,7 +49,7 @@ from .step_dirs import checkpoint_id_or_path
 from .writer import Writer
 
 
-@takes_save_options(without=("staging_pool",))
+@takes_save_options(without=("staging_pool", "source_file"))
 def save(
     state_dict: dict[str, Any],
     path_or_url: str | os.PathLike | None = None,
@@ -91,7 +91,10 @@ def async_save_request(
         queue.schedule_async_request(async_save_request(state_dict, path))
 
     The snapshot happens when the request is scheduled (its ``preload_fn``); the state must not
-    change until then. The keywords are :func:`save`'s and ``staging_pool`` (where snapshots go).
+    change until then. The keywords are :func:`save`'s, ``staging_pool`` (where snapshots go) and
+    ``source_file``: a :class:`~tierpoint.staging.SourceFile` whose pages the state's tensors view
+    and whose bytes the caller keeps unchanged until the save is finalized or aborted (then the
+    snapshot copies nothing: the worker writes the tensors' bytes from the file).
     """
     path = checkpoint_id_or_path(path_or_url, checkpoint_id, "async_save_request")
     return _request(state_dict, path, options)
@@ -107,6 +110,7 @@ def _plan(state_dict: dict[str, Any], path: Any, options: SaveOptions) -> tuple[
         sync_files=options.sync_files,
         upload=options.upload,
         overwrite=options.overwrite,
+        source_file=options.source_file,
     )
     return save_state_dict_async_plan(
         stateful_to_state_dict(state_dict),

@@ -1,15 +1,20 @@
 """The snapshot of an async DCP save: copy the state's tensors into staging memory, fast, and, when
-the staging memory is the checkpoint file itself, give the filled file its name.
+the staging memory is the checkpoint file itself, give the filled file its name; or, when the
+tensors view a source file whose bytes stay as they are, copy nothing and say where their bytes lie.
 
 Call order (inside :meth:`~tierpoint.dcp.writer.Writer.snapshot`, in the trainer):
 :func:`stages_in_place` decides at planning whether the save stages in place (a local RAM file
-system); :func:`copy_pairs` matches each planned tensor with its place in the staging buffer;
+system); with a :class:`~tierpoint.staging.SourceFile`, :func:`source_pieces` first lays out each
+file as record bytes and ranges of the source (the worker reads the ranges: nothing is staged);
+otherwise :func:`copy_pairs` matches each planned tensor with its place in the staging buffer;
 :func:`fill` pins the buffer (once) and copies; for in-place staging :func:`name_in_place` appends
 the non-tensor values and links the file into the step directory.
 
 Invariants:
 - Copies are :mod:`tierpoint.snapshot_copy`'s (the one engine both tiers use); a tensor whose
   dtype or shape differs from the plan is refused before anything is copied.
+- :func:`source_pieces` reads no tensor's bytes (only addresses); it answers ``None``, and the
+  snapshot copies as usual, unless every planned tensor's bytes lie in the source.
 - ``_links_work`` turns False, for the rest of the process, the first time a staged file cannot be
   named (the file system refuses ``linkat``): that save copies the file instead, and later saves
   stage in memory.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlan
@@ -29,8 +35,8 @@ from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
 from ..pinning import copy_device
 from ..snapshot_copy import Streams, copy_tensors
-from ..staging import StagingBuffer
-from .file_plan import RankFiles
+from ..staging import SourceFile, StagingBuffer
+from .file_plan import RankFiles, file_views
 
 logger = logging.getLogger("tierpoint")
 
@@ -46,21 +52,55 @@ def copy_pairs(
     sources, targets = [], []
     for f in files.files:
         for slot in f.tensors:
-            item = plan.items[slot.item]
             begin = f.staging_base + slot.data_offset
             raw = buf.tensor[begin : begin + slot.template.nbytes]
-            dtype = item.tensor_data.properties.dtype
-            shape = tuple(item.tensor_data.chunk.sizes)
-            src = data_of(slot.item)
-            if tuple(src.shape) != shape or src.dtype != dtype:
-                raise CheckpointingError(
-                    f"{item.index.fqn}: planned {dtype} {list(shape)}, found {src.dtype} "
-                    f"{list(src.shape)} (the state changed after planning)"
-                )
+            src = _checked(plan, slot.item, data_of)
             if raw.numel():
                 sources.append(src)
-                targets.append(raw.view(dtype).view(shape))
+                targets.append(raw.view(src.dtype).view(src.shape))
     return sources, targets
+
+
+Pieces = list[list[Any]]
+"""Per file, its tensor section in order: ``bytes`` (record heads, tails, padding) and
+``(offset, length)`` ranges of a :class:`~tierpoint.staging.SourceFile` (a tensor's bytes)."""
+
+
+def source_pieces(
+    plan: SavePlan, files: RankFiles, source: SourceFile, data_of: Callable[[int], torch.Tensor]
+) -> Pieces | None:
+    """Each file's tensor section as pieces, every planned tensor's bytes a range of ``source``
+    (checked against the plan); ``None`` when some tensor's bytes are not in ``source``."""
+    out = []
+    for f in files.files:
+        ranges = []
+        for slot in f.tensors:
+            src = _checked(plan, slot.item, data_of)
+            at = source.offset_of(src) if slot.template.nbytes else 0
+            if at is None:
+                return None
+            ranges.append((at, slot.template.nbytes))
+        pieces: list[Any] = []
+        for piece in file_views(f, ranges):  # the ranges stand for the tensors' views
+            if isinstance(piece, tuple) or not pieces or isinstance(pieces[-1], tuple):
+                pieces.append(piece if isinstance(piece, tuple) else bytes(piece))
+            else:
+                pieces[-1] += piece
+        out.append(pieces)
+    return out
+
+
+def _checked(plan: SavePlan, index: int, data_of: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The tensor of item ``index``, refused if its dtype or shape differs from the plan."""
+    item = plan.items[index]
+    dtype, shape = item.tensor_data.properties.dtype, tuple(item.tensor_data.chunk.sizes)
+    src = data_of(index)
+    if tuple(src.shape) != shape or src.dtype != dtype:
+        raise CheckpointingError(
+            f"{item.index.fqn}: planned {dtype} {list(shape)}, found {src.dtype} "
+            f"{list(src.shape)} (the state changed after planning)"
+        )
+    return src
 
 
 def fill(

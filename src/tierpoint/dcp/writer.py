@@ -9,7 +9,8 @@ Two ways to drive it:
   :func:`~tierpoint.dcp.state_dict_saver.save_state_dict_async_plan`, which calls
   ``prepare_write_data`` after planning, then either :meth:`Writer.write_now` or, for async saves,
   the ``(async_fn, preload_fn, args)`` of :meth:`Writer.get_save_function_and_args` (the snapshot
-  into a reused staging buffer runs in the trainer, the writing in tierpoint's background worker),
+  into a reused staging buffer runs in the trainer, the writing in tierpoint's background worker;
+  with a ``source_file`` the snapshot copies nothing and the worker writes from the file's pages),
   and finally ``save_state_dict_async_finalize``.
 
 What it writes (see :mod:`tierpoint.dcp.step_dirs` and :mod:`tierpoint.dcp.file_plan`): per rank
@@ -65,7 +66,7 @@ from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text
 from ..snapshot_copy import Streams, training_streams
-from ..staging import StagingBuffer
+from ..staging import SourceFile, StagingBuffer
 from . import directory
 from .checksums import item_ranges
 from .file_plan import RankFiles
@@ -73,7 +74,7 @@ from .jobs import write_staged, write_with_manifest
 from .metadata_file import publish_metadata, refuse_complete
 from .names import METADATA_NAME, checkpoint_id_or_path, marker_name
 from .plan_data import byte_sizes, file_contents, files_for, planned_tensor, resolve_bytes
-from .snapshot import copy_pairs, fill, name_in_place, stages_in_place
+from .snapshot import copy_pairs, fill, name_in_place, source_pieces, stages_in_place
 from .staging_pool import StagingPool
 
 logger = logging.getLogger("tierpoint")
@@ -101,6 +102,10 @@ class Writer(StorageWriter):
         overwrite: allow saving into a directory that holds a committed checkpoint (it is
             uncommitted first). By default that is refused (with torch's words, "Checkpoint
             already exists"): the old checkpoint stays intact.
+        source_file: a file whose pages the state's tensors view and whose bytes stay unchanged
+            until the save is finalized or aborted: an async save then copies nothing in its
+            snapshot, the worker writes the tensors' bytes from the file (see
+            :class:`~tierpoint.staging.SourceFile`; a tensor outside it: copied as usual).
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class Writer(StorageWriter):
         staging_pool: StagingPool | None = None,
         timeout: float | None = None,
         overwrite: bool = False,
+        source_file: SourceFile | None = None,
     ) -> None:
         super().__init__()
         path_or_url = checkpoint_id_or_path(path_or_url, checkpoint_id, "Writer")
@@ -126,6 +132,7 @@ class Writer(StorageWriter):
         self.storage_options = dict(storage_options or {})
         self.upload = upload
         self.overwrite = overwrite
+        self.source_file = source_file
         self.pool = staging_pool if staging_pool is not None else DEFAULT_POOL
         self.timeout = timeout if timeout is not None else tpdist.default_timeout().total_seconds()
         self.save_id = uuid.uuid4().hex
@@ -281,7 +288,7 @@ class Writer(StorageWriter):
             [self._planner_data(s.item) for f in files.files for s in f.tensors]
         )
         on_device = bool(self._training_streams)
-        self._in_place = stages_in_place(self.path) and not on_device
+        self._in_place = stages_in_place(self.path) and not on_device and not self.source_file
         if self._in_place:  # one file per rank: there is no writing left to share among threads
             self._files = files = self._named_files(1)
         args = (
@@ -296,19 +303,25 @@ class Writer(StorageWriter):
         return write_staged, self.snapshot, args
 
     def snapshot(self) -> dict[str, Any]:
-        """Copy the state's tensors into a (reused) staging buffer; serialize non-tensor values.
+        """Copy the state's tensors into a (reused) staging buffer, or, when they all lie in the
+        source file, only say where (the worker reads them there); serialize non-tensor values.
         When staging in place, also name the filled file: the worker then only makes it durable."""
         plan, files = self._require_plan()
+        source = self.source_file
+        pieces = source_pieces(plan, files, source, self._planner_data) if source else None
         step_dir = storage.local_path(self.path) if self._in_place else None
-        buf = self.pool.acquire(files, step_dir)
-        self._buffer = buf
-        sources, targets = copy_pairs(plan, files, buf, self._planner_data)
-        fill(buf, sources, targets, self._training_streams)
+        buf = self._buffer = self.pool.acquire(files, step_dir) if pieces is None else None
+        if buf is not None:
+            sources, targets = copy_pairs(plan, files, buf, self._planner_data)
+            fill(buf, sources, targets, self._training_streams)
         byte_records = self._resolve_bytes()
         self._keep_results(files.write_results(plan, byte_sizes(files, byte_records)))
         items = item_ranges(self._results or [])  # what the worker hashes, per file
+        kwargs = {"buffer": buf, "byte_records": byte_records, "items": items}
+        if buf is None:  # the worker reads the tensors' bytes from the source file
+            return {**kwargs, "source": source, "pieces": pieces}
         if step_dir is None or not buf.file_backed:
-            return {"buffer": buf, "byte_records": byte_records, "items": items}
+            return kwargs
         self._buffer = None
         try:
             name_in_place(buf, files, byte_records, step_dir)
