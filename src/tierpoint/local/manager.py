@@ -41,6 +41,7 @@ from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from . import naming
 from .discovery import Discovery
+from .holds import HeldPart, hold_own_part
 from .naming import CkptID
 from .nvrx_names import NVRxFileNames
 from .recovery import LoadRecord, PartRecovery
@@ -270,3 +271,11 @@ class LocalCheckpointManager(NVRxFileNames):
             raise CheckpointingError(reason)
         header, tensors = loaded
         return fileformat.unflatten_checked(header, tensors)
+
+    def hold_own_part(self, iteration: int) -> HeldPart:
+        """This rank's own committed part of ``iteration``, held for a reader in this process
+        (the tiered manager's persistent copy): its state (tensors map the file's pages) and the
+        file itself (:attr:`HeldPart.source`, for a worker job). Until :meth:`HeldPart.release`
+        the file is never recycled, so its bytes stay as they are (:mod:`tierpoint.local.holds`).
+        No collective; :class:`CheckpointingError` when the part is not here."""
+        return hold_own_part(self._store, self._recovery, iteration)

@@ -107,15 +107,21 @@ class PartRecovery:
         )
 
     def read_own(
-        self, iteration: int, allow_pickle: bool, verify: bool | None = None
+        self,
+        iteration: int,
+        allow_pickle: bool,
+        verify: bool | None = None,
+        mmap: bool | None = None,
     ) -> tuple[Any, str, str]:
-        """This rank's part of ``iteration`` read and checked (``verify``: the checksums too, by
-        default as the manager was made): ``(loaded, reason, error kind)``, ``loaded`` being
-        ``(header, tensors)`` or ``None`` (then ``reason`` and the kind say why). No collective."""
+        """This rank's part of ``iteration`` read and checked (``verify``: the checksums too;
+        ``mmap``: map it; both by default as the manager was made): ``(loaded, reason, error
+        kind)``, ``loaded`` being ``(header, tensors)`` or ``None`` (then ``reason`` and the kind
+        say why). No collective."""
         path = self.store.part_path(iteration)
         verify = self.verify if verify is None else verify
+        mmap = self.mmap_load if mmap is None else mmap
         try:
-            header, tensors = fileformat.read_flat(path, verify=verify, mmap=self.mmap_load)
+            header, tensors = fileformat.read_flat(path, verify=verify, mmap=mmap)
             meta = header.extra
             if meta.get("iteration") != iteration or meta.get("rank") != self.store.rank:
                 # another part under this name (swapped or copied over): intact, but not this one

@@ -11,8 +11,9 @@ parts, :func:`complete_iterations` on every rank's listing, :meth:`PartStore.par
 Invariants:
 - Only a committed, structurally valid part is listed (its header checked once per file version).
 - A spare (``spare_<n>.free``) is renamed away from its committed name before it is reused and is
-  never a part of any checkpoint; a mapped file is never made a spare nor handed out for reuse, and
-  the mappings of files removed here are dropped (a mapping pins a file's pages).
+  never a part of any checkpoint; a mapped file, or one held for a reader (:meth:`PartStore.hold`,
+  see :mod:`tierpoint.local.holds`), is never made a spare nor handed out for reuse, and the
+  mappings of files removed here are dropped (a mapping pins a file's pages).
 - ``latest`` is an iteration every rank agreed on (found complete, loaded or committed) or ``None``
   when not known; ``unloadable`` holds the complete iterations a load found no good copy of (the
   next save removes them instead of being refused below them).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ class PartStore:
         self.latest: int | None = None
         self.unloadable: set[int] = set()
         self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int] | None]] = {}
+        self._held: Counter[tuple[int, int]] = Counter()  # (device, inode) -> holds
 
     # ------------------------------------------------------------------------------ places
 
@@ -192,9 +195,31 @@ class PartStore:
             reusable = naming.is_spare_name(entry.name) or (
                 leftovers and naming.is_dirty_name(entry.name)
             )
-            if reusable and not fileformat.is_mapped(entry.path):
+            if reusable and self._reusable(entry.path):
                 return Path(entry.path)
         return None
+
+    def hold(self, st: os.stat_result) -> tuple[int, int]:
+        """Keep the file ``st`` describes from being made a spare or reused (its bytes do not
+        change) until :meth:`release` of the key returned; its name may still be removed."""
+        key = (st.st_dev, st.st_ino)
+        self._held[key] += 1
+        return key
+
+    def release(self, key: tuple[int, int]) -> None:
+        self._held[key] -= 1
+        if self._held[key] <= 0:
+            del self._held[key]
+
+    def _reusable(self, path: str) -> bool:
+        """Whether the file's pages may be rewritten: not mapped by live tensors, not held."""
+        if fileformat.is_mapped(path):
+            return False
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) not in self._held
 
     def retire(self, keep: set[int], max_spares: int) -> None:
         """Remove every file of this rank that no iteration in ``keep`` needs, keeping up to
@@ -208,7 +233,7 @@ class PartStore:
             )
             if not stale:
                 continue
-            if len(spares) < max_spares and not fileformat.is_mapped(entry.path):
+            if len(spares) < max_spares and self._reusable(entry.path):
                 spare = _unused_spare_name(spares)
                 os.replace(entry.path, directory / spare)
                 spares.append(spare)
