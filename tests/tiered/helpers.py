@@ -95,3 +95,24 @@ def as_node(rank: int, ranks_per_node: int = 2) -> int:
 
 def wipe(path: str | Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+SLOW_WRITE = 0.3
+"""Seconds :func:`slow_write_staged` waits before a persistent save's job reads anything."""
+
+
+def slow_write_staged(*args: Any, **kwargs: Any) -> int:
+    """The persistent tier's worker job, slowed down (the worker imports it from here)."""
+    import time
+
+    from tierpoint.dcp.jobs import write_staged
+
+    time.sleep(SLOW_WRITE)
+    return write_staged(*args, **kwargs)
+
+
+def slow_down_persistent_writes() -> None:
+    """Make this process's persistent saves run :func:`slow_write_staged` in the worker."""
+    from tierpoint.dcp import writer
+
+    writer.write_staged = slow_write_staged

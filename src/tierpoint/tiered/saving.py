@@ -11,7 +11,12 @@ Call order (the manager's :meth:`save` validates and agrees on the step, then)::
 
 Invariants: each tier keeps one save in flight (:meth:`_make_room` waits for the previous one, so at
 most two calls are in flight); a persistent copy is made from the local part's bytes only after the
-local save of its step is committed on every rank, and is dropped if that save failed; the
+local save of its step is committed on every rank, and is dropped if that save failed; it costs the
+training thread the planning and no copy: the part is held
+(:meth:`~tierpoint.local.LocalCheckpointManager.hold_own_part`: never recycled, so its bytes stay
+those of its step) and the worker writes its bytes into the DCP files
+(:class:`~tierpoint.staging.SourceFile`), until the save is finalized or aborted, which releases
+the hold (explicitly: the order of the one worker's jobs would protect it too); the
 persistent tier retires older steps (:mod:`.retention`, on rank 0) only after a newer one is
 committed; a failed persistent save is a WARNING and a failed record, training goes on.
 
@@ -32,7 +37,7 @@ from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue
 from ..dcp.step_dirs import step_path
 from ..errors import CheckpointingError
-from ..local import LocalCheckpointManager
+from ..local import HeldPart, LocalCheckpointManager
 from ..tensor_aware import BasicTensorAwareStateDict
 from . import state as st
 from .events import EventLog, SaveRecord
@@ -144,7 +149,11 @@ class SavePath:
         self._schedule("local", request, record, committed, failed)
         record.phases["snapshot"] = time.perf_counter() - start
 
-    def _save_persistent(self, step: int, tree: dict[str, Any], snapshot: bool = True) -> None:
+    def _save_persistent(
+        self, step: int, tree: dict[str, Any], held: HeldPart | None = None
+    ) -> None:
+        """Save ``tree`` to the persistent tier; with ``held`` (the local part ``tree`` maps), the
+        worker writes the part's bytes and the part stays held until the save is over."""
         assert self.persistent_dir is not None
         path = step_path(self.persistent_dir, step)
         record = SaveRecord("persistent", step, st.nbytes(tree))
@@ -168,15 +177,29 @@ class SavePath:
         try:
             self._make_room("persistent")
             request = dcp.async_save_request(
-                tree, path, storage_options=self.storage_options or None, overwrite=True
+                tree,
+                path,
+                storage_options=self.storage_options or None,
+                overwrite=True,
+                source_file=held.source if held is not None else None,
             )
+            if held is not None:  # finalized or aborted: the worker read the part (or never will)
+                request.finalize_fns = [held.release, *request.finalize_fns]
+                request.abort_fns = [*request.abort_fns, held.release]
             self._schedule("persistent", request, record, committed, failed)
         except CheckpointingError as e:  # planning failed on some rank (agreed): skip this save
+            if held is not None:
+                held.release()
             record.ok, record.error = False, str(e)
             logger.warning("persistent checkpoint of step %d not saved: %s", step, e)
             self._events.emit(record)
             return
-        record.phases["snapshot" if snapshot else "copy_from_local"] = time.perf_counter() - start
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
+        phase = "snapshot" if held is None else "copy_from_local"
+        record.phases[phase] = time.perf_counter() - start
 
     def poll(self) -> None:
         """Finalize what finished on every rank (no collective when nothing is in flight) and start
@@ -190,13 +213,12 @@ class SavePath:
             return
         self._deferred = None
         assert self.local is not None
-        tree = self.local.read_own_part(deferred.step)
+        held = self.local.hold_own_part(deferred.step)
+        tree = dict(held.tree)
         tree.pop(st.SHARDING_KEY, None)
         for key in deferred.rank_local_keys:
             tree[key] = st.RankLocal(tree[key])
-        self._save_persistent(
-            deferred.step, st.persistent_form(tree, tpdist.get_rank()), snapshot=False
-        )
+        self._save_persistent(deferred.step, st.persistent_form(tree, tpdist.get_rank()), held)
 
     def _finalize(self, blocking: bool) -> None:
         try:

@@ -1,0 +1,103 @@
+"""The persistent copy of a step due for both tiers is made from its local part: the training
+thread copies nothing for it (the DCP snapshot never calls the copy engine, no staging buffer is
+filled: the worker writes the part's bytes), and each persistent step holds the bytes of its own
+step, bit for bit with torch's loader and tierpoint's, even with ``keep_local=1``, a save at every
+step and a worker slowed down, so that its reads of a part come after the next saves began."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tierpoint import TieredCheckpointManager, dcp
+from tierpoint.dcp import snapshot as dcp_snapshot
+from tierpoint.dcp import step_path
+from tierpoint.testing import run_ranks
+
+from .helpers import make_state, slow_down_persistent_writes, train_step
+
+STEPS = 5
+
+
+def _expected(state: dict[str, Any]) -> dict[str, Any]:
+    """What a persistent step must hold of ``state``: every parameter and optimizer moment."""
+    optimizer = state["optimizer"].state_dict()["state"]
+    return {
+        "model": {k: v.detach().clone() for k, v in state["model"].state_dict().items()},
+        "moments": {
+            f"{i}.{name}": v.clone()
+            for i, s in optimizer.items()
+            for name, v in s.items()
+            if torch.is_tensor(v)
+        },
+    }
+
+
+def _loaded(path: str, work: Path) -> dict[str, Any]:
+    """A persistent step read back by torch's own loader (no template) and by tierpoint's."""
+    out = work / "step.pt"
+    dcp_to_torch_save(path, out)
+    plain = torch.load(out, weights_only=False)
+    model = {k: torch.zeros_like(v) for k, v in plain["model"].items()}
+    dcp.load({"model": model}, path)
+    assert all(torch.equal(model[k], plain["model"][k]) for k in model)
+    moments = {
+        f"{i}.{name}": v
+        for i, s in plain["optimizer"]["state"].items()
+        for name, v in s.items()
+        if torch.is_tensor(v)
+    }
+    return {"model": model, "moments": moments}
+
+
+def _save_every_step(rank: int, world: int, root: Path) -> dict[str, Any]:
+    slow_down_persistent_writes()
+    copies: list[int] = []
+    engine = dcp_snapshot.copy_tensors
+
+    def counted(sources, targets, pinned, hash=False):  # noqa: ANN001, ANN202
+        copies.append(len(sources))
+        return engine(sources, targets, pinned, hash)
+
+    dcp_snapshot.copy_tensors = counted
+    state, expected, events = make_state(rank, width=64), {}, []
+    with TieredCheckpointManager(
+        str(root / "local"),
+        str(root / "persistent"),
+        "job",
+        local_every=1,
+        persistent_every=1,
+        keep_local=1,
+        keep_persistent=STEPS,
+        replication_factor=1,
+        on_event=events.append,
+    ) as manager:
+        for step in range(1, STEPS + 1):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+            expected[step] = _expected(state)
+    persistent = [e for e in events if e.get("tier") == "persistent"]
+    work = root / f"work{rank}"
+    work.mkdir()
+    mismatched = []
+    for step in range(1, STEPS + 1):
+        got = _loaded(step_path(root / "persistent", step), work)
+        for group in ("model", "moments"):
+            for key, value in expected[step][group].items():
+                if not torch.equal(got[group][key], value):
+                    mismatched.append((step, group, key))
+    return {
+        "copies": copies,
+        "persistent": [(e["step"], e["ok"], "copy_from_local" in e["phases"]) for e in persistent],
+        "mismatched": mismatched,
+    }
+
+
+def test_the_copy_from_the_local_part_costs_the_trainer_no_copy_and_holds_its_own_step(shm_dir):
+    for out in run_ranks(_save_every_step, 2, shm_dir, timeout=240):
+        assert out["copies"] == []  # the trainer never copied a tensor for a persistent save
+        assert out["persistent"] == [(s, True, True) for s in range(1, STEPS + 1)]
+        assert out["mismatched"] == []
