@@ -289,7 +289,7 @@ class PhaseClock:
         "agree on the step": ("manager", "_agree_on_step"),
         "local: plan (local.save)": ("local", "save"),
         "snapshot + dispatch (schedule)": ("queue", "schedule_async_request"),
-        "persistent copy: read local part": ("local", "read_own_part"),
+        "persistent copy: hold local part": ("local", "hold_own_part"),
         "persistent copy: plan (DCP)": ("tpdcp", "async_save_request"),
     }
     NESTED = {  # inside the parts above (finalize rounds, make room, schedule)

@@ -263,9 +263,9 @@ class LocalCheckpointManager(NVRxFileNames):
 
     def read_own_part(self, iteration: int) -> Any:
         """This rank's own committed part of ``iteration``, as saved (tensors map the file's pages,
-        nothing is copied; no collective, no peer fetch). For a caller that saved it in this process
-        (the tiered manager builds its persistent copy from it). Raises :class:`CheckpointingError`
-        when the part is not here."""
+        nothing is copied; no collective, no peer fetch). For a caller that saved it in this process;
+        one whose reads of its bytes outlast this call (a worker job) holds it instead
+        (:meth:`hold_own_part`). Raises :class:`CheckpointingError` when the part is not here."""
         loaded, reason, _ = self._recovery.read_own(iteration, allow_pickle=False, verify=False)
         if loaded is None:
             raise CheckpointingError(reason)
