@@ -116,3 +116,15 @@ def slow_down_persistent_writes() -> None:
     from tierpoint.dcp import writer
 
     writer.write_staged = slow_write_staged
+
+
+def failing_write_staged(*args: Any, **kwargs: Any) -> int:
+    """The persistent tier's worker job, failing (the worker imports it from here)."""
+    raise OSError("the persistent store is gone")
+
+
+def fail_persistent_writes() -> None:
+    """Make this process's persistent saves fail in the worker."""
+    from tierpoint.dcp import writer
+
+    writer.write_staged = failing_write_staged

@@ -17,7 +17,7 @@ from tierpoint.dcp import snapshot as dcp_snapshot
 from tierpoint.dcp import step_path
 from tierpoint.testing import run_ranks
 
-from .helpers import make_state, slow_down_persistent_writes, train_step
+from .helpers import fail_persistent_writes, make_state, slow_down_persistent_writes, train_step
 
 STEPS = 5
 
@@ -101,3 +101,39 @@ def test_the_copy_from_the_local_part_costs_the_trainer_no_copy_and_holds_its_ow
         assert out["copies"] == []  # the trainer never copied a tensor for a persistent save
         assert out["persistent"] == [(s, True, True) for s in range(1, STEPS + 1)]
         assert out["mismatched"] == []
+
+
+def _failing_copies(rank: int, world: int, root: Path) -> dict[str, Any]:
+    fail_persistent_writes()
+    state, events, holds = make_state(rank), [], []
+    with TieredCheckpointManager(
+        str(root / "local"),
+        str(root / "persistent"),
+        "job",
+        local_every=1,
+        persistent_every=1,
+        keep_local=1,
+        replication_factor=1,
+        on_event=events.append,
+    ) as manager:
+        hold = manager.local.hold_own_part
+        manager.local.hold_own_part = lambda step: holds.append(hold(step)) or holds[-1]
+        for step in range(1, STEPS + 1):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+        manager.wait()
+    return {
+        "saves": [(e["tier"], e["step"], e["ok"]) for e in events],
+        "held": [(h.iteration, h.held) for h in holds],
+    }
+
+
+def test_a_persistent_copy_that_fails_in_the_worker_gives_the_local_part_back(shm_dir):
+    (out,) = run_ranks(_failing_copies, 1, shm_dir, timeout=120)
+    assert [s for s in out["saves"] if s[0] == "local"] == [
+        ("local", s, True) for s in range(1, STEPS + 1)
+    ]
+    assert [s for s in out["saves"] if s[0] == "persistent"] == [
+        ("persistent", s, False) for s in range(1, STEPS + 1)
+    ]
+    assert out["held"] == [(s, False) for s in range(1, STEPS + 1)]  # every hold released
