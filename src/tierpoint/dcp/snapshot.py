@@ -78,6 +78,8 @@ def source_pieces(
             src = _checked(plan, slot.item, data_of)
             at = source.offset_of(src) if slot.template.nbytes else 0
             if at is None:
+                fqn = plan.items[slot.item].index.fqn
+                logger.debug("%s: its bytes are not in the source file: the snapshot copies", fqn)
                 return None
             ranges.append((at, slot.template.nbytes))
         pieces: list[Any] = []
