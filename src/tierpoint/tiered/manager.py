@@ -29,7 +29,8 @@ gets the same answer: each decision is agreed.
 
 Saving: a step due for both tiers is snapshotted once, into the local tier; its persistent copy is
 made from the local part's bytes once the local save is committed on every rank (so never from a
-training state that has moved on), except for DTensor states, whose persistent copy needs the
+training state that has moved on; the worker writes them from the held part, the training thread
+copies nothing, see :mod:`.saving`), except for DTensor states, whose persistent copy needs the
 global layout and is snapshotted from the state at the same step. A persistent save that fails
 (an unreachable store) is reported (WARNING, a failed record) and training and local saves go on;
 the next persistent save tries again.
