@@ -71,6 +71,23 @@ def test_storage_write_file_uses_it_and_matches_buffered(disk_dir):
         assert a.read() == b.read()
 
 
+def test_a_file_mapped_read_only_is_bounced_to_the_device(disk_dir):
+    """A committed file's bytes mapped read-only (the worker writing a local part into the
+    persistent tier): worth writing past the page cache even at unaligned offsets."""
+    source = disk_dir / "source.bin"
+    source.write_bytes(os.urandom(1 << 20) * 24)
+    with open(source, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    views = [b"record head", memoryview(mapped)[100 : (20 << 20) + 7], b"tail"]
+    path = str(disk_dir / "copy.bin")
+    assert direct_write.suitable(path, views)
+    assert direct_write.write_file(path, views) == sum(len(v) for v in views)
+    with open(path, "rb") as f:
+        assert f.read() == b"".join(bytes(v) for v in views)
+    del views
+    mapped.close()
+
+
 def test_not_used_for_small_files_ram_disks_or_when_turned_off(disk_dir, monkeypatch):
     big = _views()
     small = mmap.mmap(-1, direct_write.MIN_BYTES - direct_write.ALIGN)

@@ -13,7 +13,9 @@ caller then writes through the page cache as usual).
 
 Invariants:
 - Only for local files on a block-device file system (never tmpfs or ramfs, where the page cache
-  is the storage) whose bytes mostly sit in page-aligned memory (a staging buffer; copying live
+  is the storage) whose bytes mostly sit in page-aligned memory (a staging buffer) or in read-only
+  memory (a file mapped read-only: the worker writing a committed local part's bytes, where the
+  bounce copy costs less than the page cache's copy, write-back and fsync; copying live, writable
   tensors through the bounce buffer would cost the copy the page cache costs, without its overlap
   with write-back); ``TIERPOINT_DIRECT_IO=0`` turns it off.
 - The file holds exactly the views back to back: every device write has its memory address, file
@@ -57,8 +59,9 @@ def _enabled() -> bool:
 def suitable(path: str, views: Sequence[bytes | bytearray | memoryview]) -> bool:
     """Whether ``path`` (a file about to be created) should be written with :func:`write_file`:
     at least :data:`MIN_BYTES` of ``views`` lie in page-aligned memory at page-aligned file offsets
-    (a staged copy does; live tensors, which would all go through the bounce buffer, do not)."""
-    if not _enabled() or _straight_bytes(views) < MIN_BYTES:
+    (a staged copy does; live tensors, which would all go through the bounce buffer, do not) or in
+    read-only memory (bounced, see the module docstring)."""
+    if not _enabled() or _straight_bytes(views) + _read_only_bytes(views) < MIN_BYTES:
         return False
     dev = _device_of_directory(path)
     if dev is None:
@@ -94,6 +97,15 @@ def _straight_bytes(views: Sequence[bytes | bytearray | memoryview]) -> int:
             straight += len(view) - len(view) % ALIGN
         position += len(view)
     return straight
+
+
+def _read_only_bytes(views: Sequence[bytes | bytearray | memoryview]) -> int:
+    """How many bytes of ``views`` lie in read-only memory (large views only)."""
+    return sum(
+        len(v)
+        for v in (memoryview(raw).cast("B") for raw in views)
+        if v.readonly and len(v) >= ALIGN
+    )
 
 
 def _refuse(fd: int) -> None:
