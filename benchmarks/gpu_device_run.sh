@@ -3,6 +3,8 @@
 # numpy, rich and pytest installed, no network and no virtual environment. From the repo root:
 #
 #     OUT=/some/dir benchmarks/gpu_device_run.sh [gpu_bench.py options...]
+#     PART=tests OUT=... benchmarks/gpu_device_run.sh     # only the tests (about 4 minutes)
+#     PART=bench OUT=... benchmarks/gpu_device_run.sh     # only the benchmark (about 5 minutes)
 #
 # Each tests/gpu scenario runs in its own python process (a CUDA failure in one cannot hide the
 # others), then all of them in one process (the acceptance: one process stays healthy), then
@@ -25,6 +27,8 @@ export PYTHONDONTWRITEBYTECODE=1 TIERPOINT_TIMEOUT="${TIERPOINT_TIMEOUT:-120}"
 } | tee "$OUT/summary"
 
 status=0
+PART="${PART:-all}"
+if [ "$PART" != bench ]; then
 scenarios=$("$PY" -m pytest --collect-only -q -p no:cacheprovider tests/gpu 2>>"$OUT/tests.log" | grep '::')
 if [ -z "$scenarios" ]; then
     echo "FAIL collecting tests/gpu (see tests.log)" | tee -a "$OUT/summary"
@@ -50,12 +54,16 @@ else
     status=1
 fi
 
+fi
+
+if [ "$PART" != tests ]; then
 echo "==== benchmarks/gpu_bench.py $*" | tee -a "$OUT/summary"
 if "$PY" benchmarks/gpu_bench.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"; then
     echo "PASS gpu_bench (figures in bench.log, bench.json)" | tee -a "$OUT/summary"
 else
     echo "FAIL gpu_bench (see bench.log)" | tee -a "$OUT/summary"
     status=1
+fi
 fi
 ls /dev/shm | grep -i tierpoint >>"$OUT/summary" && echo "(left in /dev/shm, above)" >>"$OUT/summary"
 exit $status
