@@ -1,6 +1,7 @@
 """A process stays healthy with CUDA across many checkpointing objects: several local managers and
-queues used one after another (closed, dropped, collected), DCP async saves in between, then CUDA
-still works; a registration CUDA refuses leaves no error pending."""
+queues used one after another (closed, dropped, collected; some warmed up, pinning on a background
+thread), DCP async saves in between (some pools warmed up), then CUDA still works; a registration
+CUDA refuses leaves no error pending."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 
 from tierpoint import pinning
 from tierpoint.asyncsave import AsyncCallsQueue
-from tierpoint.dcp import StagingPool, async_save, step_path
+from tierpoint.dcp import StagingPool, async_save, step_path, warm_up
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tierpoint.staging import StagingBuffer
 
@@ -23,6 +24,8 @@ def test_many_managers_and_persistent_saves_in_one_process(tmp_path, shm_dir):
         root = tmp_path / f"local{k}"
         manager = LocalCheckpointManager(root, session_id="job")
         queue = AsyncCallsQueue(overlap_snapshot=k % 2 == 1)
+        if k >= 2:  # pinned ahead, on a background thread
+            manager.warm_up(BasicTensorAwareStateDict(model_state(0, width=128 + 64 * k)))
         for it in (1, 2):
             state = model_state(10 * k + it, width=128 + 64 * k)  # each manager its own layout
             want = clone(state)
@@ -37,6 +40,8 @@ def test_many_managers_and_persistent_saves_in_one_process(tmp_path, shm_dir):
         gc.collect()
         cuda_still_works()
         pool = StagingPool()
+        if k % 2:
+            warm_up(model_state(0), step_path(tmp_path / "dcp", 0), staging_pool=pool)
         with AsyncCallsQueue() as dcp_queue:
             for base in (tmp_path / "dcp", shm_dir):  # memfd staging, and in place on /dev/shm
                 for step in (2 * k + 1, 2 * k + 2):
