@@ -52,3 +52,34 @@ def test_the_first_local_saves_fill_the_spares_prepared_at_the_first_step_not_sa
         assert out["warm"] == 6
         # steps 5 and 10, own part and replica each: every file is a spare made ahead
         assert out == {"step": 10, "warm": 6, "parts": 4, "filled": True}
+
+
+def _persistent_only(rank: int, world: int, root: Path) -> dict:
+    state = make_state(rank, width=64)
+    manager = TieredCheckpointManager(
+        None, str(root / "persistent"), "job", local_every=0, persistent_every=4
+    )
+    with manager:
+        pool = manager._staging_pool
+        train_step(state, world)
+        manager.maybe_save(1, state)  # not due: prepares the first save's staging memory
+        pool.wait_for_spare(60)
+        warmed = (pool.allocations, pool.bytes_held > 0)
+        for step in range(2, 9):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+        manager.wait()
+        reference = fingerprint(state)
+        after = pool.allocations
+    assert pool.bytes_held == 0  # closed with the manager
+    restored = make_state(rank, width=64)
+    with TieredCheckpointManager(None, str(root / "persistent"), "job", local_every=0) as again:
+        step = again.restore(restored)
+    assert_same(fingerprint(restored), reference)
+    return {"warmed": warmed, "allocations after two saves": after, "step": step}
+
+
+def test_a_persistent_only_manager_warms_up_the_staging_memory_of_its_first_save(tmp_path):
+    for out in run_ranks(_persistent_only, 2, tmp_path, timeout=200):
+        # one buffer, made ahead and taken by the first save, reused by the second
+        assert out == {"warmed": (1, True), "allocations after two saves": 1, "step": 8}

@@ -9,7 +9,7 @@ Call order (every rank, at the same points of the training loop)::
     for step in range((step or 0) + 1, total + 1):
         train_step()
         manager.maybe_save(step, state)      # returns after the snapshot; saves by schedule
-                                             # (its first call not due warms the local tier up)
+                                             # (its first call not due warms the tiers up)
     manager.close()                          # waits for what is in flight
 
 The parts it composes: the local tier (:class:`~tierpoint.local.LocalCheckpointManager`, with clique
@@ -50,9 +50,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .. import dcp, storage
 from .. import dist as tpdist
-from .. import storage
 from ..asyncsave import AsyncCallsQueue
+from ..dcp.step_dirs import step_path
 from ..errors import CheckpointingError
 from ..local import CliqueReplicationStrategy, LocalCheckpointManager
 from ..tensor_aware import BasicTensorAwareStateDict
@@ -158,6 +159,7 @@ class TieredCheckpointManager(SavePath):
             max_in_flight=2, timeout=timeout, overlap_snapshot=overlap_snapshot
         )
         self._optimizer_hooks: dict[int, Any] = {}  # id(optimizer) -> hook (overlap_snapshot)
+        self._staging_pool = dcp.StagingPool()  # the persistent saves' staging memory
         if self.persistent_dir is not None:  # the worker's first persistent save needs them
             self.queue.preload("tierpoint.dcp.writer", "tierpoint.dcp.checksums")
         self.last_restore: RestoreRecord | None = None
@@ -169,7 +171,7 @@ class TieredCheckpointManager(SavePath):
         self._signalled = False
         self._watching_signal = False
         self._closed = False
-        self._warmed_up = False  # the local tier's warm-up started (at the first step not saved)
+        self._warmed_up = False  # the warm-up started (at the first step not saved)
 
     @staticmethod
     def _replication(factor: int, jump: int | None) -> CliqueReplicationStrategy | None:
@@ -214,15 +216,29 @@ class TieredCheckpointManager(SavePath):
             sys.exit(0)
         if tiers:
             self.save(step, state, tiers)
-        elif self.local is not None and not self._warmed_up:
+        elif not self._warmed_up:
             # The first call after training started: the state has its layout (the optimizer's
-            # state exists), and the first local save is steps away.
+            # state exists), and the first save is steps away.
             self._warmed_up = True
-            try:
-                self.local.warm_up(BasicTensorAwareStateDict(st.local_form(st.template(state))))
-            except CheckpointingError as e:  # the save says so, on every rank
-                logger.debug("no warm-up for the local tier: %s", e)
+            self._warm_up(step, state)
         return tiers
+
+    def _warm_up(self, step: int, state: Mapping[str, Any]) -> None:
+        """Prepare the first saves' staging memory in the background (not collective): the local
+        tier's (and its spare files), and the persistent tier's where its saves snapshot the state
+        (no local tier, or a DTensor state); see :meth:`LocalCheckpointManager.warm_up`."""
+        try:
+            tree = st.template(state)
+            if self.local is not None:
+                self.local.warm_up(BasicTensorAwareStateDict(st.local_form(tree)))
+            if self.persistent_dir is not None and (self.local is None or st.has_dtensor(tree)):
+                dcp.warm_up(
+                    st.persistent_form(tree, tpdist.get_rank()),
+                    step_path(self.persistent_dir, step),
+                    staging_pool=self._staging_pool,
+                )
+        except CheckpointingError as e:  # the save says so, on every rank
+            logger.debug("no warm-up: %s", e)
 
     def save(self, step: int, state: Mapping[str, Any], tiers: str | Iterable[str] = TIERS) -> None:
         """Save ``step`` to ``tiers`` now, asynchronously (returns after the snapshot)."""
@@ -340,6 +356,7 @@ class TieredCheckpointManager(SavePath):
                     hook.remove()
                 self._optimizer_hooks.clear()
                 self.queue.close()
+                self._staging_pool.close()
 
     def __enter__(self) -> TieredCheckpointManager:
         return self

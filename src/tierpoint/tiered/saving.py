@@ -63,6 +63,7 @@ class SavePath:
     keep_persistent: int
     storage_options: dict[str, Any]
     queue: AsyncCallsQueue
+    _staging_pool: dcp.StagingPool
     _events: EventLog
     _deferred: _Deferred | None
     _in_flight: dict[str, int]  # tier -> call id of its save not yet finalized
@@ -182,6 +183,7 @@ class SavePath:
                 storage_options=self.storage_options or None,
                 overwrite=True,
                 source_file=held.source if held is not None else None,
+                staging_pool=self._staging_pool,
             )
             if held is not None:  # finalized or aborted: the worker read the part (or never will)
                 request.finalize_fns = [held.release, *request.finalize_fns]
