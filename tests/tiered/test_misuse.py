@@ -156,3 +156,31 @@ def _preempted(rank: int, world: int, root: Path) -> object:
 def test_sigterm_makes_the_next_step_save_to_the_persistent_tier_and_exit(tmp_path):
     for out in run_ranks(_preempted, 2, tmp_path, timeout=200):
         assert out == [0, 7, "persistent"]
+
+
+def _part_gone_before_its_copy(rank: int, world: int, root: Path) -> dict:
+    events: list[dict] = []
+    state = make_state(rank)
+    with _manager(root, on_event=events.append) as manager:
+        if rank == 1:  # as if this rank's directory were wiped once its local save committed
+            hold = manager.local.hold_own_part
+
+            def gone(step: int):
+                if step == 4:
+                    raise CheckpointingError(f"rank 1's part of step {step} is not here")
+                return hold(step)
+
+            manager.local.hold_own_part = gone
+        for step in range(1, 9):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+        manager.wait()
+        return {"events": [(e["tier"], e["step"], e["ok"]) for e in events if e["kind"] == "save"]}
+
+
+def test_a_local_part_gone_before_its_persistent_copy_skips_that_copy_on_every_rank(tmp_path):
+    for out in run_ranks(_part_gone_before_its_copy, 2, tmp_path, timeout=200):
+        events = out["events"]
+        assert ("persistent", 4, False) in events and ("persistent", 4, True) not in events
+        assert ("persistent", 8, True) in events  # the next copy is made
+        assert [e for e in events if e[0] == "local"] == [("local", s, True) for s in (2, 4, 6, 8)]

@@ -215,7 +215,18 @@ class SavePath:
             return
         self._deferred = None
         assert self.local is not None
-        held = self.local.hold_own_part(deferred.step)
+        held: HeldPart | None = None
+        try:  # a rank whose part is gone (its directory wiped) skips the copy with every other rank
+            with tpdist.agree(f"reading the local part of step {deferred.step} to copy it"):
+                held = self.local.hold_own_part(deferred.step)
+        except CheckpointingError as e:
+            if held is not None:
+                held.release()
+            logger.warning("the persistent copy of step %d is not made: %s", deferred.step, e)
+            record = SaveRecord("persistent", deferred.step, 0)
+            record.ok, record.error = False, str(e)
+            self._events.emit(record)
+            return
         tree = dict(held.tree)
         tree.pop(st.SHARDING_KEY, None)
         for key in deferred.rank_local_keys:
