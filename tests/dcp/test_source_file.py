@@ -155,3 +155,21 @@ def test_a_transposed_view_has_no_place_in_the_source(tmp_path):
 def test_a_synchronous_save_takes_no_source_file(tmp_path):
     with pytest.raises(TypeError, match="source_file"):
         dcp.save({"a": torch.zeros(2)}, step_path(tmp_path, 1), source_file=None)
+
+
+def test_the_worker_unmaps_the_source_once_the_save_is_finalized(tmp_path):
+    """A source file is read by one save only: its mapping leaves the worker at finalize (else it
+    would keep a retired part's pages, RAM on /dev/shm, until the next save)."""
+    views, source = _source(tmp_path / "part", _reference())
+    with AsyncCallsQueue() as queue:
+        queue.schedule_async_request(
+            async_save_request({"model": views}, step_path(tmp_path, 1), source_file=source)
+        )
+        queue.maybe_finalize_async_calls(blocking=True)
+        source.close()
+        worker_maps = Path(f"/proc/{queue._worker.process.pid}/maps")
+        part = str(tmp_path / "part")
+        deadline = time.monotonic() + 30
+        while part in worker_maps.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert part not in worker_maps.read_text()

@@ -35,6 +35,7 @@ from ..errors import (
     error_text,
     failed_on_ranks,
 )
+from ..staging import SourceFile
 from .request import AsyncRequest
 from .worker import SHARED, Worker
 
@@ -57,6 +58,7 @@ class Call:
     background: threading.Thread | None = None
     local: Outcome | None = None  # this rank's final outcome
     buffers: set[str] = field(default_factory=set)  # shared memory the call's arguments use
+    one_off: set[str] = field(default_factory=set)  # of which source files: no later call uses them
 
     def set_worker_result(self, result: Outcome) -> None:
         """The worker's outcome; also the call's own when there is no background step."""
@@ -167,7 +169,9 @@ def snapshot_and_dispatch(call: Call, worker: Worker | None, pending: PendingCal
         else:
             assert worker is not None
             args = tuple(request.async_fn_args)
-            call.buffers = {v.id for v in (*args, *kwargs.values()) if isinstance(v, SHARED)}
+            shared = [v for v in (*args, *kwargs.values()) if isinstance(v, SHARED)]
+            call.buffers = {v.id for v in shared}
+            call.one_off = {v.id for v in shared if isinstance(v, SourceFile)}
             # Staging buffers no pending call uses any more (a layout changed) leave the worker.
             worker.drop_buffers(pending.buffers_in_use())
             worker.submit(call.id, request.async_fn, args, kwargs)

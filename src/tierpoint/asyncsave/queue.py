@@ -284,6 +284,9 @@ class AsyncCallsQueue:
                 continue
             for _ in range(ready if limit is None else min(ready, limit - len(done))):
                 call = self._calls.popleft()
+                if call.one_off and self._worker is not None:
+                    # their mappings would keep a file's pages (a retired part's RAM) alive
+                    self._worker.forget(call.one_off)
                 conclude(call, self._statuses(call, no_dist))
                 done.append(call.id)
         return done

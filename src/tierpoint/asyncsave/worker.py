@@ -240,6 +240,13 @@ class Worker:
                 self._conn.send(("drop", buf_id))
             self._sent &= keep
 
+    def forget(self, buffer_ids: set[str]) -> None:
+        """Unmap these shared files now (source files no later call reads)."""
+        with self._lock:
+            for buf_id in buffer_ids & self._sent:
+                self._conn.send(("drop", buf_id))
+            self._sent -= buffer_ids
+
     def results(self, wait: float = 0.0) -> list[tuple[int, bool, Any, str | None]]:
         """Finished calls, waiting at most ``wait`` seconds for the first one."""
         out, self._early = self._early, []
