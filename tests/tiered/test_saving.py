@@ -53,28 +53,33 @@ def _loaded(path: str, work: Path) -> dict[str, Any]:
     return {"model": model, "moments": moments}
 
 
-def _save_every_step(rank: int, world: int, root: Path) -> dict[str, Any]:
-    slow_down_persistent_writes()
-    copies: list[int] = []
-    engine = dcp_snapshot.copy_tensors
-
-    def counted(sources, targets, pinned, hash=False):  # noqa: ANN001, ANN202
-        copies.append(len(sources))
-        return engine(sources, targets, pinned, hash)
-
-    dcp_snapshot.copy_tensors = counted
-    state, expected, events = make_state(rank, width=64), {}, []
-    with TieredCheckpointManager(
+def _saving_every_step(root: Path, events: list, **kwargs: Any) -> TieredCheckpointManager:
+    """A manager saving every step to both tiers, one local part kept, no replicas."""
+    return TieredCheckpointManager(
         str(root / "local"),
         str(root / "persistent"),
         "job",
         local_every=1,
         persistent_every=1,
         keep_local=1,
-        keep_persistent=STEPS,
         replication_factor=1,
         on_event=events.append,
-    ) as manager:
+        **kwargs,
+    )
+
+
+def _save_every_step(rank: int, world: int, root: Path) -> dict[str, Any]:
+    slow_down_persistent_writes()
+    copies: list[int] = []
+    engine = dcp_snapshot.copy_tensors
+
+    def counted(sources, targets, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        copies.append(len(sources))
+        return engine(sources, targets, *args, **kwargs)
+
+    dcp_snapshot.copy_tensors = counted
+    state, expected, events = make_state(rank, width=64), {}, []
+    with _saving_every_step(root, events, keep_persistent=STEPS) as manager:
         for step in range(1, STEPS + 1):
             train_step(state, world)
             manager.maybe_save(step, state)
@@ -106,16 +111,7 @@ def test_the_copy_from_the_local_part_costs_the_trainer_no_copy_and_holds_its_ow
 def _failing_copies(rank: int, world: int, root: Path) -> dict[str, Any]:
     fail_persistent_writes()
     state, events, holds = make_state(rank), [], []
-    with TieredCheckpointManager(
-        str(root / "local"),
-        str(root / "persistent"),
-        "job",
-        local_every=1,
-        persistent_every=1,
-        keep_local=1,
-        replication_factor=1,
-        on_event=events.append,
-    ) as manager:
+    with _saving_every_step(root, events) as manager:
         hold = manager.local.hold_own_part
         manager.local.hold_own_part = lambda step: holds.append(hold(step)) or holds[-1]
         for step in range(1, STEPS + 1):
