@@ -81,6 +81,7 @@ class StagingBuffer:
                 raise
         self._map = mmap.mmap(self.fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
+        self._populated = False
         if directory is not None:
             self.populate()
         self._pin = PinnedRange()
@@ -91,9 +92,16 @@ class StagingBuffer:
 
     def populate(self) -> None:
         """Fault every page of the buffer in, writable, now (else the first copy into each page
-        allocates and zeroes it)."""
-        if self.nbytes:
+        allocates and zeroes it); once."""
+        if self.nbytes and not self._populated:
             _populate(self._map, self.tensor.data_ptr())
+        self._populated = True
+
+    def prepare(self, device: int | None) -> None:
+        """Everything the first copy into a fresh buffer would otherwise pay for, now: its pages
+        faulted in, and pinned for copies from ``device`` (see :meth:`pin`)."""
+        self.populate()
+        self.pin(device)
 
     def pin(self, device: int | None) -> bool:
         """Page-lock the buffer for copies from ``device`` (a CUDA index; None: nothing to pin for),
@@ -261,9 +269,7 @@ class Stager:
         are otherwise allocated and zeroed by the first copy into them): ahead of the first save,
         so that it costs what a steady one does."""
         buf = self.buffer_for(plan)
-        if not buf.pinned:  # pinning faults the pages in itself
-            buf.populate()
-        buf.pin(device)
+        buf.prepare(device)
         return buf
 
     def stage(self, flat: FlatState, plan: PartPlan, after: Streams | None = None) -> StagingBuffer:

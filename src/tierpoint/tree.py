@@ -41,6 +41,7 @@ import base64
 import math
 import pickle
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,3 +365,17 @@ def tensor_count(skeleton: Any) -> int:
 
     walk(skeleton)
     return len(found)
+
+
+def tensors_in(value: Any, unwrap: Callable[[Any], Any] | None = None) -> list[torch.Tensor]:
+    """The tensors of a nested state (dicts, lists, tuples), in order, DTensors as they are;
+    ``unwrap`` is applied to every value first (a wrapper gives its contents)."""
+    if unwrap is not None:
+        value = unwrap(value)
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v, unwrap)]
+    return []

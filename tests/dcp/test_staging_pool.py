@@ -94,12 +94,12 @@ def test_when_a_staged_file_cannot_be_named_it_is_copied_and_later_saves_stage_i
 
 
 def test_a_failed_in_place_snapshot_names_no_file_and_the_next_save_works(shm_dir, monkeypatch):
-    def copy_fails(*args: object) -> None:
+    def copy_fails(*args: object, **kwargs: object) -> None:
         raise RuntimeError("copy failed")
 
     pool = StagingPool()
     with AsyncCallsQueue() as queue:
-        monkeypatch.setattr(writer, "_copy", copy_fails)
+        monkeypatch.setattr(writer, "copy_tensors", copy_fails)
         request = async_save_request(_state(1), step_path(shm_dir, 1), staging_pool=pool)
         queue.schedule_async_request(request)
         with pytest.raises(CheckpointingError, match="copy failed"):
@@ -172,13 +172,13 @@ def test_saving_again_with_fewer_files_leaves_none_of_the_earlier_ones(where, tm
 
 
 def test_closing_the_pool_while_a_save_is_in_flight_leaves_no_spare(shm_dir, monkeypatch):
-    copy = writer._copy
+    copy = writer.copy_tensors
 
-    def slow_copy(*args: object) -> None:
+    def slow_copy(*args: object, **kwargs: object) -> None:
         time.sleep(0.5)  # the pool is closed meanwhile, after the snapshot took its buffer
-        copy(*args)
+        copy(*args, **kwargs)
 
-    monkeypatch.setattr(writer, "_copy", slow_copy)
+    monkeypatch.setattr(writer, "copy_tensors", slow_copy)
     pool = StagingPool()
     state = _state(1)
     with AsyncCallsQueue(overlap_snapshot=True) as queue:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tierpoint import peers
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError
 from tierpoint.peers import transfer
 from tierpoint.peers.transfer import FileMove, move_files
@@ -202,7 +203,7 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def test_mapping_cache_reuses_rechecks_and_lets_go(tmp_path: Path) -> None:
-    cache = transfer.MappingCache()
+    cache = peers.MappingCache()
     a, b = tmp_path / "a.bin", tmp_path / "b.bin"
     a.write_bytes(b"x" * 8192)
     b.write_bytes(b"y" * 4096)

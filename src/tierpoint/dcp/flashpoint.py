@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from .. import dist as tpdist
-from .. import storage
+from .. import peers, storage
 from ..errors import CheckpointingError, UnsupportedStateError
 from ..peers import transfer
 from .latest import get_latest_complete_checkpoint
@@ -275,7 +275,7 @@ class DefaultMLFlashpointCheckpointLoader(MLFlashpointCheckpointLoader):
         on every rank): each listed file is copied from its source rank to the same path on the
         rank, verified on receipt (collective). ``True`` when every rank succeeded."""
         moves = [
-            transfer.FileMove(int(src), int(dst), os.fspath(path), os.fspath(path))
+            peers.FileMove(int(src), int(dst), os.fspath(path), os.fspath(path))
             for dst, items in sorted(retrieval_plan.items())
             for src, path in items
         ]

@@ -41,6 +41,7 @@ import xxhash
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import dist as tpdist
+from .. import peers
 from ..errors import CheckpointingError, error_text
 from ..files import DIRTY_SUFFIX
 from ..peers import transfer
@@ -262,7 +263,7 @@ def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
         logger.warning("%s: some files exist on no rank; the checkpoint is not viable", step_dir)
         return False
     moves = [
-        transfer.FileMove(src, dst, os.path.join(step_dir, name), os.path.join(step_dir, name))
+        peers.FileMove(src, dst, os.path.join(step_dir, name), os.path.join(step_dir, name))
         for src, dst, name in plan["moves"]
     ]
     if moves and tpdist.get_rank() == 0:

@@ -115,7 +115,7 @@ def fill(
     a pool's buffers are pinned already) when the sources are on a device; device copies wait for
     the streams ``after`` (:func:`tierpoint.snapshot_copy.training_streams`)."""
     buf.pin(copy_device(sources))
-    _copy(sources, targets, buf, after)
+    copy_tensors(sources, targets, buf.pinned, after=after)
 
 
 def stages_in_place(path: str) -> bool:
@@ -152,12 +152,3 @@ def name_in_place(
         logger.info("cannot name staged files (%s): async saves stage in memory from now on", e)
         tensors = memoryview(buf.tensor.numpy())[: spec.tensor_bytes]
         storage.write_file(target, [tensors, records], fsync=False)  # the worker fsyncs it
-
-
-def _copy(
-    sources: list[torch.Tensor],
-    targets: list[torch.Tensor],
-    buf: StagingBuffer,
-    after: Streams | None = None,
-) -> None:
-    copy_tensors(sources, targets, buf.pinned, after=after)

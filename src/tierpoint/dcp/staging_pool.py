@@ -124,10 +124,8 @@ class StagingPool:
 
         def prepare() -> None:
             try:
-                buf = StagingBuffer(nbytes, in_place_dir)  # a file-backed one is faulted in
-                if not buf.file_backed:
-                    buf.populate()
-                buf.pin(device)
+                buf = StagingBuffer(nbytes, in_place_dir)
+                buf.prepare(device)
                 where = os.stat(in_place_dir).st_dev if in_place_dir is not None else None
             except Exception as e:  # noqa: BLE001 - the first save allocates itself
                 logger.warning("preparing staging memory ahead of the first save failed: %s", e)
@@ -223,7 +221,7 @@ class StagingPool:
         try:
             device = os.stat(directory).st_dev
             buf = _allocate(files, directory)
-            buf.pin(pin_for)  # pinned ahead of the save that fills it, as the used one was
+            buf.prepare(pin_for)  # pinned ahead of the save that fills it, as the used one was
         except Exception as e:  # noqa: BLE001 - the next save allocates (or falls back) itself
             logger.debug("could not prepare a spare staging file in %s: %s", directory, e)
             return

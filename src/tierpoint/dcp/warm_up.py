@@ -19,15 +19,13 @@ the first save allocates as it would have; host memory: at most one warmed buffe
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .. import storage
 from ..dtensors import is_dtensor, local_shard
 from ..pinning import copy_device
+from ..tree import tensors_in
 from .file_plan import staging_bound
 from .saving import stateful_to_state_dict
 from .snapshot import stages_in_place
@@ -49,7 +47,10 @@ def warm_up(
     once the state has the layout it is saved with (after the first optimizer step), steps before
     the first save. ``staging_pool``: the pool the saves use (default: the module's)."""
     path = checkpoint_id_or_path(path_or_url, checkpoint_id, "warm_up")
-    tensors = list(_tensors(stateful_to_state_dict(state_dict)))
+    tensors = [
+        local_shard(t) if is_dtensor(t) else t
+        for t in tensors_in(stateful_to_state_dict(state_dict))
+    ]
     device = copy_device(tensors)
     in_place_dir = None
     if device is None and storage.is_local(path):  # CUDA states stage in memory (pinned, reused)
@@ -60,19 +61,6 @@ def warm_up(
     pool.warm_up(
         staging_bound([t.numel() * t.element_size() for t in tensors]), device, in_place_dir
     )
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if is_dtensor(value):
-        yield local_shard(value)
-    elif isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 def _existing_dir(path: str) -> str | None:

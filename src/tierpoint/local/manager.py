@@ -33,10 +33,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .. import fileformat, storage
+from .. import peers, storage
 from ..asyncsave.request import AsyncRequest
 from ..errors import CheckpointingError
-from ..peers import transfer
 from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from . import naming
@@ -165,7 +164,7 @@ class LocalCheckpointManager(NVRxFileNames):
         return self._recovery.last_load
 
     @property
-    def last_replication(self) -> transfer.MoveStats | None:
+    def last_replication(self) -> peers.MoveStats | None:
         """Bytes and seconds of this rank's part of the last replication (for monitoring)."""
         return self._saver.last_replication
 
@@ -260,17 +259,6 @@ class LocalCheckpointManager(NVRxFileNames):
         self.wait_for_restore()
         self._check_world()
         return self._saver.save(ta_state_dict, iteration, is_async)
-
-    def read_own_part(self, iteration: int) -> Any:
-        """This rank's own committed part of ``iteration``, as saved (tensors map the file's pages,
-        nothing is copied; no collective, no peer fetch). For a caller that saved it in this process;
-        one whose reads of its bytes outlast this call (a worker job) holds it instead
-        (:meth:`hold_own_part`). Raises :class:`CheckpointingError` when the part is not here."""
-        loaded, reason, _ = self._recovery.read_own(iteration, allow_pickle=False, verify=False)
-        if loaded is None:
-            raise CheckpointingError(reason)
-        header, tensors = loaded
-        return fileformat.unflatten_checked(header, tensors)
 
     def hold_own_part(self, iteration: int) -> HeldPart:
         """This rank's own committed part of ``iteration``, held for a reader in this process

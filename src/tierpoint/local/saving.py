@@ -42,11 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import dist as tpdist
-from .. import fileformat
+from .. import fileformat, peers
 from ..asyncsave.request import AsyncRequest
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
-from ..peers import transfer
 from ..pinning import copy_device
 from ..snapshot_copy import training_streams
 from ..staging import Stager
@@ -83,7 +82,7 @@ class PartSaver:
         self.requested: set[int] = set()  # async saves handed out, not yet finalized or aborted
         # The iterations complete after this rank's last commit, and its sorted listing then.
         self.after_commit: AfterCommit | None = None
-        self.last_replication: transfer.MoveStats | None = None
+        self.last_replication: peers.MoveStats | None = None
         self.stager = Stager()
         self._tier_in_memory: bool | None = None
         self._warming: threading.Thread | None = None

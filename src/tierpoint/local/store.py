@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import dist as tpdist
-from .. import fileformat
+from .. import fileformat, peers
 from ..errors import CheckpointingError, CorruptCheckpointError
 from ..files import reserve, unlink_quietly
 from ..peers import transfer
@@ -48,7 +48,7 @@ class PartStore:
     def __init__(self, root: Path, session_id: str) -> None:
         self.root = root
         self.session_id = session_id
-        self.mappings = transfer.MappingCache()
+        self.mappings = peers.MappingCache()
         self.latest: int | None = None
         self.unloadable: set[int] = set()
         self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int] | None]] = {}
@@ -159,11 +159,11 @@ class PartStore:
 
     def part_moves(
         self, iteration: int, triples: Iterable[tuple[int, int, int]]
-    ) -> list[transfer.FileMove]:
+    ) -> list[peers.FileMove]:
         """``(source, destination, origin)`` -> moves of origin's part between the two directories."""
         name = naming.part_name
         return [
-            transfer.FileMove(
+            peers.FileMove(
                 src,
                 dst,
                 str(self.dir_of(src) / name(iteration, o)),
@@ -173,8 +173,8 @@ class PartStore:
         ]
 
     def move_parts(
-        self, moves: list[transfer.FileMove], group: Any, **options: Any
-    ) -> transfer.MoveStats:
+        self, moves: list[peers.FileMove], group: Any, **options: Any
+    ) -> peers.MoveStats:
         """Carry out ``moves`` over ``group`` (collective over it), each received part verified as
         it lands (:class:`ReceivedPart`); ``options``: more of :func:`tierpoint.peers.transfer.move_files`."""
         return transfer.move_files(
@@ -344,7 +344,7 @@ class ReceivedPart(fileformat.PartVerifier):
     """A part arriving from a peer: every checksum holds (checked as it lands) and it is the part
     its name says."""
 
-    def __init__(self, move: transfer.FileMove, data: memoryview) -> None:
+    def __init__(self, move: peers.FileMove, data: memoryview) -> None:
         super().__init__(move.dst_path, data)
         self.move = move
 

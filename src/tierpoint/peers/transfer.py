@@ -269,11 +269,4 @@ def move_files(
     return MoveStats(sent, received, seconds)
 
 
-__all__ = [
-    "DEFAULT_BUCKET_BYTES",
-    "FileMove",
-    "MappingCache",
-    "MoveStats",
-    "ReceiveCheck",
-    "move_files",
-]
+__all__ = ["move_files"]

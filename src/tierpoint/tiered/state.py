@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointingError
+from ..tree import tensors_in
 
 RANK_LOCAL_KEY = "__rank_local__"
 """Where the persistent tier keeps each rank's :class:`RankLocal` values: ``<key>.<rank>.<name>``."""
@@ -219,15 +220,7 @@ def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
     """The tensors of a tree (dicts, lists, tuples, :class:`RankLocal`), in order."""
-    if isinstance(tree, RankLocal):
-        return tensors_of(tree.value)
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, Mapping):
-        tree = list(tree.values())
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in tensors_of(v)]
-    return []
+    return tensors_in(tree, lambda v: v.value if isinstance(v, RankLocal) else v)
 
 
 def has_dtensor(tree: Any) -> bool:
