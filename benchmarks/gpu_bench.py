@@ -315,8 +315,8 @@ def bench_training(
     root: Path, args: argparse.Namespace, device: torch.device, stack: contextlib.ExitStack
 ) -> tuple[Times, str]:
     trainer = GptTrainer(args.layers, args.width, args.vocab, args.seq, device)
-    for _ in range(3):
-        trainer.step()  # builds the optimizer's state
+    for _ in range(10):
+        trainer.step()  # builds the optimizer's state, warms the kernels up
     trainer.sync()
     savers = {
         "tp25": TierpointSaver(root / "train-plain", trainer.state, stack),
@@ -336,17 +336,25 @@ def bench_training(
             if key == "none":
                 return {"train_none": train_run(trainer, args.steps, None)[0]}
             if key == "dcp25":
-                seconds, blocked = train_run(trainer, args.steps, dcp_saver, every)
-                return {"train_dcp25": seconds, "train_dcp25_blocked": blocked}
+                seconds, blocked, drain = train_run(trainer, args.steps, dcp_saver, every)
+                return {
+                    "train_dcp25": seconds,
+                    "train_dcp25_blocked": blocked,
+                    "train_dcp25_drain": drain,
+                }
             saver = savers[key]
             hook = OverlapHook(saver, trainer.optimizer) if key.startswith("ov") else None
             try:
-                seconds, blocked = train_run(trainer, args.steps, saver, every)
+                seconds, blocked, drain = train_run(trainer, args.steps, saver, every)
             finally:
                 if hook is not None:
                     hook.handle.remove()
             waited = hook.waited if hook is not None else 0.0
-            return {f"train_{key}": seconds, f"train_{key}_blocked": blocked + waited}
+            return {
+                f"train_{key}": seconds,
+                f"train_{key}_blocked": blocked + waited,
+                f"train_{key}_drain": drain,
+            }
 
         return guarded(f"train_{key}", run, failures)
 
@@ -408,7 +416,7 @@ def print_training(
         f" state {state / 1e9:.2f} GB), seq {args.seq}, batch {BATCH}, bf16 autocast, fused AdamW;"
         f" {args.steps} steps a run, {args.train_reps} interleaved repetitions (medians)"
     )
-    print(f"{'variant':48s} {'ms/step':>8s} {'vs none':>8s} {'ms/save':>8s}")
+    print(f"{'variant':48s} {'ms/step':>8s} {'vs none':>8s} {'ms/save':>8s} {'drain s':>8s}")
     rows = [
         ("no checkpoints", "none", 0),
         ("tierpoint local async every 25", "tp25", 25),
@@ -426,7 +434,13 @@ def print_training(
         saves = (args.steps - 1) // every if every else 0
         blocked = times.get(f"train_{key}_blocked")
         save_ms = f"{median(blocked) / saves * 1e3:8.1f}" if blocked and saves else ""
-        print(f"{label:48s} {step_ms:8.1f} {ratio:7.3f}x {save_ms:>8s}")
+        drain = times.get(f"train_{key}_drain")
+        drain_s = f"{median(drain):8.2f}" if drain else ""
+        print(f"{label:48s} {step_ms:8.1f} {ratio:7.3f}x {save_ms:>8s} {drain_s:>8s}")
+    print(
+        "(ms/step until the last step's work is done; 'drain': the last save's finishing after"
+        " it, paid once a job)"
+    )
 
 
 def print_checks(times: Times) -> None:

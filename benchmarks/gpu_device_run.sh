@@ -7,7 +7,7 @@
 #     PART=bench OUT=... benchmarks/gpu_device_run.sh     # only the benchmark (about 5 minutes)
 #
 # Each tests/gpu scenario runs in its own python process (a CUDA failure in one cannot hide the
-# others), then all of them in one process (the acceptance: one process stays healthy), then
+# others; JOBS=8 at a time), then all of them in one process (the acceptance: one process stays healthy), then
 # benchmarks/gpu_bench.py. Under $OUT: tests.log (every scenario's output), a
 # summary (one PASS/FAIL/SKIP line per scenario), bench.log and bench.json. The exit status is
 # non-zero when a scenario failed or the benchmark did.
@@ -34,20 +34,31 @@ if [ -z "$scenarios" ]; then
     echo "FAIL collecting tests/gpu (see tests.log)" | tee -a "$OUT/summary"
     status=1
 fi
+# each scenario in its own process, JOBS at a time (separate processes: no shared CUDA state)
+work=$(mktemp -d)
+i=0
 for node in $scenarios; do
-    echo "==== $node" >>"$OUT/tests.log"
-    timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider "$node" >>"$OUT/tests.log" 2>&1
-    rc=$?
+    i=$((i + 1))
+    printf '%s %s\n' "$i" "$node"
+done | xargs -P "${JOBS:-8}" -L 1 bash -c '
+    timeout 300 "$0" -m pytest -q -x -p no:cacheprovider "$2" >"'"$work"'/$1.log" 2>&1
+    echo $? >"'"$work"'/$1.rc"' "$PY"
+i=0
+for node in $scenarios; do
+    i=$((i + 1))
+    rc=$(cat "$work/$i.rc" 2>/dev/null || echo 1)
+    { echo "==== $node"; cat "$work/$i.log"; } >>"$OUT/tests.log"
     case $rc in
-        0) grep -q "skipped" <(tail -3 "$OUT/tests.log") && verdict=SKIP || verdict=PASS ;;
+        0) grep -q "skipped" <(tail -3 "$work/$i.log") && verdict=SKIP || verdict=PASS ;;
         124) verdict="FAIL (timed out)"; status=1 ;;
         *) verdict="FAIL (exit $rc)"; status=1 ;;
     esac
     echo "$verdict $node" | tee -a "$OUT/summary"
 done
+rm -rf "$work"
 
 echo "==== all of tests/gpu in one process" >>"$OUT/tests.log"
-if timeout 600 "$PY" -m pytest -q -p no:cacheprovider tests/gpu >>"$OUT/tests.log" 2>&1; then
+if timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu >>"$OUT/tests.log" 2>&1; then
     echo "PASS all of tests/gpu in one process" | tee -a "$OUT/summary"
 else
     echo "FAIL all of tests/gpu in one process" | tee -a "$OUT/summary"
@@ -58,7 +69,7 @@ fi
 
 if [ "$PART" != tests ]; then
 echo "==== benchmarks/gpu_bench.py $*" | tee -a "$OUT/summary"
-if "$PY" benchmarks/gpu_bench.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"; then
+if timeout "${BENCH_TIMEOUT:-540}" "$PY" benchmarks/gpu_bench.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"; then
     echo "PASS gpu_bench (figures in bench.log, bench.json)" | tee -a "$OUT/summary"
 else
     echo "FAIL gpu_bench (see bench.log)" | tee -a "$OUT/summary"
