@@ -28,6 +28,7 @@ of ``--memory-saves`` (50) saves taking turns between the tiers, a state of at m
 written goes under one fresh directory (/dev/shm when it has room), removed at the end.
 
 Run: ``./run bench gpu [--reps 5] [--json results.json]``; without CUDA it exits with a message.
+``--parts saves,training`` and ``--variants tp10,ov10`` measure a part of it (a short device run).
 ``--device cpu`` runs the same code on the CPU with a tiny state (a check of the script itself; its
 figures mean nothing).
 """
@@ -75,6 +76,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 Metrics = dict[str, float]
 Times = dict[str, list[float]]
 BATCH = 8
+PARTS = ("saves", "memory", "training")
+TRAIN_VARIANTS = ("tp25", "tp10", "ov25", "ov10", "dcp25")
 HOST_COPIES = 10
 """Host memory per byte of state: floors (2), local staging and files (3), persistent staging and
 files (2), DCP's copies and files (3)."""
@@ -358,7 +361,7 @@ def bench_training(
 
         return guarded(f"train_{key}", run, failures)
 
-    keys = ["none", "tp25", "tp10", "ov25", "ov10", "dcp25"]
+    keys = ["none", *(k for k in TRAIN_VARIANTS if k in args.variants)]
     memory_before = host_memory(root)
     times = run_interleaved([variant(k) for k in keys], args.train_reps)
     memory = f"host memory before the loop: {memory_before}; after: {host_memory(root)}"
@@ -426,6 +429,8 @@ def print_training(
         ("torch DCP async_save (default) every 25", "dcp25", 25),
     ]
     for label, key, every in rows:
+        if key != "none" and key not in args.variants:
+            continue
         if not times.get(f"train_{key}"):
             print(f"{label:48s} failed ({failures.get(f'train_{key}', '?')})")
             continue
@@ -542,8 +547,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32768, help="GPT vocabulary")
     p.add_argument("--memory-saves", type=int, default=50, help="saves of the memory check")
     p.add_argument("--json", type=Path, default=None, help="also write every figure here")
+    p.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"what to measure, a comma-separated subset of {','.join(PARTS)}",
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(TRAIN_VARIANTS),
+        help=f"training variants besides no checkpoints: a subset of {','.join(TRAIN_VARIANTS)}",
+    )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args(argv)
+    args.parts, args.variants = args.parts.split(","), args.variants.split(",")
+    for given, known in ((args.parts, PARTS), (args.variants, TRAIN_VARIANTS)):
+        if unknown := set(given) - set(known):
+            p.error(f"unknown: {', '.join(sorted(unknown))} (known: {', '.join(known)})")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
             "gpu_bench: no CUDA device here (torch.cuda.is_available() is False); run it on a "
@@ -571,18 +590,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     root = pick_root(int(6 * gib * GIB))
     print(f"checkpoints under {root}")
     try:
-        with contextlib.ExitStack() as stack:
-            times, failures = bench_saves(root, gib, args.reps, device, stack)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        with contextlib.ExitStack() as stack:
-            times.update(bench_memory(root, gib, args.memory_saves, device, stack))
-        gc.collect()
-        with contextlib.ExitStack() as stack:
-            train_times, memory = bench_training(root, args, device, stack)
-        times.update(train_times)
-        print(memory)
+        times: Times = {}
+        failures: dict[str, str] = {}
+        if "saves" in args.parts:
+            with contextlib.ExitStack() as stack:
+                times, failures = bench_saves(root, gib, args.reps, device, stack)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if "memory" in args.parts:
+            with contextlib.ExitStack() as stack:
+                times.update(bench_memory(root, gib, args.memory_saves, device, stack))
+            gc.collect()
+        memory = ""
+        if "training" in args.parts:
+            with contextlib.ExitStack() as stack:
+                train_times, memory = bench_training(root, args, device, stack)
+            times.update(train_times)
+            print(memory)
         print_checks(times)
         print(f"\n{machine_line(start)}")
         if args.json is not None:

@@ -8,8 +8,9 @@ tensor with its place in it, then call :func:`copy_tensors`; it returns once eve
   conjugate or negation) are copied with ``memmove``, which releases the GIL: in 8 MiB chunks by a
   few threads (at most 4, one pool per process, made on first use) with no intra-op thread
   barriers, which cost a lot when training keeps the cores busy. With ``hash=True`` each tensor is
-  copied and hashed (xxh3-64) 512 KiB at a time on one thread, each piece hashed right after it is
-  copied, while it is still in the CPU cache (one memory pass, not two).
+  copied and hashed (xxh3-64) 512 KiB at a time by one lane (the lanes share the tensors, largest
+  first), each piece hashed right after it is copied, while it is still in the CPU cache (one
+  memory pass, not two; xxhash releases the GIL).
 - Any other CPU tensor goes through ``Tensor.copy_`` (hashed afterwards with ``hash=True``).
 - CUDA tensors go through :func:`copy_from_devices`: one side stream per device (reused) that first
   waits for the training thread's stream (:func:`training_streams`, taken when the save was
@@ -31,7 +32,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 import xxhash
@@ -78,7 +79,7 @@ def copy_tensors(
             copy_from_devices(sources, targets, pinned, after)
             return None
         if hash:
-            return [_copy_and_hash(src, dst) for src, dst in zip(sources, targets)]
+            return _copy_and_hash_all(sources, targets)
         chunks: list[tuple[int, int, int]] = []
         for src, dst in zip(sources, targets):
             if not _plain_bytes(src, dst):
@@ -162,6 +163,21 @@ def plain_bytes(t: torch.Tensor) -> bool:
 def _plain_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Whether ``src`` can be copied into ``dst`` as raw bytes."""
     return src.dtype == dst.dtype and plain_bytes(src)
+
+
+def _copy_and_hash_all(
+    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+) -> list[str]:
+    """Copy and hash every tensor, the lanes sharing them (largest first); returns once every lane
+    is done, also when one failed."""
+    sizes = [s.numel() * s.element_size() for s in sources]
+    if len(sources) < 2 or _LANES == 1:
+        return [_copy_and_hash(src, dst) for src, dst in zip(sources, targets)]
+    pool = _threads()
+    order = sorted(range(len(sources)), key=lambda i: -sizes[i])
+    futures = {i: pool.submit(_copy_and_hash, sources[i], targets[i]) for i in order}
+    wait(futures.values())
+    return [futures[i].result() for i in range(len(sources))]
 
 
 def _copy_and_hash(src: torch.Tensor, dst: torch.Tensor) -> str:

@@ -34,14 +34,16 @@ def _load(root, iteration: int) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "overlapped"])
-def test_round_trip(tmp_path, mode):
-    manager = LocalCheckpointManager(tmp_path, session_id="job")
+def test_round_trip(tier_root, mode):
+    """On a disk and on a RAM tier (where the worker copies the staged snapshot into recycled
+    part files), three saves: the third rewrites a spare."""
+    manager = LocalCheckpointManager(tier_root, session_id="job")
     with AsyncCallsQueue(overlap_snapshot=mode == "overlapped") as queue:
-        for it in (1, 2):
+        for it in (1, 2, 3):
             state = model_state(it)
             want = clone(state)
             _save(manager, queue, state, it, mode)
-            got = _load(tmp_path, it)
+            got = _load(tier_root, it)
             assert_same(got, want)
             assert got["model"]["layer0.attn.w"].device.type == DEVICE
             assert got["optimizer"]["step"]["layer0.attn.w"].device.type == "cpu"

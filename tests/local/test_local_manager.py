@@ -564,3 +564,44 @@ def test_parts_only_in_other_ranks_directories_are_named(tmp_path):
     records = WarningRecords()
     assert LocalCheckpointManager(tmp_path, session_id="job").find_latest() == -1
     assert any("rank 0 holds no local parts" in m and "rank(s) 3" in m for m in records.messages)
+
+
+# ------------------------------------------------------------------------------------ staged saves
+
+
+def _async_staged_saves(root: Path, states: list[dict]) -> list[str]:
+    """Async saves that are staged (no recycling: not in place), each finalized before the next;
+    the errors they raised."""
+    manager = LocalCheckpointManager(root, session_id="job", recycle=False, keep_last=2)
+    errors = []
+    with AsyncCallsQueue() as queue:
+        for it, state in enumerate(states, start=1):
+            try:
+                request = manager.save(BasicTensorAwareStateDict(state), it, is_async=True)
+                queue.schedule_async_request(request)
+                queue.maybe_finalize_async_calls(blocking=True)
+            except CheckpointingError as e:
+                errors.append(str(e))
+    return errors
+
+
+def test_staged_async_saves_on_a_ram_tier_are_copied_in_and_hashed_by_the_worker(shm_dir):
+    """On tmpfs the worker copies a staged snapshot into the part file's pages on several threads,
+    hashing as it copies: the files load bit-equal and their checksums hold."""
+    states = [make_state(0, it) for it in (1, 2, 3)]
+    states[2]["model"]["big"] = torch.randn(300_000)  # several hash pieces, on several lanes
+    assert _async_staged_saves(shm_dir, states) == []
+    part = shm_dir / "job" / "0" / part_name(3, 0)
+    fileformat.verify(part)  # every recorded checksum matches the bytes
+    ta, ckpt_id = LocalCheckpointManager(shm_dir, session_id="job").load()
+    assert ckpt_id.iteration == 3
+    assert_bitwise_equal(ta.state_dict, states[2])
+    assert sorted(p.name for p in part.parent.iterdir()) == [part_name(2, 0), part_name(3, 0)]
+
+
+def test_a_staged_async_save_that_fills_a_ram_tier_fails_cleanly(tmp_path):
+    with small_tmpfs(tmp_path / "job" / "0") as mount_point:
+        states = [make_state(0, 1), {"x": torch.ones(2**20)}]  # 4 MiB > the 1 MiB tmpfs
+        errors = _async_staged_saves(tmp_path, states)
+        assert len(errors) == 1 and "No space left" in errors[0], errors
+        assert sorted(p.name for p in mount_point.iterdir()) == [part_name(1, 0)]
