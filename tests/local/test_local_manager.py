@@ -585,11 +585,10 @@ def _async_staged_saves(root: Path, states: list[dict]) -> list[str]:
     return errors
 
 
-def test_staged_async_saves_on_a_ram_tier_are_copied_in_and_hashed_by_the_worker(shm_dir):
-    """On tmpfs the worker copies a staged snapshot into the part file's pages on several threads,
-    hashing as it copies: the files load bit-equal and their checksums hold."""
+def test_staged_async_saves_on_a_ram_tier_load_bit_equal_with_their_checksums(shm_dir):
+    """Without recycling, a snapshot on tmpfs is staged and the worker writes and hashes it."""
     states = [make_state(0, it) for it in (1, 2, 3)]
-    states[2]["model"]["big"] = torch.randn(300_000)  # several hash pieces, on several lanes
+    states[2]["model"]["big"] = torch.randn(300_000)  # several hash pieces
     assert _async_staged_saves(shm_dir, states) == []
     part = shm_dir / "job" / "0" / part_name(3, 0)
     fileformat.verify(part)  # every recorded checksum matches the bytes
