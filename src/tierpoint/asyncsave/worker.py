@@ -16,7 +16,8 @@ an importable module (it travels by module and name; the tiers keep theirs in th
 modules, e.g. :mod:`tierpoint.local.jobs`, :mod:`tierpoint.dcp.jobs`); a staging buffer argument
 arrives as a :class:`BufferRef`, whose bytes :func:`resolve_buffer` gives; so does a
 :class:`~tierpoint.staging.SourceFile` (mapped read-only: a job reads a file the trainer's tensors
-view instead of a staging copy of them).
+view instead of a staging copy of them). Files jobs fill stay mapped between calls
+(:mod:`.target_files`), swept while the worker is idle.
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ from typing import Any
 
 from ..errors import CheckpointingError, CoordinationTimeoutError, error_text
 from ..staging import SourceFile, StagingBuffer
+from . import target_files
 
 logger = logging.getLogger("tierpoint")
+
+SWEEP_EVERY = 1.0
+"""Seconds between the idle worker's sweeps of the files it keeps mapped (:mod:`.target_files`)."""
 
 _buffers: dict[str, memoryview] = {}
 """Worker side: staging buffers mapped from the trainer, by id."""
@@ -138,9 +143,12 @@ def worker_main(conn: Any, parent_pid: int | None = None) -> None:
     if parent_pid is not None and os.getppid() != parent_pid:
         return  # the trainer died before we were ready
     maps: dict[str, mmap.mmap] = {}
+    target_files.keep_mappings()
     conn.send(("ready", os.getpid()))
     while True:
         try:
+            while not conn.poll(SWEEP_EVERY):
+                target_files.sweep()  # a deleted file's pages go within about a second
             msg = conn.recv()
         except (EOFError, OSError):
             return  # the trainer is gone

@@ -12,8 +12,9 @@ write, fsync, rename); it returns the bytes the part file holds. On a RAM tier, 
 still need their checksums and a recycled spare to go into are copied into the spare's own pages
 through a shared mapping by the snapshot-copy engine's lanes, each tensor hashed as it is copied:
 ``write`` to a tmpfs file holds the file's lock, so one thread does all the copying (4.3 GB durable
-in 1.03 s that way on an H100 host, 0.66 s with the lanes). Without a spare, ``write`` is faster:
-a mapping's first touch of a new page clears it first.
+in 1.03 s that way on an H100 host, 0.66 s with the lanes and a mapping made per save). The worker
+keeps the spares mapped (:mod:`tierpoint.asyncsave.target_files`). Without a spare, ``write`` is
+faster: a mapping's first touch of a new page clears it first.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import Any
 
 import torch
 
+from ..asyncsave.target_files import mapped_file
 from ..asyncsave.worker import BufferRef, resolve_buffer
 from ..fileformat import PartPlan, prepare_planned, seal_planned, write_planned
 from ..files import dirty_name, in_memory_filesystem, unlink_quietly
-from ..peers.mapping_cache import map_file
 from ..snapshot_copy import copy_tensors
 from ..staging import StagingBuffer
 
@@ -60,19 +61,16 @@ def _copy_in_place(
     """Copy and hash the staged views into the (prepared) dirty file's mapped pages, then seal it."""
     dirty = str(dirty_name(path))
     size = prepare_planned(dirty, plan, recycle)
-    mapping, whole = map_file(dirty, size, writable=True)
     try:
-        start = plan.data_start()
-        targets = [whole[start + begin : start + end] for begin, end in plan.offsets]
-        sources = [_bytes_of(v) for v in views]
-        sums = copy_tensors(sources, targets, pinned=False, hash=True)
-        assert sums is not None  # CPU sources: always hashed
+        with mapped_file(dirty, size) as whole:
+            start = plan.data_start()
+            targets = [whole[start + begin : start + end] for begin, end in plan.offsets]
+            sums = copy_tensors([_bytes_of(v) for v in views], targets, pinned=False, hash=True)
+            assert sums is not None  # CPU sources: always hashed
+            del targets
     except BaseException:
         unlink_quietly(dirty)
         raise
-    finally:
-        if mapping is not None:
-            mapping.close()
     return seal_planned(path, plan, checksums=sums).nbytes
 
 

@@ -1,0 +1,118 @@
+"""Files the worker's jobs fill stay mapped from one save to the next, and no longer than about a
+second once deleted (a deleted file's mapping would hold its RAM on tmpfs)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierpoint import fileformat
+from tierpoint.asyncsave import target_files
+from tierpoint.asyncsave.worker import Worker
+from tierpoint.local.jobs import write_staged_part
+from tierpoint.staging import Stager
+from tierpoint.tree import flatten
+
+
+@pytest.fixture
+def keeping():
+    target_files.keep_mappings(True)
+    try:
+        yield
+    finally:
+        target_files.keep_mappings(False)
+
+
+def _fill(path: Path, nbytes: int, value: int) -> None:
+    with target_files.mapped_file(path, nbytes) as data:
+        data.fill_(value)
+
+
+def test_outside_the_worker_nothing_stays_mapped(shm_dir):
+    f = shm_dir / "f"
+    f.write_bytes(b"\0" * 8192)
+    _fill(f, 8192, 3)
+    assert target_files.kept_count() == 0 and f.read_bytes() == b"\3" * 8192
+
+
+def test_a_kept_mapping_serves_the_same_file_under_a_new_name(shm_dir, keeping):
+    f, g = shm_dir / "f", shm_dir / "g"
+    f.write_bytes(b"\0" * 8192)
+    _fill(f, 8192, 1)
+    os.replace(f, g)  # a part retired to a spare, recycled as the next part
+    _fill(g, 8192, 2)
+    assert target_files.kept_count() == 1 and g.read_bytes() == b"\2" * 8192
+
+
+def test_deleted_resized_or_failed_files_lose_their_mappings(shm_dir, keeping):
+    files = [shm_dir / name for name in "abc"]
+    for f in files:
+        f.write_bytes(b"\0" * 8192)
+        _fill(f, 8192, 1)
+    with pytest.raises(RuntimeError), target_files.mapped_file(shm_dir / "a", 8192):
+        raise RuntimeError("a failed copy")
+    assert target_files.kept_count() == 2  # a's mapping went with the failure
+    os.truncate(files[1], 4096)  # a layout change
+    files[2].unlink()
+    target_files.sweep()
+    assert target_files.kept_count() == 0
+    _fill(files[1], 4096, 5)  # mapped anew at its new size
+    assert files[1].read_bytes() == b"\5" * 4096
+
+
+def test_at_most_max_kept_mappings(shm_dir, keeping):
+    for k in range(target_files.MAX_KEPT + 3):
+        f = shm_dir / str(k)
+        f.write_bytes(b"\0" * 4096)
+        _fill(f, 4096, 1)
+    assert target_files.kept_count() == target_files.MAX_KEPT
+
+
+def _mapped_here(pid: int, directory: Path) -> list[str]:
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return [line for line in lines if str(directory) in line]
+
+
+def _one_result(worker: Worker, timeout: float = 60.0) -> tuple:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = worker.results(0.5)
+        if done:
+            return done[0]
+    raise AssertionError("the worker did not answer")
+
+
+def test_the_worker_keeps_a_spare_mapped_across_saves_and_unmaps_it_once_deleted(shm_dir):
+    state = {"w": torch.randn(100_000), "b": torch.arange(10)}
+    flat = flatten(state)
+    plan = fileformat.plan_part(flat, None)
+    stager = Stager()
+    stager.stage(flat, plan)
+    spare = shm_dir / "spare"
+    spare.write_bytes(b"\0" * plan.file_size())
+    worker = Worker()
+    try:
+        worker.wait_ready(60)
+        for k in (1, 2):
+            part = shm_dir / f"part{k}"
+            args = (str(part), plan.to_json(), stager.buffer)
+            worker.submit(k, write_staged_part, args, {"recycle": str(spare)})
+            call_id, ok, result, _ = _one_result(worker)
+            assert (call_id, ok, result) == (k, True, plan.file_size())
+            fileformat.verify(part)
+            mapped = _mapped_here(worker.process.pid, shm_dir)
+            assert len(mapped) == 1 and mapped[0].endswith(str(part)), mapped
+            os.replace(part, spare)  # retired: the next save recycles it
+        spare.unlink()
+        start = time.monotonic()
+        while _mapped_here(worker.process.pid, shm_dir) and time.monotonic() < start + 10:
+            time.sleep(0.1)
+        assert _mapped_here(worker.process.pid, shm_dir) == []
+        assert time.monotonic() - start < 3  # within about a sweep
+    finally:
+        worker.stop()
+        stager.close()
