@@ -45,7 +45,8 @@ _CHUNK = 8 << 20
 """Bytes one ``memmove`` of a lane copies."""
 _HASH_PIECE = 512 << 10
 """Bytes copied then hashed at a time: small enough to be hashed from the CPU cache."""
-_LANES = max(1, min(4, os.cpu_count() or 1))
+LANES = max(1, min(4, os.cpu_count() or 1))
+"""Threads that copy (and hash) at once."""
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -89,7 +90,7 @@ def copy_tensors(
             to, frm = dst.data_ptr(), src.data_ptr()
             chunks.extend((to + o, frm + o, min(_CHUNK, n - o)) for o in range(0, n, _CHUNK))
         if chunks:
-            lanes = min(_LANES, len(chunks))
+            lanes = min(LANES, len(chunks))
             pool = _threads()
             for done in [pool.submit(_memmove_all, chunks[k::lanes]) for k in range(lanes)]:
                 done.result()
@@ -171,7 +172,7 @@ def _copy_and_hash_all(
     """Copy and hash every tensor, the lanes sharing them (largest first); returns once every lane
     is done, also when one failed."""
     sizes = [s.numel() * s.element_size() for s in sources]
-    if len(sources) < 2 or _LANES == 1:
+    if len(sources) < 2 or LANES == 1:
         return [_copy_and_hash(src, dst) for src, dst in zip(sources, targets)]
     pool = _threads()
     order = sorted(range(len(sources)), key=lambda i: -sizes[i])
@@ -199,7 +200,7 @@ def _threads() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_LANES, thread_name_prefix="tierpoint-snapshot")
+            _pool = ThreadPoolExecutor(LANES, thread_name_prefix="tierpoint-snapshot")
         return _pool
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierpoint import fileformat
+from tierpoint import CheckpointingError, fileformat
 from tierpoint.asyncsave import target_files
 from tierpoint.asyncsave.worker import Worker
 from tierpoint.local.jobs import write_staged_part
@@ -116,3 +116,10 @@ def test_the_worker_keeps_a_spare_mapped_across_saves_and_unmaps_it_once_deleted
     finally:
         worker.stop()
         stager.close()
+
+
+def test_a_file_of_another_size_than_planned_is_refused_not_mapped(shm_dir):
+    f = shm_dir / "f"
+    f.write_bytes(b"\0" * 4096)
+    with pytest.raises(CheckpointingError, match="4096 bytes where 8192 were planned"):
+        _fill(f, 8192, 1)  # mapped past its end, a write there would kill the worker (SIGBUS)

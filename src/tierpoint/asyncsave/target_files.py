@@ -27,6 +27,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..errors import CheckpointingError
+
 MAX_KEPT = 8
 """Mappings kept at most (own parts in flight and kept, with room for a layout change)."""
 
@@ -45,13 +47,16 @@ def keep_mappings(keep: bool = True) -> None:
 
 @contextlib.contextmanager
 def mapped_file(path: str | os.PathLike, nbytes: int) -> Iterator[torch.Tensor]:
-    """``path`` (``nbytes`` long, more than 0) mapped shared and writable, its pages faulted in, as
-    a uint8 tensor valid inside the block only."""
+    """``path`` (``nbytes`` long, more than 0: else :class:`CheckpointingError`) mapped shared and
+    writable, its pages faulted in, as a uint8 tensor valid inside the block only."""
     fd = os.open(path, os.O_RDWR)
     st = os.fstat(fd)
+    if st.st_size != nbytes:  # touching a mapping past the end of the file would be SIGBUS
+        os.close(fd)
+        raise CheckpointingError(f"{path}: {st.st_size} bytes where {nbytes} were planned")
     key = (st.st_dev, st.st_ino)
     kept = _kept.pop(key, None)
-    if kept is not None and len(kept[1]) == nbytes == st.st_size:
+    if kept is not None and len(kept[1]) == nbytes:
         os.close(fd)
         fd, mapping = kept
     else:

@@ -85,14 +85,22 @@ def mapped_checksums(
         flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
         prot=mmap.PROT_READ,
     )
-
-    def digest(span: tuple[int, int]) -> str:
-        with memoryview(mapping) as whole:
-            with whole[data_start + span[0] : data_start + span[1]] as part:
-                return checksum(part)
-
     try:
-        with ThreadPoolExecutor(2, thread_name_prefix="tierpoint-verify") as pool:
-            return list(pool.map(digest, ranges))
+        with memoryview(mapping) as whole:
+            return range_checksums(whole, data_start, ranges)
     finally:
         mapping.close()
+
+
+def range_checksums(
+    data: memoryview, data_start: int, ranges: Sequence[tuple[int, int]], threads: int = 2
+) -> list[str]:
+    """The checksum of each ``(begin, end)`` range of ``data[data_start:]``, on ``threads`` threads
+    (xxhash releases the GIL)."""
+
+    def digest(span: tuple[int, int]) -> str:
+        with data[data_start + span[0] : data_start + span[1]] as part:
+            return checksum(part)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="tierpoint-verify") as pool:
+        return list(pool.map(digest, ranges))

@@ -28,8 +28,9 @@ import torch
 from ..asyncsave.target_files import mapped_file
 from ..asyncsave.worker import BufferRef, resolve_buffer
 from ..fileformat import PartPlan, prepare_planned, seal_planned, write_planned
+from ..fileformat.tensor_bytes import range_checksums
 from ..files import dirty_name, in_memory_filesystem, unlink_quietly
-from ..snapshot_copy import copy_tensors
+from ..snapshot_copy import LANES, copy_tensors
 from ..staging import StagingBuffer
 
 
@@ -82,5 +83,18 @@ def _bytes_of(view: memoryview) -> torch.Tensor:
 
 def seal_staged_part(path: str, plan: dict[str, Any], checksums: list[str] | None = None) -> int:
     """Finish a part file the snapshot filled in place (its dirty file; runs in the worker): hash it
-    unless ``checksums`` came with it, write the header, fsync, rename."""
-    return seal_planned(path, PartPlan.from_json(plan), checksums=checksums).nbytes
+    unless ``checksums`` came with it (on the lanes, from the file's kept mapping), write the
+    header, fsync, rename."""
+    part_plan = PartPlan.from_json(plan)
+    if checksums is None:
+        dirty = dirty_name(path)
+        try:
+            with mapped_file(dirty, part_plan.file_size()) as whole:
+                data = memoryview(whole.numpy())
+                start, ranges = part_plan.data_start(), part_plan.offsets
+                checksums = range_checksums(data, start, ranges, LANES)
+                data.release()
+        except BaseException:
+            unlink_quietly(dirty)
+            raise
+    return seal_planned(path, part_plan, checksums=checksums).nbytes
