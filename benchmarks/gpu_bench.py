@@ -315,8 +315,14 @@ def bench_memory(
 
 
 def bench_training(
-    root: Path, args: argparse.Namespace, device: torch.device, stack: contextlib.ExitStack
+    root: Path,
+    args: argparse.Namespace,
+    device: torch.device,
+    stack: contextlib.ExitStack,
+    floor_bps: float | None = None,
 ) -> tuple[Times, str]:
+    """The training loop's variants, interleaved; ``floor_bps``: the pinned device-to-host floor
+    (bytes a second), for the ceiling a plain save's blocking copy leaves."""
     trainer = GptTrainer(args.layers, args.width, args.vocab, args.seq, device)
     for _ in range(10):
         trainer.step()  # builds the optimizer's state, warms the kernels up
@@ -365,7 +371,7 @@ def bench_training(
     memory_before = host_memory(root)
     times = run_interleaved([variant(k) for k in keys], args.train_reps)
     memory = f"host memory before the loop: {memory_before}; after: {host_memory(root)}"
-    print_training(times, trainer, args, failures)
+    print_training(times, trainer, args, failures, floor_bps)
     times["train_failures"] = [f"{k}: {v}" for k, v in failures.items()]  # type: ignore[list-item]
     return times, memory
 
@@ -410,7 +416,11 @@ def print_saves(times: Times, nbytes: int, count: int, reps: int, failures: dict
 
 
 def print_training(
-    times: Times, trainer: GptTrainer, args: argparse.Namespace, failures: dict[str, str]
+    times: Times,
+    trainer: GptTrainer,
+    args: argparse.Namespace,
+    failures: dict[str, str],
+    floor_bps: float | None,
 ) -> None:
     params = sum(p.numel() for p in trainer.model.parameters())
     state = nbytes_of(tensors_of(trainer.state()))
@@ -419,7 +429,8 @@ def print_training(
         f" state {state / 1e9:.2f} GB), seq {args.seq}, batch {BATCH}, bf16 autocast, fused AdamW;"
         f" {args.steps} steps a run, {args.train_reps} interleaved repetitions (medians)"
     )
-    print(f"{'variant':48s} {'ms/step':>8s} {'vs none':>8s} {'ms/save':>8s} {'drain s':>8s}")
+    head = f"{'variant':48s} {'ms/step':>8s} {'vs none':>8s} {'ms/save':>8s} {'drain s':>8s}"
+    print(f"{head} {'ceiling':>8s}")
     rows = [
         ("no checkpoints", "none", 0),
         ("tierpoint local async every 25", "tp25", 25),
@@ -441,10 +452,16 @@ def print_training(
         save_ms = f"{median(blocked) / saves * 1e3:8.1f}" if blocked and saves else ""
         drain = times.get(f"train_{key}_drain")
         drain_s = f"{median(drain):8.2f}" if drain else ""
-        print(f"{label:48s} {step_ms:8.1f} {ratio:7.3f}x {save_ms:>8s} {drain_s:>8s}")
+        ceiling = ""
+        if key.startswith("tp") and floor_bps and times.get("train_none"):
+            none = median(times["train_none"])
+            ceiling = f"{none / (none + saves * state / floor_bps):7.3f}x"
+        line = f"{label:48s} {step_ms:8.1f} {ratio:7.3f}x {save_ms:>8s} {drain_s:>8s}"
+        print(f"{line} {ceiling:>8s}")
     print(
         "(ms/step until the last step's work is done; 'drain': the last save's finishing after"
-        " it, paid once a job)"
+        " it, paid once a job; 'ceiling': the throughput a save blocking for the pinned\n"
+        " device-to-host floor alone would leave)"
     )
 
 
@@ -531,6 +548,7 @@ def bench_saves(
     times["tp_first_block"] = [first_local["tp_block"]]
     times["tp_cold_block"] = [first_cold["tp_block"]]
     times["pt_first_block"] = [first_persistent["pt_block"]]
+    times["state_bytes"] = [float(nbytes_of(tensors))]
     print_saves(times, nbytes_of(tensors), len(tensors), reps, failures)
     return times, failures
 
@@ -604,8 +622,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             gc.collect()
         memory = ""
         if "training" in args.parts:
+            floor_bps = None
+            if times.get("floor_pinned") and times.get("state_bytes"):
+                floor_bps = times["state_bytes"][0] / median(times["floor_pinned"])
             with contextlib.ExitStack() as stack:
-                train_times, memory = bench_training(root, args, device, stack)
+                train_times, memory = bench_training(root, args, device, stack, floor_bps)
             times.update(train_times)
             print(memory)
         print_checks(times)
