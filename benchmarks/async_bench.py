@@ -150,14 +150,21 @@ class TierpointSaver:
         state_fn: Callable[[], Any],
         stack: contextlib.ExitStack,
         like: TierpointSaver | None = None,
+        device_snapshot: bool = False,
         **queue_kw: Any,
     ) -> None:
         """``like``: share its manager (tier files, iterations) with a queue of other options."""
-        self.manager = like.manager if like else LocalCheckpointManager(root, session_id="bench")
+        self.manager = (
+            like.manager
+            if like
+            else LocalCheckpointManager(root, session_id="bench", device_snapshot=device_snapshot)
+        )
         self.iterations = like.iterations if like else itertools.count(1)
         self.queue = stack.enter_context(AsyncCallsQueue(**queue_kw))
         self.state_fn = state_fn
         self.key = "tp_ov" if queue_kw.get("overlap_snapshot") else "tp"
+        if device_snapshot:
+            self.key = "tp_dv"
 
     def warm_up(self) -> None:
         """Prepare the first save ahead (staging memory, spare files) and wait until it is done."""

@@ -9,16 +9,17 @@ Measured, interleaved (A B C A B C ...: the machine drifts), after warm-up saves
 - floors: the device-to-host copy of every tensor into one page-locked buffer (``non_blocking`` on a
   side stream, one synchronize) and into pageable memory (allocated and touched beforehand);
 - local tier (``LocalCheckpointManager`` + ``AsyncCallsQueue``): blocking time (``save`` +
-  ``schedule_async_request``), when the snapshot is copied, time to durable; plain and with
-  ``overlap_snapshot=True``; and the first save's blocking time, after ``warm_up`` (as a job
-  would call it, steps ahead) and without it;
+  ``schedule_async_request``), when the snapshot is copied, time to durable; plain, with
+  ``overlap_snapshot=True`` and with ``device_snapshot=True`` too; the first save's blocking
+  time, after ``warm_up`` (as a job would call it, steps ahead) and without it;
 - persistent tier (``tierpoint.dcp.async_save`` into a fresh step directory each time, a reused
   ``StagingPool``): blocking time, time to durable; the first save after ``tierpoint.dcp.warm_up``;
 - torch DCP ``async_save`` (``no_dist=True``) with its default staging and with a reused pinned
   ``DefaultStager`` (where this torch has one); a contender torch refuses is reported as failed;
 - a training loop: a GPT-style model (``--layers`` x ``--width``, sequence 512, batch 8, bf16
   autocast, fused AdamW), ``--steps`` steps a run: (a) no checkpoints; tierpoint local async every
-  25 and every 10 steps, plain and overlapped (optimizer hook waiting for the snapshot); torch DCP
+  25 and every 10 steps, plain, overlapped (optimizer hook waiting for the snapshot) and with
+  ``device_snapshot`` (overlapped; the hook has nothing to wait for); torch DCP
   ``async_save`` (default options) every 25. Throughput relative to (a), and what the training
   thread waited for per save.
 
@@ -77,7 +78,7 @@ Metrics = dict[str, float]
 Times = dict[str, list[float]]
 BATCH = 8
 PARTS = ("saves", "memory", "training")
-TRAIN_VARIANTS = ("tp25", "tp10", "ov25", "ov10", "dcp25")
+TRAIN_VARIANTS = ("tp25", "tp10", "ov25", "ov10", "dv25", "dv10", "dcp25")
 HOST_COPIES = 10
 """Host memory per byte of state: floors (2), local staging and files (3), persistent staging and
 files (2), DCP's copies and files (3)."""
@@ -331,6 +332,12 @@ def bench_training(
         "tp25": TierpointSaver(root / "train-plain", trainer.state, stack),
         "ov25": TierpointSaver(root / "train-ov", trainer.state, stack, overlap_snapshot=True),
     }
+    if {"dv25", "dv10"} & set(args.variants):
+        savers["dv25"] = TierpointSaver(
+            root / "train-dev", trainer.state, stack, device_snapshot=True, overlap_snapshot=True
+        )
+        savers["dv10"] = savers["dv25"]
+        savers["dv25"].warm_up()
     savers["tp10"], savers["ov10"] = savers["tp25"], savers["ov25"]  # same tiers, other cadence
     savers["tp25"].warm_up()  # pinned staging and spare files (one manager: the first save)
     savers["ov25"].warm_up()
@@ -352,7 +359,7 @@ def bench_training(
                     "train_dcp25_drain": drain,
                 }
             saver = savers[key]
-            hook = OverlapHook(saver, trainer.optimizer) if key.startswith("ov") else None
+            hook = OverlapHook(saver, trainer.optimizer) if key[:2] in ("ov", "dv") else None
             try:
                 seconds, blocked, drain = train_run(trainer, args.steps, saver, every)
             finally:
@@ -396,6 +403,8 @@ def print_saves(times: Times, nbytes: int, count: int, reps: int, failures: dict
         ("local tier, overlap_snapshot: blocking", "tp_ov_block"),
         ("  snapshot copied (wait_for_snapshot returns)", "tp_ov_copied"),
         ("  time to durable", "tp_ov_durable"),
+        ("local tier, device_snapshot (overlapped): blocking", "tp_dv_block"),
+        ("  time to durable", "tp_dv_durable"),
         ("persistent tier (tierpoint.dcp.async_save): blocking", "pt_block"),
         ("  time to durable", "pt_durable"),
         ("  first save after warm_up: blocking", "pt_first_block"),
@@ -437,6 +446,8 @@ def print_training(
         ("tierpoint local async every 10", "tp10", 10),
         ("tierpoint local overlapped every 25", "ov25", 25),
         ("tierpoint local overlapped every 10", "ov10", 10),
+        ("tierpoint local device snapshot every 25", "dv25", 25),
+        ("tierpoint local device snapshot every 10", "dv10", 10),
         ("torch DCP async_save (default) every 25", "dcp25", 25),
     ]
     for label, key, every in rows:
@@ -474,6 +485,14 @@ def print_checks(times: Times) -> None:
         ("training, tierpoint every 10 >= 0.9x none", "train_none", "train_tp10", 0.9, True),
         ("training, overlapped every 25 >= 0.95x none", "train_none", "train_ov25", 0.95, True),
         ("training, overlapped every 10 >= 0.9x none", "train_none", "train_ov10", 0.9, True),
+        (
+            "training, device snapshot every 25 >= 0.95x none",
+            "train_none",
+            "train_dv25",
+            0.95,
+            True,
+        ),
+        ("training, device snapshot every 10 >= 0.9x none", "train_none", "train_dv10", 0.9, True),
     ]
     print()
     for label, num, den, target, at_least in checks:
@@ -520,6 +539,11 @@ def bench_saves(
     local.measure()
     overlapped = TierpointSaver(root / "tier", lambda: state, stack, local, overlap_snapshot=True)
     overlapped.measure()
+    device_copy = TierpointSaver(
+        root / "tier-dev", lambda: state, stack, device_snapshot=True, overlap_snapshot=True
+    )
+    device_copy.warm_up()
+    device_copy.measure()
     persistent = PersistentSaver(root / "persistent", state, stack)
     persistent.warm_up()
     first_persistent = persistent.measure()
@@ -533,6 +557,7 @@ def bench_saves(
         guarded("floor_pageable", d2h_floor(tensors, False, "floor_pageable"), failures),
         guarded("local", local.measure, failures),
         guarded("local overlapped", overlapped.measure, failures),
+        guarded("local device snapshot", device_copy.measure, failures),
         guarded("persistent", persistent.measure, failures),
         guarded("dcp default", dcp_contender(root, state, "dcp_default", None), failures),
         *(

@@ -29,6 +29,7 @@ FLOORS: dict[str, int] = {
     "tierpoint.staging": 2,
     "tierpoint.pinning": 2,
     "tierpoint.snapshot_copy": 2,
+    "tierpoint.device_snapshot": 2,
     "tierpoint.peers": 2,
     # floor 3: async
     "tierpoint.asyncsave": 3,

@@ -116,3 +116,27 @@ def test_the_snapshot_waits_for_work_queued_on_the_training_threads_own_stream(t
     assert_same(got, want)
     assert bool((got["model"]["layer0.attn.w"] == 3.0).all())
     cuda_still_works()
+
+
+@pytest.mark.parametrize("mode", ["async", "overlapped"])
+def test_a_device_snapshot_frees_the_state_when_save_returns(tier_root, mode):
+    """``device_snapshot``: the copy on the device is queued on the training stream behind the work
+    before it (a busy stream here) and ahead of the changes after it, so changing the state right
+    after ``save`` (before the snapshot to host memory even starts) loses nothing."""
+    state = model_state(11)
+    manager = LocalCheckpointManager(tier_root, session_id="job", device_snapshot=True)
+    with AsyncCallsQueue(overlap_snapshot=mode == "overlapped") as queue:
+        for it in (11, 12, 13):
+            if DEVICE == "cuda":
+                torch.cuda._sleep(100_000_000)  # queued kernels the copy must wait for
+            state["model"]["layer0.attn.w"].fill_(float(it))
+            want = clone(state)
+            request = manager.save(BasicTensorAwareStateDict(state), it, is_async=True)
+            scribble(state)  # the optimizer step, right away
+            queue.schedule_async_request(request)
+            scribble(state)
+            queue.maybe_finalize_async_calls(blocking=True)
+            got = _load(tier_root, it)
+            assert_same(got, want)
+            assert bool((got["model"]["layer0.attn.w"] == float(it)).all())
+    cuda_still_works()

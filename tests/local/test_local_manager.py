@@ -604,3 +604,39 @@ def test_a_staged_async_save_that_fills_a_ram_tier_fails_cleanly(tmp_path):
         errors = _async_staged_saves(tmp_path, states)
         assert len(errors) == 1 and "No space left" in errors[0], errors
         assert sorted(p.name for p in mount_point.iterdir()) == [part_name(1, 0)]
+
+
+# ------------------------------------------------------------------------------------ device snapshot
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_with_a_device_snapshot_the_state_may_change_as_soon_as_save_returns(tmp_path, overlap):
+    manager = LocalCheckpointManager(tmp_path, session_id="job", device_snapshot=True)
+    with AsyncCallsQueue(overlap_snapshot=overlap) as queue:
+        for it in (1, 2, 3):
+            state = make_state(0, it)
+            want = make_state(0, it)
+            request = manager.save(BasicTensorAwareStateDict(state), it, is_async=True)
+            state["model"]["w"].add_(1)  # before the snapshot runs: the save holds its own copy
+            state["optimizer"]["exp_avg"][0].zero_()
+            queue.schedule_async_request(request)
+            queue.wait_for_snapshot()
+            queue.maybe_finalize_async_calls(blocking=True)
+            ta, ckpt_id = LocalCheckpointManager(tmp_path, session_id="job").load()
+            assert ckpt_id.iteration == it
+            assert_bitwise_equal(ta.state_dict, want)
+
+
+def test_a_device_snapshot_request_never_scheduled_fails_cleanly_when_scheduled_late(tmp_path):
+    manager = LocalCheckpointManager(tmp_path, session_id="job", device_snapshot=True)
+    stale = manager.save(BasicTensorAwareStateDict(make_state(0, 1)), 1, is_async=True)
+    with AsyncCallsQueue() as queue:
+        request = manager.save(BasicTensorAwareStateDict(make_state(0, 2)), 2, is_async=True)
+        queue.schedule_async_request(request)  # did not wait for the unscheduled one
+        queue.maybe_finalize_async_calls(blocking=True)
+        with pytest.raises(CheckpointingError, match="overwritten by a later save"):
+            queue.schedule_async_request(stale)
+            queue.maybe_finalize_async_calls(blocking=True)
+    ta, ckpt_id = LocalCheckpointManager(tmp_path, session_id="job").load()
+    assert ckpt_id.iteration == 2
+    assert_bitwise_equal(ta.state_dict, make_state(0, 2))

@@ -15,7 +15,7 @@ from tierpoint.testing import run_ranks
 from .helpers import as_node, assert_same, fingerprint, make_state, train_step, wipe
 
 
-def _manager(root: Path, node: int) -> TieredCheckpointManager:
+def _manager(root: Path, node: int, device_snapshot: bool = False) -> TieredCheckpointManager:
     return TieredCheckpointManager(
         str(root / f"node{node}"),
         str(root / "persistent"),
@@ -23,13 +23,14 @@ def _manager(root: Path, node: int) -> TieredCheckpointManager:
         local_every=3,
         persistent_every=6,
         overlap_snapshot=True,
+        device_snapshot=device_snapshot,
     )
 
 
-def _train_then_restore(rank: int, world: int, root: Path) -> dict:
+def _train_then_restore(rank: int, world: int, root: Path, device_snapshot: bool) -> dict:
     node = as_node(rank, ranks_per_node=1)
     state = make_state(rank, width=256)
-    with _manager(root, node) as manager:
+    with _manager(root, node, device_snapshot) as manager:
         for step in range(1, 13):
             train_step(state, world)  # the optimizer's step waits for the snapshot in flight
             manager.maybe_save(step, state)
@@ -49,8 +50,10 @@ def _train_then_restore(rank: int, world: int, root: Path) -> dict:
     return out
 
 
-def test_overlapped_snapshots_restore_bit_for_bit_from_both_tiers(shm_dir):
-    for out in run_ranks(_train_then_restore, 2, shm_dir, timeout=240):
+@pytest.mark.parametrize("device_snapshot", [False, True])
+def test_overlapped_snapshots_restore_bit_for_bit_from_both_tiers(shm_dir, device_snapshot):
+    """With ``device_snapshot`` the hooks wait for nothing: the state was copied in ``maybe_save``."""
+    for out in run_ranks(_train_then_restore, 2, shm_dir, device_snapshot, timeout=240):
         assert out == {
             "hooks while open": 1,
             "hooks after close": 0,
@@ -59,6 +62,7 @@ def test_overlapped_snapshots_restore_bit_for_bit_from_both_tiers(shm_dir):
         }
 
 
-def test_overlap_snapshot_must_be_a_bool(tmp_path):
-    with pytest.raises(CheckpointingError, match="overlap_snapshot must be True or False"):
-        TieredCheckpointManager(str(tmp_path), None, overlap_snapshot="yes")  # type: ignore[arg-type]
+@pytest.mark.parametrize("name", ["overlap_snapshot", "device_snapshot"])
+def test_the_snapshot_flags_must_be_bools(tmp_path, name):
+    with pytest.raises(CheckpointingError, match=f"{name} must be True or False"):
+        TieredCheckpointManager(str(tmp_path), None, **{name: "yes"})

@@ -122,9 +122,10 @@ class PendingCalls(deque[Call]):
         return count
 
     def wait_for_snapshots(self, deadline: float) -> None:
-        """Block until every pending call's snapshot thread ended; raise past ``deadline``."""
+        """Block until every pending call's snapshot thread ended, except those of requests holding
+        their own copy of the state (``state_copied``); raise past ``deadline``."""
         for call in list(self):
-            if call.snapshot is not None:
+            if call.snapshot is not None and not call.request.state_copied:
                 call.snapshot.join(max(0.0, deadline - time.monotonic()))
                 if call.snapshot.is_alive():
                     raise CoordinationTimeoutError(

@@ -49,6 +49,9 @@ class AsyncRequest:
     abort_fns: Sequence[Callable[[], Any]] = field(default_factory=list)
     description: str = "async checkpoint call"
     background_fn: Callable[[bool], Any] | None = None
+    state_copied: bool = False
+    """The request holds its own copy of the state, taken when it was made: its snapshot does not
+    read the caller's tensors, so :meth:`AsyncCallsQueue.wait_for_snapshot` does not wait for it."""
     scheduled: bool = field(default=False, init=False, repr=False, compare=False)
     """Set when a queue accepted the request."""
 

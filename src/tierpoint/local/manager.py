@@ -63,6 +63,12 @@ class LocalCheckpointManager(NVRxFileNames):
         verify: check every tensor checksum on load.
         mmap_load: load by mapping the part file copy-on-write instead of copying it (no copy, no fresh
             memory; each tensor is backed by its bytes of the mapping). A mapped file is never recycled.
+        device_snapshot: an async save first copies the state into a reused buffer on each tensor's
+            own device (GPU memory for CUDA tensors, in the training stream's order), so training
+            may change the state as soon as ``save`` returns; the copy to host memory runs with the
+            snapshot (in the background with ``AsyncCallsQueue(overlap_snapshot=True)``, whose
+            ``wait_for_snapshot`` and optimizer hook then need not wait). Costs as much memory on
+            each device as the state holds there (see :mod:`tierpoint.device_snapshot`).
 
     The settings are read-only after construction (the components were made with them).
     """
@@ -77,10 +83,16 @@ class LocalCheckpointManager(NVRxFileNames):
         recycle: bool = True,
         verify: bool = True,
         mmap_load: bool = True,
+        device_snapshot: bool = False,
     ) -> None:
         if type(keep_last) is not int or keep_last < 1:
             raise CheckpointingError(f"keep_last must be an integer >= 1, got {keep_last!r}")
-        for name, value in (("recycle", recycle), ("verify", verify), ("mmap_load", mmap_load)):
+        for name, value in (
+            ("recycle", recycle),
+            ("verify", verify),
+            ("mmap_load", mmap_load),
+            ("device_snapshot", device_snapshot),
+        ):
             if type(value) is not bool:  # verify=None must not turn checksums off quietly
                 raise CheckpointingError(f"{name} must be True or False, got {value!r}")
         root = (
@@ -106,7 +118,13 @@ class LocalCheckpointManager(NVRxFileNames):
         self._store = PartStore(root, session_id)
         self._discovery = Discovery(self._store)
         self._recovery = PartRecovery(self._store, replication, verify=verify, mmap_load=mmap_load)
-        self._saver = PartSaver(self._store, replication, keep_last=keep_last, recycle=recycle)
+        self._saver = PartSaver(
+            self._store,
+            replication,
+            keep_last=keep_last,
+            recycle=recycle,
+            device_snapshot=device_snapshot,
+        )
 
     # ------------------------------------------------------------------------------ settings, identity
 

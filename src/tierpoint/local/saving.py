@@ -11,7 +11,10 @@ iteration and newer ones and agree on it (the barrier before any rank writes); t
 part, replicate, agree, :meth:`PartSaver.commit`; async: return an
 :class:`~tierpoint.asyncsave.AsyncRequest` whose snapshot runs when the queue schedules it, whose
 worker job (:mod:`tierpoint.local.jobs`) writes or seals the part, whose background step
-replicates it and whose finalization commits it (or :meth:`PartSaver.abort` removes it).
+replicates it (:mod:`tierpoint.local.replicas`) and whose finalization commits it (or
+:meth:`PartSaver.abort` removes it). With ``device_snapshot`` an async save copies the state into
+the :mod:`tierpoint.device_snapshot` before ``save`` returns; its snapshot reads that copy and
+releases it.
 :meth:`PartSaver.warm_up` (optional, any time before a save) prepares the staging buffer and spare
 files in a background thread; every save first waits for it (an unfinished one fails the save on
 every rank, agreed).
@@ -35,6 +38,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -44,6 +48,7 @@ from typing import Any
 from .. import dist as tpdist
 from .. import fileformat, peers
 from ..asyncsave.request import AsyncRequest
+from ..device_snapshot import DeviceSnapshot, Ticket
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
 from ..pinning import copy_device
@@ -54,7 +59,7 @@ from ..tree import FlatState
 from . import naming
 from .agreement import AfterCommit, agree_on_iteration
 from .jobs import seal_staged_part, write_staged_part
-from .naming import CkptID
+from .replicas import replicate_part, write_user_replicas
 from .replication import UserReplication
 from .store import PartStore
 
@@ -72,7 +77,13 @@ class PartSaver:
     """
 
     def __init__(
-        self, store: PartStore, replication: Any, *, keep_last: int, recycle: bool
+        self,
+        store: PartStore,
+        replication: Any,
+        *,
+        keep_last: int,
+        recycle: bool,
+        device_snapshot: bool = False,
     ) -> None:
         self.store = store
         self.replication = replication
@@ -84,6 +95,8 @@ class PartSaver:
         self.after_commit: AfterCommit | None = None
         self.last_replication: peers.MoveStats | None = None
         self.stager = Stager()
+        self.device_snapshot = DeviceSnapshot() if device_snapshot else None
+        self._ticket_request: AsyncRequest | None = None  # the request holding the latest ticket
         self._tier_in_memory: bool | None = None
         self._warming: threading.Thread | None = None
 
@@ -114,6 +127,7 @@ class PartSaver:
         )
         logger.debug("save %d: iteration agreed in %.3f s", iteration, time.perf_counter() - start)
         replication = self.replication
+        ticket: Ticket | None = None
         try:
             with tpdist.agree(f"saving local checkpoint iteration {iteration}"):
                 if warm_up_timeout is not None:
@@ -123,6 +137,8 @@ class PartSaver:
                 self.store.remove_from(iteration)
                 flat = state.to_flat()
                 plan = fileformat.plan_part(flat, self._extra(iteration))
+                if is_async and self.device_snapshot is not None:
+                    flat, ticket = self._take_device_snapshot(flat)
             if not is_async:
                 with tpdist.agree(f"writing local checkpoint iteration {iteration}"):
                     self._write_part(flat, plan, iteration)
@@ -130,11 +146,13 @@ class PartSaver:
             if replication is not None and (user_strategy or not is_async):
                 with tpdist.agree(f"replicating local checkpoint iteration {iteration}"):
                     if user_strategy:  # as NVRx: in the training process, also for async saves
-                        self._replicate_with_user_strategy(state, iteration)
+                        write_user_replicas(self.store, replication, state, iteration, self._extra)
                     else:
                         self.replicate(iteration, written=True)
         except CheckpointingError:
             self.abort(iteration)
+            if ticket is not None:
+                ticket.release()
             raise
         if not is_async:
             logger.debug(
@@ -143,7 +161,23 @@ class PartSaver:
             self.commit(iteration, keep, plan.data_size, start)
             return None
         self.requested.add(iteration)
-        return self._async_request(flat, plan, iteration, keep)
+        request = self._async_request(flat, plan, iteration, keep, ticket)
+        if ticket is not None:
+            self._ticket_request = request
+        return request
+
+    def _take_device_snapshot(self, flat: FlatState) -> tuple[FlatState, Ticket]:
+        """Copy ``flat``'s tensors into the device snapshot (see :mod:`tierpoint.device_snapshot`).
+        The previous save's request holds the buffers until its snapshot ends; one never scheduled
+        holds nothing (its snapshot will refuse to run)."""
+        assert self.device_snapshot is not None
+        previous = self._ticket_request
+        copies, ticket = self.device_snapshot.take(
+            flat.tensors,
+            wait=tpdist.default_timeout().total_seconds(),
+            void_unscheduled=previous is not None and not previous.scheduled,
+        )
+        return dataclasses.replace(flat, tensors=copies), ticket
 
     # ------------------------------------------------------------------------------ warming up
 
@@ -257,7 +291,12 @@ class PartSaver:
         )
 
     def _async_request(
-        self, flat: FlatState, plan: fileformat.PartPlan, iteration: int, keep: set[int]
+        self,
+        flat: FlatState,
+        plan: fileformat.PartPlan,
+        iteration: int,
+        keep: set[int],
+        ticket: Ticket | None = None,
     ) -> AsyncRequest:
         path = self.store.part_path(iteration)
         start = time.perf_counter()
@@ -267,6 +306,19 @@ class PartSaver:
             self.stager.close()  # the part files are the staging memory now
 
         def snapshot() -> dict[str, Any]:
+            if ticket is None:
+                return copy()
+            try:
+                try:
+                    ticket.check()
+                except CheckpointingError:
+                    self.requested.discard(iteration)
+                    raise
+                return copy()
+            finally:
+                ticket.release()  # the device snapshot's copies are read (or never will be)
+
+        def copy() -> dict[str, Any]:
             # Runs when the queue schedules the request: after the previous save was finalized, so
             # the staging buffer and the spare file are free (refused otherwise, alike on every rank).
             if self.pending is not None:
@@ -311,7 +363,8 @@ class PartSaver:
             (str(path), plan.to_json()),
             [lambda: self.commit(iteration, keep, plan.data_size, start)],
             preload_fn=snapshot,
-            abort_fns=[lambda: self.abort(iteration)],
+            abort_fns=[lambda: self.abort(iteration), *([ticket.release] if ticket else [])],
+            state_copied=ticket is not None,
             description=f"async save of local checkpoint iteration {iteration}",
             background_fn=(lambda written: self.replicate(iteration, written)) if clique else None,
         )
@@ -347,55 +400,7 @@ class PartSaver:
     # ------------------------------------------------------------------------------ replicating
 
     def replicate(self, iteration: int, written: bool) -> None:
-        """Send this rank's part to its clique and receive the clique's parts (collective).
-
-        ``written`` False: this rank's own write failed; its peers learn it at once.
-        """
-        replication = self.replication
-        if replication is None or replication.replication_factor < 2:
-            return
-        start = time.perf_counter()
-        store = self.store
-        moves = store.part_moves(
-            iteration,
-            [(o, h, o) for o in range(store.world_size) for h in replication.holders(o)],
-        )
-        stats = store.move_parts(
-            moves,
-            replication.group,
-            unavailable=None if written else f"rank {store.rank} could not write its own part",
-            reuse=lambda move: store.take_spare(leftovers=False) if self.recycle else None,
-        )
-        self.last_replication = stats
-        logger.debug(
-            "replicated iteration %d: sent %d, received %d bytes in %.3f s",
-            iteration,
-            stats.sent_bytes,
-            stats.received_bytes,
-            time.perf_counter() - start,
-        )
-
-    def _replicate_with_user_strategy(self, state: TensorAwareStateDict, iteration: int) -> None:
-        """Run the user's ``replicate`` (collective) and write what it gives this rank to keep as
-        replica parts."""
-        replication = self.replication
-        assert isinstance(replication, UserReplication)
-        store = self.store
-        ckpt_id = CkptID(iteration, store.rank, store.session_id)
-        for ckpt, (saved, origin, session) in replication.replicate(state, ckpt_id):
-            if origin == store.rank:
-                continue
-            if (
-                saved != iteration
-                or session != store.session_id
-                or type(origin) is not int
-                or not 0 <= origin < store.world_size
-            ):
-                raise CheckpointingError(
-                    f"{type(replication.strategy).__name__}.replicate returned a checkpoint "
-                    f"of {(saved, origin, session)} while saving {ckpt_id}"
-                )
-            flat = ckpt.to_flat()
-            extra = {**self._extra(iteration), "rank": origin}
-            path = store.part_path(iteration, origin)
-            fileformat.write_flat(path, flat, plan=fileformat.plan_part(flat, extra))
+        """See :func:`tierpoint.local.replicas.replicate_part` (collective)."""
+        stats = replicate_part(self.store, self.replication, iteration, written, self.recycle)
+        if stats is not None:
+            self.last_replication = stats

@@ -91,6 +91,11 @@ class TieredCheckpointManager(SavePath):
             in the state waits for it before its step changes a parameter. Code that changes the
             state's tensors in place otherwise (a forward pass updating batch-norm statistics)
             calls :meth:`wait_for_snapshot` first, or leaves this off.
+        device_snapshot: each local save first copies the state within its devices' memory (on
+            GPUs: in the training stream's order, about 6 ms for 4 GB on an H100), so the state is
+            free as soon as ``maybe_save`` returns and the optimizers' hooks wait for nothing;
+            costs as much memory on each device as the state holds there (see
+            :class:`~tierpoint.local.LocalCheckpointManager`).
 
     Collective: construction (node layout), ``restore``, ``maybe_save``, ``save``, ``wait``,
     ``final_save`` and ``close`` are called by every rank at the same point.
@@ -113,6 +118,7 @@ class TieredCheckpointManager(SavePath):
         timeout: float | None = None,
         poll_every: int | None = None,
         overlap_snapshot: bool = False,
+        device_snapshot: bool = False,
     ) -> None:
         for name, value, low in (
             ("local_every", local_every, 0),
@@ -123,10 +129,12 @@ class TieredCheckpointManager(SavePath):
         ):
             if type(value) is not int or value < low:
                 raise CheckpointingError(f"{name} must be an integer >= {low}, got {value!r}")
-        if type(overlap_snapshot) is not bool:
-            raise CheckpointingError(
-                f"overlap_snapshot must be True or False, got {overlap_snapshot!r}"
-            )
+        for name, flag in (
+            ("overlap_snapshot", overlap_snapshot),
+            ("device_snapshot", device_snapshot),
+        ):
+            if type(flag) is not bool:
+                raise CheckpointingError(f"{name} must be True or False, got {flag!r}")
         if persistent_dir is None and persistent_every:
             persistent_every = 0
         if not local_every and not persistent_every:
@@ -154,6 +162,7 @@ class TieredCheckpointManager(SavePath):
                 session_id,
                 self._replication(replication_factor, replication_jump),
                 keep_last=keep_local,
+                device_snapshot=device_snapshot,
             )
         self.queue = AsyncCallsQueue(
             max_in_flight=2, timeout=timeout, overlap_snapshot=overlap_snapshot

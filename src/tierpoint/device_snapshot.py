@@ -1,0 +1,138 @@
+"""A snapshot copied first into reused memory on the tensors' own devices, so that training may
+change its state as soon as the save call returns.
+
+Copying a 4.4 GB CUDA state to host memory takes 80 ms at the PCIe floor (an H100), and training
+may not change the state meanwhile: a plain save blocks that long, an overlapped one makes the
+optimizer step wait for the end of the copy (about 50 ms a save there). A copy within the GPU's
+memory (HBM, about 6 ms for the same state) queued on the training stream frees the state at once,
+in the stream's order: the optimizer's kernels queued after it run after it. The copy to host
+memory then reads this buffer in the background.
+
+Call order: :meth:`DeviceSnapshot.take` on the training thread when a save is requested. It waits
+until the previous snapshot stopped reading the buffers (long done, normally), copies every tensor
+into the buffer of its device (CUDA tensors: one batched copy per device queued on the thread's
+current stream, no host wait; CPU tensors: copied at once) and returns the copies with a
+:class:`Ticket`. The save's snapshot copies from them (its device copies wait for the training
+stream, so for these copies), then calls :meth:`Ticket.release`, also when it failed.
+:meth:`DeviceSnapshot.close` frees the buffers.
+
+Invariants: one snapshot at a time reads the buffers; a ticket whose buffers a later ``take`` took
+over is void (:meth:`Ticket.check` raises), so a stale snapshot never copies another save's bytes;
+the buffers are reallocated only on a layout change, after the previous reader released them. The
+cost is memory: as much as the state on each of its devices (GPU memory for CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from .errors import CheckpointingError
+from .snapshot_copy import copy_tensors, issue_copies
+
+_ALIGN = 256
+"""Byte alignment of each copy in a buffer (any dtype's, and CUDA's preferred)."""
+
+Layout = tuple[tuple[torch.device, torch.dtype, tuple[int, ...]], ...]
+
+
+class Ticket:
+    """One save's claim on the buffers (see the module docstring)."""
+
+    def __init__(self, owner: DeviceSnapshot, generation: int) -> None:
+        self._owner = owner
+        self._generation = generation
+
+    def check(self) -> None:
+        """Raise if a later save took the buffers over (this snapshot's copies are gone)."""
+        if not self._owner.is_current(self._generation):
+            raise CheckpointingError(
+                "the device snapshot of this save was overwritten by a later save (a request "
+                "that was not scheduled before the next save was requested): nothing written"
+            )
+
+    def release(self) -> None:
+        """The snapshot stopped reading the buffers (idempotent)."""
+        self._owner.release(self._generation)
+
+
+class DeviceSnapshot:
+    """Reused buffers, one per device, holding the latest save's copy of the state."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free = threading.Event()
+        self._free.set()
+        self._generation = 0
+        self._layout: Layout | None = None
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def take(
+        self, tensors: Sequence[torch.Tensor], wait: float, void_unscheduled: bool = False
+    ) -> tuple[list[torch.Tensor], Ticket]:
+        """Copy ``tensors`` into the buffers (see the module docstring); ``wait``: seconds to wait
+        for the previous reader; ``void_unscheduled``: the previous ticket's save was never
+        scheduled, so nothing reads the buffers: take them over at once (that save is void)."""
+        if not void_unscheduled and not self._free.wait(wait):
+            raise CheckpointingError(
+                f"the previous save's snapshot still reads the device snapshot after {wait:g} s"
+            )
+        layout: Layout = tuple((t.device, t.dtype, tuple(t.shape)) for t in tensors)
+        with self._lock:
+            self._generation += 1
+            self._free.clear()
+            ticket = Ticket(self, self._generation)
+        try:
+            copies = self._copies(tensors, layout)
+            with torch.no_grad():
+                cuda = [(s, c) for s, c in zip(tensors, copies) if s.device.type == "cuda"]
+                host = [(s, c) for s, c in zip(tensors, copies) if s.device.type != "cuda"]
+                for device in {s.device for s, _ in cuda}:
+                    pairs = [(s.detach(), c) for s, c in cuda if s.device == device]
+                    with torch.cuda.device(device):  # the current stream: the training thread's
+                        issue_copies([s for s, _ in pairs], [c for _, c in pairs], True)
+                if host:
+                    copy_tensors([s.detach() for s, _ in host], [c for _, c in host], False)
+        except BaseException:
+            ticket.release()
+            raise
+        return copies, ticket
+
+    def _copies(self, tensors: Sequence[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
+        """A place for each tensor in its device's buffer (reallocated on a layout change)."""
+        offsets: list[int] = []
+        sizes: dict[torch.device, int] = {}
+        for t in tensors:
+            at = sizes.get(t.device, 0)
+            offsets.append(at)
+            sizes[t.device] = at + -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        if layout != self._layout:
+            self._buffers = {}  # freed before the new ones are made: the memory is the cost
+            self._buffers = {
+                d: torch.empty(max(n, 1), dtype=torch.uint8, device=d) for d, n in sizes.items()
+            }
+            self._layout = layout
+        out = []
+        for t, at in zip(tensors, offsets):
+            n = t.numel() * t.element_size()
+            if n == 0:
+                out.append(torch.empty(t.shape, dtype=t.dtype, device=t.device))
+            else:
+                out.append(self._buffers[t.device][at : at + n].view(t.dtype).view(t.shape))
+        return out
+
+    def is_current(self, generation: int) -> bool:
+        with self._lock:
+            return generation == self._generation
+
+    def release(self, generation: int) -> None:
+        with self._lock:
+            if generation == self._generation:
+                self._free.set()
+
+    def close(self) -> None:
+        """Free the buffers (the next ``take`` makes new ones)."""
+        with self._lock:
+            self._buffers, self._layout = {}, None

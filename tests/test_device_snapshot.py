@@ -1,0 +1,75 @@
+"""The device snapshot: a save's copy of the state in reused buffers on the tensors' own devices
+(CPU here; CUDA in tests/gpu), held by one save at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tierpoint import CheckpointingError
+from tierpoint.device_snapshot import DeviceSnapshot
+
+
+def _tensors(rows: int = 64) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rows)
+    return [
+        torch.randn(rows, 33, generator=g),
+        torch.randn(rows, 5, generator=g).t(),  # not contiguous
+        torch.randn(7, generator=g).to(torch.bfloat16),
+        torch.arange(rows, dtype=torch.int64),
+        torch.rand(9, generator=g) > 0.5,
+        torch.empty(0, 3),
+    ]
+
+
+def test_copies_are_equal_and_the_buffers_reused_until_the_layout_changes():
+    snap = DeviceSnapshot()
+    tensors = _tensors()
+    copies, ticket = snap.take(tensors, wait=5)
+    for t, c in zip(tensors, copies):
+        assert (c.dtype, c.shape) == (t.dtype, t.shape) and torch.equal(c, t)
+        assert c.numel() == 0 or c.data_ptr() != t.data_ptr()
+    where = [c.data_ptr() for c in copies if c.numel()]
+    ticket.release()
+    tensors[0].add_(1)  # training goes on: the next save's copy follows
+    again, ticket = snap.take(tensors, wait=5)
+    assert [c.data_ptr() for c in again if c.numel()] == where
+    assert torch.equal(again[0], tensors[0])
+    ticket.release()
+    bigger = _tensors(rows=128)
+    copies, ticket = snap.take(bigger, wait=5)  # a layout change: new buffers
+    assert all(torch.equal(c, t) for c, t in zip(copies, bigger))
+    ticket.release()
+    snap.close()
+
+
+def test_the_next_save_waits_for_the_reader_and_gives_up_with_a_clear_error():
+    snap = DeviceSnapshot()
+    tensors = _tensors()
+    _, ticket = snap.take(tensors, wait=5)
+    start = time.monotonic()
+    with pytest.raises(CheckpointingError, match="still reads the device snapshot after 0.3 s"):
+        snap.take(tensors, wait=0.3)
+    assert time.monotonic() - start >= 0.3
+    threading.Timer(0.2, ticket.release).start()  # the reader ends a little later
+    copies, second = snap.take(tensors, wait=10)
+    assert torch.equal(copies[0], tensors[0])
+    second.release()
+
+
+def test_a_save_never_scheduled_is_voided_by_the_next_one():
+    snap = DeviceSnapshot()
+    tensors = _tensors()
+    _, stale = snap.take(tensors, wait=5)
+    _, current = snap.take(tensors, wait=0, void_unscheduled=True)  # no wait: nothing reads
+    current.check()
+    with pytest.raises(CheckpointingError, match="overwritten by a later save"):
+        stale.check()
+    stale.release()  # a void ticket's release frees nothing
+    with pytest.raises(CheckpointingError, match="still reads"):
+        snap.take(tensors, wait=0.1)
+    current.release()
+    snap.take(tensors, wait=0.1)[1].release()
