@@ -73,3 +73,19 @@ def test_a_save_never_scheduled_is_voided_by_the_next_one():
         snap.take(tensors, wait=0.1)
     current.release()
     snap.take(tensors, wait=0.1)[1].release()
+
+
+def test_prepare_makes_the_buffers_the_first_take_uses():
+    snap = DeviceSnapshot()
+    tensors = _tensors()
+    assert snap.nbytes == 0
+    snap.prepare(tensors)
+    assert snap.nbytes >= sum(t.numel() * t.element_size() for t in tensors)
+    first, ticket = snap.take(tensors, wait=5)
+    ticket.release()
+    snap.prepare(tensors)  # the same layout: kept, not made again
+    second, ticket = snap.take(tensors, wait=5)
+    ticket.release()
+    assert [c.data_ptr() for c in first if c.numel()] == [c.data_ptr() for c in second if c.numel()]
+    snap.close()
+    assert snap.nbytes == 0

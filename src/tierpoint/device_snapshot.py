@@ -14,7 +14,8 @@ into the buffer of its device (CUDA tensors: one batched copy per device queued 
 current stream, no host wait; CPU tensors: copied at once) and returns the copies with a
 :class:`Ticket`. The save's snapshot copies from them (its device copies wait for the training
 stream, so for these copies), then calls :meth:`Ticket.release`, also when it failed.
-:meth:`DeviceSnapshot.close` frees the buffers.
+:meth:`DeviceSnapshot.prepare` (a warm-up, optional) allocates the buffers ahead of the first
+``take``; :meth:`DeviceSnapshot.close` frees them.
 
 Invariants: one snapshot at a time reads the buffers; a ticket whose buffers a later ``take`` took
 over is void (:meth:`Ticket.check` raises), so a stale snapshot never copies another save's bytes;
@@ -100,6 +101,15 @@ class DeviceSnapshot:
             raise
         return copies, ticket
 
+    def prepare(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Allocate (and touch) the buffers for ``tensors``' layout ahead of the first ``take``;
+        not while a snapshot reads them (the caller makes sure)."""
+        layout: Layout = tuple((t.device, t.dtype, tuple(t.shape)) for t in tensors)
+        if layout != self._layout:
+            self._copies(tensors, layout)
+            for buf in self._buffers.values():
+                buf.zero_()  # host pages faulted in now, not in the first save
+
     def _copies(self, tensors: Sequence[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
         """A place for each tensor in its device's buffer (reallocated on a layout change)."""
         offsets: list[int] = []
@@ -122,6 +132,11 @@ class DeviceSnapshot:
             else:
                 out.append(self._buffers[t.device][at : at + n].view(t.dtype).view(t.shape))
         return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold, all devices together (the memory this costs)."""
+        return sum(b.numel() for b in self._buffers.values())
 
     def is_current(self, generation: int) -> bool:
         with self._lock:

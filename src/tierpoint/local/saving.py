@@ -204,6 +204,8 @@ class PartSaver:
 
         def warm() -> None:
             try:
+                if self.device_snapshot is not None:
+                    self.device_snapshot.prepare(flat.tensors)
                 if staged:
                     self.stager.warm(plan, device)
                 if spares:
