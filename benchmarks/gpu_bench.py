@@ -341,6 +341,8 @@ def bench_training(
     savers["tp10"], savers["ov10"] = savers["tp25"], savers["ov25"]  # same tiers, other cadence
     savers["tp25"].warm_up()  # pinned staging and spare files (one manager: the first save)
     savers["ov25"].warm_up()
+    for saver in savers.values():  # workers started (importing torch) before any run is timed
+        saver.queue.wait_ready()
     dcp_saver = DcpTrainingSaver(root, trainer.state, None)  # torch's default options
     stack.callback(dcp_saver.finalize)
     failures: dict[str, str] = {}

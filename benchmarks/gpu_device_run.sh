@@ -4,13 +4,16 @@
 #
 #     OUT=/some/dir benchmarks/gpu_device_run.sh [gpu_bench.py options...]
 #     PART=tests OUT=... benchmarks/gpu_device_run.sh     # only the tests (about 4 minutes)
-#     PART=bench OUT=... benchmarks/gpu_device_run.sh     # only the benchmark (about 5 minutes)
+#     PART=bench OUT=... benchmarks/gpu_device_run.sh     # only the benchmark (about 6 minutes)
+#     PART=quick OUT=... benchmarks/gpu_device_run.sh     # about 5 minutes: see below
 #
 # Each tests/gpu scenario runs in its own python process (a CUDA failure in one cannot hide the
-# others; JOBS=8 at a time), then all of them in one process (the acceptance: one process stays healthy), then
-# benchmarks/gpu_bench.py. Under $OUT: tests.log (every scenario's output), a
-# summary (one PASS/FAIL/SKIP line per scenario), bench.log and bench.json. The exit status is
-# non-zero when a scenario failed or the benchmark did.
+# others; JOBS=8 at a time), then all of them in one process (the acceptance: one process stays
+# healthy), then benchmarks/gpu_bench.py. PART=quick runs tests/gpu/test_local_tier.py in one
+# process, then the benchmark's saves and training (no DCP training run, no memory check, 3
+# repetitions). Under $OUT: tests.log (every scenario's output), a summary (one PASS/FAIL/SKIP
+# line per scenario), bench.log and bench.json. The exit status is non-zero when a scenario failed
+# or the benchmark did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT to the directory for logs and results}"
@@ -28,7 +31,18 @@ export PYTHONDONTWRITEBYTECODE=1 TIERPOINT_TIMEOUT="${TIERPOINT_TIMEOUT:-120}"
 
 status=0
 PART="${PART:-all}"
-if [ "$PART" != bench ]; then
+if [ "$PART" = quick ]; then
+    echo "==== tests/gpu/test_local_tier.py in one process" >>"$OUT/tests.log"
+    if timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_local_tier.py \
+        >>"$OUT/tests.log" 2>&1; then
+        echo "PASS tests/gpu/test_local_tier.py in one process" | tee -a "$OUT/summary"
+    else
+        echo "FAIL tests/gpu/test_local_tier.py in one process" | tee -a "$OUT/summary"
+        status=1
+    fi
+    set -- --reps 3 --parts saves,training --variants tp25,tp10,ov25,ov10,dv25,dv10 "$@"
+fi
+if [ "$PART" != bench ] && [ "$PART" != quick ]; then
 scenarios=$("$PY" -m pytest --collect-only -q -p no:cacheprovider tests/gpu 2>>"$OUT/tests.log" | grep '::')
 if [ -z "$scenarios" ]; then
     echo "FAIL collecting tests/gpu (see tests.log)" | tee -a "$OUT/summary"
