@@ -92,8 +92,9 @@ class TieredCheckpointManager(SavePath):
             state's tensors in place otherwise (a forward pass updating batch-norm statistics)
             calls :meth:`wait_for_snapshot` first, or leaves this off.
         device_snapshot: each local save first copies the state within its devices' memory (on
-            GPUs: in the training stream's order, about 6 ms for 4 GB on an H100), so the state is
-            free as soon as ``maybe_save`` returns and the optimizers' hooks wait for nothing;
+            GPUs: in the training stream's order, a few milliseconds for 4 GB on an H100), so the
+            state is free as soon as ``maybe_save`` returns and the optimizers' hooks wait for
+            nothing;
             costs as much memory on each device as the state holds there (see
             :class:`~tierpoint.local.LocalCheckpointManager`).
 
