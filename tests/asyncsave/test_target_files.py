@@ -4,6 +4,7 @@ second once deleted (a deleted file's mapping would hold its RAM on tmpfs)."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 from tierpoint import CheckpointingError, fileformat
-from tierpoint.asyncsave import target_files
+from tierpoint.asyncsave import AsyncCallsQueue, target_files
 from tierpoint.asyncsave.worker import Worker
+from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tierpoint.local.jobs import write_staged_part
 from tierpoint.staging import Stager
 from tierpoint.tree import flatten
@@ -123,3 +125,31 @@ def test_a_file_of_another_size_than_planned_is_refused_not_mapped(shm_dir):
     f.write_bytes(b"\0" * 4096)
     with pytest.raises(CheckpointingError, match="4096 bytes where 8192 were planned"):
         _fill(f, 8192, 1)  # mapped past its end, a write there would kill the worker (SIGBUS)
+
+
+def _children() -> list[int]:
+    pids = []
+    for task in Path("/proc/self/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def test_a_wiped_ram_tier_leaves_no_mapping_in_the_worker(shm_dir):
+    """Async saves on a RAM tier: the worker keeps the parts it sealed mapped between saves; once
+    the tier's directory is wiped (a node cleaned up under a running job), their RAM is not held."""
+    manager = LocalCheckpointManager(shm_dir, session_id="job")
+    with AsyncCallsQueue() as queue:
+        for it in (1, 2, 3):
+            state = {"w": torch.randn(200_000), "step": it}
+            queue.schedule_async_request(
+                manager.save(BasicTensorAwareStateDict(state), it, is_async=True)
+            )
+            queue.maybe_finalize_async_calls(blocking=True)
+        workers = [pid for pid in _children() if _mapped_here(pid, shm_dir)]
+        assert workers, "the worker keeps no part mapped: every save maps it anew"
+        shutil.rmtree(shm_dir / "job")
+        start = time.monotonic()
+        while any(_mapped_here(pid, shm_dir) for pid in workers) and time.monotonic() < start + 10:
+            time.sleep(0.1)
+        assert not any(_mapped_here(pid, shm_dir) for pid in workers)
+        assert time.monotonic() - start < 3
