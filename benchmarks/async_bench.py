@@ -162,9 +162,8 @@ class TierpointSaver:
         self.iterations = like.iterations if like else itertools.count(1)
         self.queue = stack.enter_context(AsyncCallsQueue(**queue_kw))
         self.state_fn = state_fn
-        self.key = "tp_ov" if queue_kw.get("overlap_snapshot") else "tp"
-        if device_snapshot:
-            self.key = "tp_dv"
+        overlap = queue_kw.get("overlap_snapshot")
+        self.key = "tp_dv" if device_snapshot else "tp_ov" if overlap else "tp"
 
     def warm_up(self) -> None:
         """Prepare the first save ahead (staging memory, spare files) and wait until it is done."""

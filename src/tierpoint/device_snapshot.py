@@ -39,6 +39,15 @@ _ALIGN = 256
 
 Layout = tuple[tuple[torch.device, torch.dtype, tuple[int, ...]], ...]
 
+OVERWRITTEN = (
+    "the device snapshot of this save was overwritten by a later save (a request that was not "
+    "scheduled before the next save was requested): nothing written"
+)
+
+
+def _layout_of(tensors: Sequence[torch.Tensor]) -> Layout:
+    return tuple((t.device, t.dtype, tuple(t.shape)) for t in tensors)
+
 
 class Ticket:
     """One save's claim on the buffers (see the module docstring)."""
@@ -47,13 +56,15 @@ class Ticket:
         self._owner = owner
         self._generation = generation
 
+    @property
+    def current(self) -> bool:
+        """No later save took the buffers over (this snapshot's copies are still there)."""
+        return self._owner.is_current(self._generation)
+
     def check(self) -> None:
-        """Raise if a later save took the buffers over (this snapshot's copies are gone)."""
-        if not self._owner.is_current(self._generation):
-            raise CheckpointingError(
-                "the device snapshot of this save was overwritten by a later save (a request "
-                "that was not scheduled before the next save was requested): nothing written"
-            )
+        """Raise :data:`OVERWRITTEN` unless :attr:`current`."""
+        if not self.current:
+            raise CheckpointingError(OVERWRITTEN)
 
     def release(self) -> None:
         """The snapshot stopped reading the buffers (idempotent)."""
@@ -81,13 +92,12 @@ class DeviceSnapshot:
             raise CheckpointingError(
                 f"the previous save's snapshot still reads the device snapshot after {wait:g} s"
             )
-        layout: Layout = tuple((t.device, t.dtype, tuple(t.shape)) for t in tensors)
         with self._lock:
             self._generation += 1
             self._free.clear()
             ticket = Ticket(self, self._generation)
         try:
-            copies = self._copies(tensors, layout)
+            copies = self._copies(tensors)
             with torch.no_grad():
                 cuda = [(s, c) for s, c in zip(tensors, copies) if s.device.type == "cuda"]
                 host = [(s, c) for s, c in zip(tensors, copies) if s.device.type != "cuda"]
@@ -105,14 +115,14 @@ class DeviceSnapshot:
     def prepare(self, tensors: Sequence[torch.Tensor]) -> None:
         """Allocate (and touch) the buffers for ``tensors``' layout ahead of the first ``take``;
         not while a snapshot reads them (the caller makes sure)."""
-        layout: Layout = tuple((t.device, t.dtype, tuple(t.shape)) for t in tensors)
-        if layout != self._layout:
-            self._copies(tensors, layout)
+        if _layout_of(tensors) != self._layout:
+            self._copies(tensors)
             for buf in self._buffers.values():
                 buf.zero_()  # host pages faulted in now, not in the first save
 
-    def _copies(self, tensors: Sequence[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
+    def _copies(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """A place for each tensor in its device's buffer (reallocated on a layout change)."""
+        layout = _layout_of(tensors)
         offsets: list[int] = []
         sizes: dict[torch.device, int] = {}
         for t in tensors:

@@ -79,6 +79,16 @@ def _mapped_here(pid: int, directory: Path) -> list[str]:
     return [line for line in lines if str(directory) in line]
 
 
+def _seconds_until_unmapped(pids: list[int], directory: Path, limit: float = 10) -> float:
+    """How long until no process of ``pids`` maps a file of ``directory`` (``limit``: given up)."""
+    start = time.monotonic()
+    while any(_mapped_here(pid, directory) for pid in pids):
+        if time.monotonic() - start > limit:
+            return float("inf")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
 def _one_result(worker: Worker, timeout: float = 60.0) -> tuple:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -110,11 +120,7 @@ def test_the_worker_keeps_a_spare_mapped_across_saves_and_unmaps_it_once_deleted
             assert len(mapped) == 1 and mapped[0].endswith(str(part)), mapped
             os.replace(part, spare)  # retired: the next save recycles it
         spare.unlink()
-        start = time.monotonic()
-        while _mapped_here(worker.process.pid, shm_dir) and time.monotonic() < start + 10:
-            time.sleep(0.1)
-        assert _mapped_here(worker.process.pid, shm_dir) == []
-        assert time.monotonic() - start < 3  # within about a sweep
+        assert _seconds_until_unmapped([worker.process.pid], shm_dir) < 3  # about a sweep
     finally:
         worker.stop()
         stager.close()
@@ -148,8 +154,4 @@ def test_a_wiped_ram_tier_leaves_no_mapping_in_the_worker(shm_dir):
         workers = [pid for pid in _children() if _mapped_here(pid, shm_dir)]
         assert workers, "the worker keeps no part mapped: every save maps it anew"
         shutil.rmtree(shm_dir / "job")
-        start = time.monotonic()
-        while any(_mapped_here(pid, shm_dir) for pid in workers) and time.monotonic() < start + 10:
-            time.sleep(0.1)
-        assert not any(_mapped_here(pid, shm_dir) for pid in workers)
-        assert time.monotonic() - start < 3
+        assert _seconds_until_unmapped(workers, shm_dir) < 3

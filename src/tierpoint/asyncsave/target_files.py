@@ -5,6 +5,9 @@ Checkpoint files circulate: an expired part becomes a spare that the next save f
 handful of files (the same inodes) are filled in turn. Mapping a file and faulting its pages in, then
 unmapping it, costs about 0.1 s per GB on tmpfs, as much as copying the bytes with a few threads;
 a mapping kept from one save to the next costs it once per file.
+(:class:`tierpoint.peers.MappingCache` keeps mappings too, but its owner tells it which files
+remain; nobody tells the worker, so it holds each file's descriptor and asks the file itself
+whether it still has a name.)
 
 Call order: a job calls ``with mapped_file(path, nbytes) as data:`` and fills ``data`` (a writable
 byte tensor over the whole file). Only in the worker process (:func:`keep_mappings`, called once at

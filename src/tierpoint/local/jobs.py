@@ -19,8 +19,9 @@ faster: a mapping's first touch of a new page clears it first.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -62,17 +63,25 @@ def _copy_in_place(
     """Copy and hash the staged views into the (prepared) dirty file's mapped pages, then seal it."""
     dirty = str(dirty_name(path))
     size = prepare_planned(dirty, plan, recycle)
+    with _dirty_mapped(dirty, size) as whole:
+        start = plan.data_start()
+        targets = [whole[start + begin : start + end] for begin, end in plan.offsets]
+        sums = copy_tensors([_bytes_of(v) for v in views], targets, pinned=False, hash=True)
+        assert sums is not None  # CPU sources: always hashed
+        del targets
+    return seal_planned(path, plan, checksums=sums).nbytes
+
+
+@contextlib.contextmanager
+def _dirty_mapped(dirty: str, nbytes: int) -> Iterator[torch.Tensor]:
+    """A part's dirty file mapped (:func:`~tierpoint.asyncsave.target_files.mapped_file`), removed
+    when the block fails."""
     try:
-        with mapped_file(dirty, size) as whole:
-            start = plan.data_start()
-            targets = [whole[start + begin : start + end] for begin, end in plan.offsets]
-            sums = copy_tensors([_bytes_of(v) for v in views], targets, pinned=False, hash=True)
-            assert sums is not None  # CPU sources: always hashed
-            del targets
+        with mapped_file(dirty, nbytes) as whole:
+            yield whole
     except BaseException:
         unlink_quietly(dirty)
         raise
-    return seal_planned(path, plan, checksums=sums).nbytes
 
 
 def _bytes_of(view: memoryview) -> torch.Tensor:
@@ -87,14 +96,8 @@ def seal_staged_part(path: str, plan: dict[str, Any], checksums: list[str] | Non
     header, fsync, rename."""
     part_plan = PartPlan.from_json(plan)
     if checksums is None:
-        dirty = dirty_name(path)
-        try:
-            with mapped_file(dirty, part_plan.file_size()) as whole:
-                data = memoryview(whole.numpy())
-                start, ranges = part_plan.data_start(), part_plan.offsets
-                checksums = range_checksums(data, start, ranges, LANES)
-                data.release()
-        except BaseException:
-            unlink_quietly(dirty)
-            raise
+        with _dirty_mapped(str(dirty_name(path)), part_plan.file_size()) as whole:
+            data = memoryview(whole.numpy())
+            checksums = range_checksums(data, part_plan.data_start(), part_plan.offsets, LANES)
+            data.release()
     return seal_planned(path, part_plan, checksums=checksums).nbytes

@@ -48,7 +48,7 @@ from typing import Any
 from .. import dist as tpdist
 from .. import fileformat, peers
 from ..asyncsave.request import AsyncRequest
-from ..device_snapshot import DeviceSnapshot, Ticket
+from ..device_snapshot import OVERWRITTEN, DeviceSnapshot, Ticket
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
 from ..pinning import copy_device
@@ -308,21 +308,18 @@ class PartSaver:
             self.stager.close()  # the part files are the staging memory now
 
         def snapshot() -> dict[str, Any]:
-            if ticket is None:
-                return copy()
             try:
-                try:
-                    ticket.check()
-                except CheckpointingError:
-                    self.requested.discard(iteration)
-                    raise
                 return copy()
             finally:
-                ticket.release()  # the device snapshot's copies are read (or never will be)
+                if ticket is not None:
+                    ticket.release()  # the device snapshot's copies are read (or never will be)
 
         def copy() -> dict[str, Any]:
             # Runs when the queue schedules the request: after the previous save was finalized, so
             # the staging buffer and the spare file are free (refused otherwise, alike on every rank).
+            if ticket is not None and not ticket.current:
+                self.requested.discard(iteration)
+                raise CheckpointingError(OVERWRITTEN)
             if self.pending is not None:
                 self.requested.discard(iteration)
                 raise CheckpointingError(
