@@ -162,6 +162,7 @@ class TierpointSaver:
         self.iterations = like.iterations if like else itertools.count(1)
         self.queue = stack.enter_context(AsyncCallsQueue(**queue_kw))
         self.state_fn = state_fn
+        self.scheduling = 0.0  # seconds in schedule_async_request, all saves together
         overlap = queue_kw.get("overlap_snapshot")
         self.key = "tp_dv" if device_snapshot else "tp_ov" if overlap else "tp"
 
@@ -177,7 +178,9 @@ class TierpointSaver:
         )
         planned = time.perf_counter()
         self.queue.schedule_async_request(request)
-        return planned - start, time.perf_counter() - planned
+        scheduled = time.perf_counter() - planned
+        self.scheduling += scheduled
+        return planned - start, scheduled
 
     def finalize(self) -> None:
         self.queue.maybe_finalize_async_calls(blocking=True)

@@ -42,13 +42,14 @@ import gc
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,20 @@ Times = dict[str, list[float]]
 BATCH = 8
 PARTS = ("saves", "memory", "training")
 TRAIN_VARIANTS = ("tp25", "tp10", "ov25", "ov10", "dv25", "dv10", "dcp25")
+VARIANT = re.compile(r"(?P<mode>tp|ov|dv)(?P<every>[0-9]+)(?:w(?P<lanes>[0-9]+))?|dcp25")
+"""A training variant: mode (tp plain, ov overlapped, dv device snapshot), a save every so many
+steps, optionally ``w<N>``: the worker copies with N lanes (``TIERPOINT_COPY_LANES``)."""
+MODES = {
+    "tp": "tierpoint local async",
+    "ov": "tierpoint local overlapped",
+    "dv": "tierpoint local device snapshot",
+}
+MODE_SHORT = {
+    "tp": "tierpoint local async",
+    "ov": "tierpoint overlapped",
+    "dv": "tierpoint device snapshot",
+}
+LANES_ENV = "TIERPOINT_COPY_LANES"
 HOST_COPIES = 10
 """Host memory per byte of state: floors (2), local staging and files (3), persistent staging and
 files (2), DCP's copies and files (3)."""
@@ -315,6 +330,38 @@ def bench_memory(
     }
 
 
+def cadence(key: str) -> int:
+    """Steps between saves of a training variant (0: no checkpoints)."""
+    found = VARIANT.fullmatch(key)
+    return 0 if found is None else 25 if key == "dcp25" else int(found["every"])
+
+
+@contextlib.contextmanager
+def worker_lanes(lanes: str | None) -> Iterator[None]:
+    """``TIERPOINT_COPY_LANES`` set to ``lanes`` (None: as it is) for a worker started meanwhile."""
+    before = os.environ.get(LANES_ENV)
+    if lanes is not None:
+        os.environ[LANES_ENV] = lanes
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LANES_ENV, None)
+        else:
+            os.environ[LANES_ENV] = before
+
+
+def variant_label(key: str) -> str:
+    if key == "none":
+        return "no checkpoints"
+    if key == "dcp25":
+        return "torch DCP async_save (default) every 25"
+    found = VARIANT.fullmatch(key)
+    assert found is not None
+    lanes = f", {found['lanes']} lanes" if found["lanes"] else ""
+    return f"{(MODE_SHORT if lanes else MODES)[found['mode']]} every {found['every']}{lanes}"
+
+
 def bench_training(
     root: Path,
     args: argparse.Namespace,
@@ -328,19 +375,31 @@ def bench_training(
     for _ in range(10):
         trainer.step()  # builds the optimizer's state, warms the kernels up
     trainer.sync()
-    savers = {
-        "tp25": TierpointSaver(root / "train-plain", trainer.state, stack),
-        "ov25": TierpointSaver(root / "train-ov", trainer.state, stack, overlap_snapshot=True),
-    }
-    if {"dv25", "dv10"} & set(args.variants):
-        savers["dv25"] = TierpointSaver(
-            root / "train-dev", trainer.state, stack, device_snapshot=True, overlap_snapshot=True
-        )
-        savers["dv10"] = savers["dv25"]
-        savers["dv25"].warm_up()
-    savers["tp10"], savers["ov10"] = savers["tp25"], savers["ov25"]  # same tiers, other cadence
-    savers["tp25"].warm_up()  # pinned staging and spare files (one manager: the first save)
-    savers["ov25"].warm_up()
+    savers: dict[str, TierpointSaver] = {}  # by mode and worker lanes: cadences share one
+
+    def saver_of(key: str) -> TierpointSaver:
+        found = VARIANT.fullmatch(key)
+        assert found is not None and found["mode"]
+        mode, lanes = found["mode"], found["lanes"]
+        name = mode + (f"w{lanes}" if lanes else "")
+        if name not in savers:
+            like = saver_of(f"{mode}25") if lanes else None  # same tier files, its own worker
+            with worker_lanes(lanes):
+                savers[name] = TierpointSaver(
+                    root / f"train-{mode}",
+                    trainer.state,
+                    stack,
+                    like=like,
+                    device_snapshot=mode == "dv",
+                    overlap_snapshot=mode in ("ov", "dv"),
+                )
+            if like is None:
+                savers[name].warm_up()  # pinned staging and spare files: the first save
+        return savers[name]
+
+    for key in args.variants:
+        if key != "dcp25":
+            saver_of(key)
     for saver in savers.values():  # workers started (importing torch) before any run is timed
         saver.queue.wait_ready()
     dcp_saver = DcpTrainingSaver(root, trainer.state, None)  # torch's default options
@@ -348,7 +407,7 @@ def bench_training(
     failures: dict[str, str] = {}
 
     def variant(key: str) -> Callable[[], Metrics]:
-        every = int(key[-2:]) if key != "none" else 0
+        every = cadence(key)
 
         def run() -> Metrics:
             if key == "none":
@@ -360,8 +419,9 @@ def bench_training(
                     "train_dcp25_blocked": blocked,
                     "train_dcp25_drain": drain,
                 }
-            saver = savers[key]
+            saver = saver_of(key)
             hook = OverlapHook(saver, trainer.optimizer) if key[:2] in ("ov", "dv") else None
+            scheduling = saver.scheduling
             try:
                 seconds, blocked, drain = train_run(trainer, args.steps, saver, every)
             finally:
@@ -371,12 +431,13 @@ def bench_training(
             return {
                 f"train_{key}": seconds,
                 f"train_{key}_blocked": blocked + waited,
+                f"train_{key}_scheduling": saver.scheduling - scheduling,
                 f"train_{key}_drain": drain,
             }
 
         return guarded(f"train_{key}", run, failures)
 
-    keys = ["none", *(k for k in TRAIN_VARIANTS if k in args.variants)]
+    keys = ["none", *args.variants]
     memory_before = host_memory(root)
     times = run_interleaved([variant(k) for k in keys], args.train_reps)
     memory = f"host memory before the loop: {memory_before}; after: {host_memory(root)}"
@@ -440,21 +501,10 @@ def print_training(
         f" state {state / 1e9:.2f} GB), seq {args.seq}, batch {BATCH}, bf16 autocast, fused AdamW;"
         f" {args.steps} steps a run, {args.train_reps} interleaved repetitions (medians)"
     )
-    head = f"{'variant':48s} {'ms/step':>8s} {'vs none':>8s} {'ms/save':>8s} {'drain s':>8s}"
-    print(f"{head} {'ceiling':>8s}")
-    rows = [
-        ("no checkpoints", "none", 0),
-        ("tierpoint local async every 25", "tp25", 25),
-        ("tierpoint local async every 10", "tp10", 10),
-        ("tierpoint local overlapped every 25", "ov25", 25),
-        ("tierpoint local overlapped every 10", "ov10", 10),
-        ("tierpoint local device snapshot every 25", "dv25", 25),
-        ("tierpoint local device snapshot every 10", "dv10", 10),
-        ("torch DCP async_save (default) every 25", "dcp25", 25),
-    ]
-    for label, key, every in rows:
-        if key != "none" and key not in args.variants:
-            continue
+    head = f"{'variant':48s} {'ms/step':>8s} {'vs none':>8s} {'ms/save':>8s} {'sched':>8s}"
+    print(f"{head} {'drain s':>8s} {'ceiling':>8s}")
+    for key in ["none", *args.variants]:
+        label, every = variant_label(key), cadence(key)
         if not times.get(f"train_{key}"):
             print(f"{label:48s} failed ({failures.get(f'train_{key}', '?')})")
             continue
@@ -463,18 +513,22 @@ def print_training(
         saves = (args.steps - 1) // every if every else 0
         blocked = times.get(f"train_{key}_blocked")
         save_ms = f"{median(blocked) / saves * 1e3:8.1f}" if blocked and saves else ""
+        scheduling = times.get(f"train_{key}_scheduling")
+        sched_ms = f"{median(scheduling) / saves * 1e3:8.1f}" if scheduling and saves else ""
         drain = times.get(f"train_{key}_drain")
         drain_s = f"{median(drain):8.2f}" if drain else ""
         ceiling = ""
         if key.startswith("tp") and floor_bps and times.get("train_none"):
             none = median(times["train_none"])
             ceiling = f"{none / (none + saves * state / floor_bps):7.3f}x"
-        line = f"{label:48s} {step_ms:8.1f} {ratio:7.3f}x {save_ms:>8s} {drain_s:>8s}"
-        print(f"{line} {ceiling:>8s}")
+        line = f"{label:48s} {step_ms:8.1f} {ratio:7.3f}x {save_ms:>8s} {sched_ms:>8s}"
+        print(f"{line} {drain_s:>8s} {ceiling:>8s}")
     print(
-        "(ms/step until the last step's work is done; 'drain': the last save's finishing after"
-        " it, paid once a job; 'ceiling': the throughput a save blocking for the pinned\n"
-        " device-to-host floor alone would leave)"
+        "(ms/step until the last step's work is done; 'ms/save': the training thread's wait per"
+        " save (save, schedule, optimizer hook); 'sched': the part in schedule_async_request\n"
+        " (the previous save finishing); 'drain': the last save's finishing after it, paid once"
+        " a job; 'ceiling': the throughput a save blocking for the pinned\n device-to-host floor"
+        " alone would leave)"
     )
 
 
@@ -600,14 +654,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         default=",".join(TRAIN_VARIANTS),
-        help=f"training variants besides no checkpoints: a subset of {','.join(TRAIN_VARIANTS)}",
+        help="training variants besides no checkpoints, e.g. tp25,ov10,dv10w2 (w: worker lanes)",
     )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args(argv)
     args.parts, args.variants = args.parts.split(","), args.variants.split(",")
-    for given, known in ((args.parts, PARTS), (args.variants, TRAIN_VARIANTS)):
-        if unknown := set(given) - set(known):
-            p.error(f"unknown: {', '.join(sorted(unknown))} (known: {', '.join(known)})")
+    if unknown := set(args.parts) - set(PARTS):
+        p.error(f"unknown parts: {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
+    if unknown := {v for v in args.variants if not VARIANT.fullmatch(v)}:
+        p.error(
+            f"unknown variants: {', '.join(sorted(unknown))} (tp|ov|dv, steps between saves, "
+            "optionally w<worker lanes>: e.g. dv10w2; or dcp25)"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
             "gpu_bench: no CUDA device here (torch.cuda.is_available() is False); run it on a "

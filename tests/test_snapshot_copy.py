@@ -3,6 +3,10 @@ other tensor through torch, and copies issued in one batch (one call per tensor 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -69,3 +73,25 @@ def test_copies_issued_in_one_batch_or_one_by_one_where_torch_refuses(
 
 def test_cpu_tensors_have_no_training_streams_to_wait_for():
     assert snapshot_copy.training_streams([torch.ones(2), torch.zeros(3, dtype=torch.int64)]) == {}
+
+
+@pytest.mark.parametrize(
+    ("given", "lanes"), [("2", 2), ("7", 7), ("", None), ("0", "error"), ("many", "error")]
+)
+def test_copy_lanes_come_from_the_environment_or_a_clear_error(given, lanes):
+    env = dict(os.environ, TIERPOINT_COPY_LANES=given)
+    done = subprocess.run(
+        [sys.executable, "-c", "from tierpoint import snapshot_copy as s; print(s.LANES)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if lanes == "error":
+        assert done.returncode != 0
+        assert "TIERPOINT_COPY_LANES must be a positive integer" in done.stderr
+        assert repr(given) in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        expected = lanes if lanes is not None else max(1, min(4, os.cpu_count() or 1))
+        assert int(done.stdout) == expected

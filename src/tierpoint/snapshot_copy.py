@@ -6,7 +6,8 @@ tensor with its place in it, then call :func:`copy_tensors`; it returns once eve
 
 - CPU tensors whose bytes can be copied as they are (same dtype, contiguous, strided, no lazy
   conjugate or negation) are copied with ``memmove``, which releases the GIL: in 8 MiB chunks by a
-  few threads (at most 4, one pool per process, made on first use) with no intra-op thread
+  few threads (:data:`LANES`: at most 4 unless ``TIERPOINT_COPY_LANES`` says; one pool per process,
+  made on first use) with no intra-op thread
   barriers, which cost a lot when training keeps the cores busy. With ``hash=True`` each tensor is
   copied and hashed (xxh3-64) 512 KiB at a time by one lane (the lanes share the tensors, largest
   first), each piece hashed right after it is copied, while it is still in the CPU cache (one
@@ -45,8 +46,25 @@ _CHUNK = 8 << 20
 """Bytes one ``memmove`` of a lane copies."""
 _HASH_PIECE = 512 << 10
 """Bytes copied then hashed at a time: small enough to be hashed from the CPU cache."""
-LANES = max(1, min(4, os.cpu_count() or 1))
-"""Threads that copy (and hash) at once."""
+LANES_ENV = "TIERPOINT_COPY_LANES"
+
+
+def _lanes() -> int:
+    """``TIERPOINT_COPY_LANES`` (a positive integer) or min(4, CPUs)."""
+    given = os.environ.get(LANES_ENV, "").strip()
+    if not given:
+        return max(1, min(4, os.cpu_count() or 1))
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(
+            f"{LANES_ENV} must be a positive integer (threads a copy uses), not {given!r}"
+        )
+    return int(given)
+
+
+LANES = _lanes()
+"""Threads that copy (and hash) at once, in the training process and in its background worker
+(which reads the environment when it starts: a queue made after setting it gives its worker that
+many): fewer lanes take longer to make a save durable but leave more of the machine to training."""
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
