@@ -75,11 +75,23 @@ def test_cpu_tensors_have_no_training_streams_to_wait_for():
     assert snapshot_copy.training_streams([torch.ones(2), torch.zeros(3, dtype=torch.int64)]) == {}
 
 
+CPUS = os.cpu_count() or 1
+
+
 @pytest.mark.parametrize(
-    ("given", "lanes"), [("2", 2), ("7", 7), ("", None), ("0", "error"), ("many", "error")]
+    ("given", "local", "lanes"),
+    [
+        ("2", "", 2),
+        ("7", "4", 7),
+        ("", "", min(8, CPUS)),
+        ("", "2", max(1, min(8, CPUS // 2))),
+        ("", str(4 * CPUS), 1),
+        ("0", "", "error"),
+        ("many", "", "error"),
+    ],
 )
-def test_copy_lanes_come_from_the_environment_or_a_clear_error(given, lanes):
-    env = dict(os.environ, TIERPOINT_COPY_LANES=given)
+def test_copy_lanes_come_from_the_environment_or_a_clear_error(given, local, lanes):
+    env = dict(os.environ, TIERPOINT_COPY_LANES=given, LOCAL_WORLD_SIZE=local)
     done = subprocess.run(
         [sys.executable, "-c", "from tierpoint import snapshot_copy as s; print(s.LANES)"],
         env=env,
@@ -93,5 +105,4 @@ def test_copy_lanes_come_from_the_environment_or_a_clear_error(given, lanes):
         assert repr(given) in done.stderr
     else:
         assert done.returncode == 0, done.stderr
-        expected = lanes if lanes is not None else max(1, min(4, os.cpu_count() or 1))
-        assert int(done.stdout) == expected
+        assert int(done.stdout) == lanes
