@@ -17,7 +17,7 @@ tensor with its place in it, then call :func:`copy_tensors`; it returns once eve
   requested; the overlapped snapshot copies on another thread), so the copy sees every kernel
   queued before;
   ``non_blocking`` into pinned memory, issued in one call per device (:func:`issue_copies`),
-  synchronised before returning. Their
+  waited for before returning on an event that lets the thread sleep (not spin). Their
   checksums are left to the writer (nothing of a device copy is in the CPU cache to hash from):
   ``copy_tensors`` then returns ``None``.
 
@@ -135,7 +135,7 @@ def copy_from_devices(
                 by_device.setdefault(src.device, []).append((src, dst))
             else:
                 dst.copy_(src.detach())
-        streams = []
+        copied = []
         for device, pairs in by_device.items():
             stream = _side_streams.get(device)
             if stream is None:
@@ -144,9 +144,13 @@ def copy_from_devices(
             stream.wait_stream(waited if waited is not None else torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 issue_copies([s.detach() for s, _ in pairs], [d for _, d in pairs], pinned)
-            streams.append(stream)
-        for stream in streams:
-            stream.synchronize()
+                done = torch.cuda.Event(blocking=True)
+                done.record(stream)
+            copied.append(done)
+        for done in copied:
+            # Sleeps until the copies end: a stream's synchronize would spin a CPU core meanwhile
+            # (CUDA's default with few contexts), one the training thread may need.
+            done.synchronize()
 
 
 _batched_copies = True  # False once torch refused a batched copy: one call per tensor from then on
