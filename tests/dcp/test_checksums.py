@@ -259,9 +259,11 @@ def test_range_checksums_hash_the_bytes_of_a_file_given_in_pieces():
     pieces = [data[:7], data[7:7], data[7:5000], data[5000:]]
     ranges = [(0, 0), (0, 10), (5, 4990), (4999, 3), (6000, len(data) - 6000)]
     expected = [xxhash.xxh3_64_hexdigest(data[o : o + n]) for o, n in ranges]
-    assert range_checksums(pieces, ranges) == expected
-    with pytest.raises(ValueError, match="beyond"):
-        range_checksums(pieces, [(len(data) - 1, 2)])
+    for lanes in (1, 2, 3, 16):
+        assert range_checksums(pieces, ranges, lanes) == expected
+        assert range_checksums(pieces, ranges[::-1], lanes) == expected[::-1]  # any order
+        with pytest.raises(ValueError, match="beyond"):
+            range_checksums(pieces, [*ranges, (len(data) - 1, 2)], lanes)
 
 
 def test_the_metadata_stays_torch_only(tmp_path):
