@@ -2,8 +2,9 @@
 ``tierpoint.pinning.runtime``) records every registration and refuses, like CUDA, a range that
 overlaps a registered one; every mapping checks, when it is unmapped (closed or garbage-collected),
 that no registered range lies in it. Exercised through the public entry points: several local
-managers and queues one after another, a layout change, DCP async saves (in memory and in place on
-/dev/shm), a registration that fails, and interpreter exit."""
+managers and queues one after another, a layout change, a local tier on /dev/shm (its part files
+pinned), DCP async saves (in memory and in place on /dev/shm), a registration that fails, and
+interpreter exit."""
 
 from __future__ import annotations
 
@@ -195,6 +196,30 @@ def test_warm_up_pins_the_staging_buffer_before_the_first_save_which_reuses_it(t
     assert fake.violations == [] and fake.live == {} and fake.pending is None
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_ram_tier_pins_each_part_file_once_and_unpins_it_before_unmapping(shm_dir, overlap):
+    """On /dev/shm the snapshot goes into the part files: warm-up pins the spares it makes, the
+    saves cycle through those files without pinning again, a layout change resizes them (the old
+    mappings unpinned before they go), and a dropped manager leaves nothing registered."""
+    with fake_runtime() as fake:
+        manager = LocalCheckpointManager(shm_dir, session_id="job", keep_last=2)
+        manager.warm_up(BasicTensorAwareStateDict(_state(256, 0)), wait=True)
+        spares = fake.registered
+        assert spares == 3 and len(fake.live) == 3  # keep_last + 1 files, pinned ahead
+        with AsyncCallsQueue(overlap_snapshot=overlap) as queue:
+            for it in (1, 2, 3, 4, 5):
+                _save_async(manager, queue, it, rows=256)
+            assert fake.registered == spares  # the files came back, pinned already
+            _save_async(manager, queue, 6, rows=512)  # another layout: files resized
+            _save_async(manager, queue, 7, rows=512)
+            assert fake.unregistered >= 1 and len(fake.live) <= 3
+        _loads(shm_dir, 7, rows=512)
+        del manager, queue
+        gc.collect()
+    assert fake.violations == [] and fake.live == {} and fake.pending is None
+    assert fake.registered == fake.unregistered
+
+
 def test_dcp_warm_up_pins_ahead_and_the_pool_unpins_before_unmapping(tmp_path):
     from tierpoint.dcp import warm_up
 
@@ -299,10 +324,40 @@ with fake_runtime() as fake:
 """
 
 
-def test_interpreter_exit_unpins_a_buffer_still_held():
-    script = _EXIT_SCRIPT.format(tests=str(Path(__file__).parent))
+_EXIT_RAM_TIER_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_pinning import fake_runtime
+from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
+import torch
+
+with fake_runtime() as fake:
+    manager = LocalCheckpointManager({root!r}, session_id="job")
+    manager.warm_up(BasicTensorAwareStateDict({{"w": torch.ones(1 << 16)}}), wait=True)
+    print("pinned", len(fake.live), flush=True)
+    real_unregister = fake.unregister
+    def unregister(address, device):
+        print("unregistered", real_unregister(address, device), flush=True)
+        return 0
+    fake.unregister = unregister
+# exits with the manager (and its pinned part files) alive
+"""
+
+
+@pytest.mark.parametrize("held", ["staging buffer", "ram tier files"])
+def test_interpreter_exit_unpins_what_is_still_held(shm_dir, held):
+    tests = str(Path(__file__).parent)
+    script = (
+        _EXIT_SCRIPT.format(tests=tests)
+        if held == "staging buffer"
+        else _EXIT_RAM_TIER_SCRIPT.format(tests=tests, root=str(shm_dir))
+    )
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[:2] == ["pinned True", "unregistered 0"], done.stdout
+    lines = done.stdout.split("\n")
+    if held == "staging buffer":
+        assert lines[:2] == ["pinned True", "unregistered 0"], done.stdout
+    else:
+        assert lines[:3] == ["pinned 2", "unregistered 0", "unregistered 0"], done.stdout

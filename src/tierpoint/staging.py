@@ -8,8 +8,8 @@ each tensor's checksum, computed piece by piece right after each piece is copied
 are still in the CPU cache (for a snapshot taken off the training thread: the worker then only
 writes, one memory pass less). ``Stager.stage_into(flat, plan, data)`` copies into memory the caller
 owns instead: when checkpoints live on a RAM file system (:func:`in_memory_filesystem`), the shared
-mapping of the part file itself, so that the part file is the staging memory and the worker has
-nothing left to write but the header. ``stager.warm(plan, device)``, called ahead of the first save
+mapping of the part file itself (page-locked by its owner for CUDA tensors), so that the part file
+is the staging memory and the worker has nothing left to write but the header. ``stager.warm(plan, device)``, called ahead of the first save
 (from a background thread, see :meth:`tierpoint.local.LocalCheckpointManager.warm_up`), allocates,
 faults in and pins the buffer, so that the first save costs what a steady one does. A
 :class:`SourceFile` stands in for a staging buffer when the state's tensors already view the pages
@@ -290,16 +290,19 @@ class Stager:
 
     @staticmethod
     def stage_into(
-        flat: FlatState, plan: PartPlan, data: torch.Tensor, hash: bool = False
+        flat: FlatState,
+        plan: PartPlan,
+        data: torch.Tensor,
+        hash: bool = False,
+        pinned: bool = False,
+        after: Streams | None = None,
     ) -> list[str] | None:
-        """Copy every (CPU) tensor of ``flat`` into ``data``, memory laid out as ``plan``'s data
-        section that the caller owns (e.g. the shared mapping of the part file being written);
-        ``hash``: also return each tensor's checksum as :meth:`stage_and_hash` does."""
-        if any(s.device.type != "cpu" for s in flat.tensors):
-            raise ValueError(
-                "stage_into copies CPU tensors only; stage CUDA tensors into pinned memory"
-            )
-        return copy_tensors(flat.tensors, planned_views(data, plan), False, hash)
+        """Copy every tensor of ``flat`` into ``data``, memory laid out as ``plan``'s data section
+        that the caller owns (e.g. the shared mapping of the part file being written; ``pinned``:
+        page-locked by its owner, for CUDA tensors); ``hash``: also return each tensor's checksum
+        as :meth:`stage_and_hash` does (None when some tensors come from a device); ``after``: see
+        :meth:`stage`."""
+        return copy_tensors(flat.tensors, planned_views(data, plan), pinned, hash, after)
 
     def close(self) -> None:
         if self.buffer is not None:

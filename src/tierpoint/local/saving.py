@@ -29,10 +29,11 @@ Invariants:
 - Recycling: a file no complete checkpoint needs any more becomes a spare whose pages the next save
   rewrites (several times faster on tmpfs than filling a new file).
 - Async snapshots on a RAM tier go straight into the pending part's dirty file (a recycled spare,
-  its space reserved before anything is copied) through the store's mappings; only the snapshot of
-  the pending save writes through such a mapping, and the worker only seals the file. On a disk
-  tier, or with CUDA tensors, the snapshot goes into a reused memfd staging buffer
-  (:mod:`tierpoint.staging`).
+  its space reserved before anything is copied) through the store's mappings, page-locked once per
+  file for CUDA tensors (so the device-to-host copy lands in the file at the pinned rate, and no
+  second host copy of the state exists); only the snapshot of the pending save writes through such
+  a mapping, and the worker only hashes (what the snapshot did not) and seals the file. On a disk
+  tier the snapshot goes into a reused memfd staging buffer (:mod:`tierpoint.staging`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from ..device_snapshot import OVERWRITTEN, DeviceSnapshot, Ticket
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
 from ..pinning import copy_device
-from ..snapshot_copy import training_streams
+from ..snapshot_copy import Streams, training_streams
 from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from ..tree import FlatState
@@ -209,7 +210,8 @@ class PartSaver:
                 if staged:
                     self.stager.warm(plan, device)
                 if spares:
-                    self.store.make_spares(plan.file_size(), spares, mapped=not staged)
+                    pin_for = None if staged else device  # the files are the staging memory
+                    self.store.make_spares(plan.file_size(), spares, not staged, pin_for)
             except BaseException as e:  # noqa: BLE001 - the save goes on cold; said once
                 logger.warning("warming up for the first local save failed: %s", str(e))
 
@@ -344,7 +346,8 @@ class PartSaver:
             # copy alone is what training waits for.
             hash_now = threading.current_thread() is not threading.main_thread()
             if in_place:
-                kwargs = {"checksums": self._stage_in_place(flat, plan, path, spare, hash_now)}
+                checksums = self._stage_in_place(flat, plan, path, spare, hash_now, after)
+                kwargs = {"checksums": checksums}
             else:
                 buffer, checksums = (
                     self.stager.stage_and_hash(flat, plan, after)
@@ -370,15 +373,11 @@ class PartSaver:
 
     def _snapshots_in_place(self, flat: FlatState) -> bool:
         """Whether an async snapshot goes straight into the part file's pages: the tier is in RAM
-        (so those pages are shared memory, as a staging buffer is), spares are recycled (so the
-        pages exist already and are reused) and every tensor is on the CPU."""
+        (so those pages are shared memory, as a staging buffer is) and spares are recycled (so the
+        pages exist already and are reused, and so do their mappings, pinned for CUDA)."""
         if self._tier_in_memory is None:  # decided once: the tier does not change file system
             self._tier_in_memory = in_memory_filesystem(self.store.directory)
-        return (
-            self.recycle
-            and self._tier_in_memory
-            and all(t.device.type == "cpu" for t in flat.tensors)
-        )
+        return self.recycle and self._tier_in_memory
 
     def _stage_in_place(
         self,
@@ -387,14 +386,18 @@ class PartSaver:
         path: Path,
         spare: Path | None,
         hash_now: bool,
+        after: Streams,
     ) -> list[str] | None:
         """Copy ``flat`` into the data section of ``path``'s dirty file (the spare's pages when
-        there is one) through a mapping kept from save to save; the worker then seals it."""
+        there is one) through a mapping kept from save to save, page-locked once for a state with
+        CUDA tensors (:meth:`tierpoint.peers.MappingCache.pin`); the worker then seals it."""
         dirty = fileformat.dirty_name(path)
         size = fileformat.prepare_planned(dirty, plan, recycle=spare)
-        mapped = self.store.mappings.map(str(dirty), size, writable=True)[1]
-        data = mapped[plan.data_start() : plan.data_start() + plan.data_size]
-        return self.stager.stage_into(flat, plan, data, hash=hash_now)
+        entry = self.store.mappings.map(str(dirty), size, writable=True)
+        device = copy_device(flat.tensors)
+        pinned = device is not None and self.store.mappings.pin(entry, device)
+        data = entry[1][plan.data_start() : plan.data_start() + plan.data_size]
+        return self.stager.stage_into(flat, plan, data, hash=hash_now, pinned=pinned, after=after)
 
     # ------------------------------------------------------------------------------ replicating
 

@@ -243,14 +243,16 @@ class PartStore:
         fileformat.fsync_dir(directory)
         self.forget_removed_files()
 
-    def make_spares(self, nbytes: int, count: int, mapped: bool = False) -> int:
+    def make_spares(
+        self, nbytes: int, count: int, mapped: bool = False, pin_for: int | None = None
+    ) -> int:
         """Add spares of ``nbytes`` (their space allocated, their pages written once) until this
         rank has ``count``: ahead of the first saves, which then reuse pages instead of allocating
         and clearing them; ``mapped``: also map every spare of that size, its pages faulted in,
         into :attr:`mappings` (where a snapshot in place finds it: faulting a fresh mapping of
-        2 GiB in costs seconds here). Stops, keeping what it made, at the first one the tier has
-        no room for; returns how many it made. Nothing may take spares meanwhile (the saver waits
-        for this before saving)."""
+        2 GiB in costs seconds here), page-locked for copies from CUDA device ``pin_for`` if given.
+        Stops, keeping what it made, at the first one the tier has no room for; returns how many
+        it made. Nothing may take spares meanwhile (the saver waits for this before saving)."""
         self.ensure_dir()
         directory = self.directory
         spares = [e.name for e in os.scandir(directory) if naming.is_spare_name(e.name)]
@@ -277,7 +279,9 @@ class PartStore:
         if mapped:
             for name in spares:
                 if os.stat(directory / name).st_size == nbytes:
-                    self.mappings.map(str(directory / name), nbytes, writable=True)
+                    entry = self.mappings.map(str(directory / name), nbytes, writable=True)
+                    if pin_for is not None:
+                        self.mappings.pin(entry, pin_for)
         return made
 
     def remove_from(self, iteration: int) -> None:

@@ -7,7 +7,8 @@ file is being deleted) or ``abandon`` (a send or receive may still be in flight)
 
 Invariants: an abandoned mapping is never handed out or unmapped again (a receive left over from a
 timed-out call may still write into it); a cached mapping is re-checked against its file's size at
-every use.
+every use; a cached mapping page-locked for CUDA (:meth:`MappingCache.pin`) is unpinned before it
+is unmapped, on every path.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import mmap
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from ..pinning import PinnedRange
 
 _abandoned: list[Any] = []  # mappings a timed-out receive may still write into
 
@@ -69,11 +73,19 @@ class MappingCache:
     (so one mapping serves sending and receiving), and re-checked against the file's size on every
     use. A mapping keeps a deleted file's pages alive: the owner calls :meth:`retain` with the files
     that still exist after it removes some, and :meth:`close` when done. Thread-safe.
+
+    :meth:`pin` page-locks a kept mapping for copies from a CUDA device (a snapshot copied straight
+    into the file, :mod:`tierpoint.local.saving`), once per mapping: the registration is released
+    before the mapping is unmapped on every path (a size change, :meth:`forget`, :meth:`retain`,
+    :meth:`close`, and the cache's garbage collection or interpreter exit, through a finalizer that
+    holds the mappings), and when a mapping is abandoned (it stays mapped, unpinned).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._maps: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor]] = {}
+        self._maps: dict[tuple[int, int], FileMapping] = {}
+        self._pins: dict[tuple[int, int], PinnedRange] = {}
+        self._finalizer = weakref.finalize(self, _unmap_all, self._pins, self._maps)
 
     def map(self, path: str, nbytes: int, writable: bool) -> FileMapping:
         if nbytes == 0:
@@ -82,14 +94,31 @@ class MappingCache:
         key = (st.st_dev, st.st_ino)
         with self._lock:
             hit = self._maps.pop(key, None)
-            if hit is not None and len(hit[0]) == nbytes == st.st_size:
+            if hit is not None and hit[0] is not None and len(hit[0]) == nbytes == st.st_size:
                 self._maps[key] = hit
                 return hit
             if hit is not None:
-                hit[0].close()
+                _unmap(self._pins.pop(key, None), hit)
             entry = map_file(path, nbytes, writable=True)
-            self._maps[key] = entry  # type: ignore[assignment]
+            self._maps[key] = entry
             return entry
+
+    def pin(self, entry: FileMapping, device: int) -> bool:
+        """Page-lock a mapping this cache keeps for copies from CUDA ``device`` (at most once per
+        mapping; a failure leaves it unpinned with one WARNING, see
+        :class:`~tierpoint.pinning.PinnedRange`); True if it is pinned."""
+        with self._lock:  # not unmapped meanwhile (a registration may take a second)
+            key = next((k for k, v in self._maps.items() if v[0] is entry[0]), None)
+            if key is None or entry[0] is None:
+                return False
+            pinned = self._pins.setdefault(key, PinnedRange())
+            return pinned.register(entry[1].data_ptr(), entry[1].numel(), device)
+
+    def pinned(self, entry: FileMapping) -> bool:
+        """Whether ``entry`` (a kept mapping) is page-locked."""
+        with self._lock:
+            key = next((k for k, v in self._maps.items() if v[0] is entry[0]), None)
+            return key is not None and key in self._pins and self._pins[key].pinned
 
     def done(self, entry: FileMapping) -> None:
         pass
@@ -99,6 +128,7 @@ class MappingCache:
         with self._lock:
             for key in [k for k, v in self._maps.items() if v[0] is entry[0]]:
                 del self._maps[key]
+                _unmap(self._pins.pop(key, None), (None, entry[1]))
         if entry[0] is not None:
             entry[0].close()
 
@@ -108,6 +138,9 @@ class MappingCache:
         with self._lock:
             for key in [k for k, v in self._maps.items() if id(v[0]) in gone]:
                 _abandoned.append(self._maps.pop(key))
+                pinned = self._pins.pop(key, None)
+                if pinned is not None:
+                    pinned.release()  # unpinning leaves the memory mapped and writable
 
     def retain(self, paths: Iterable[str | os.PathLike]) -> None:
         """Unmap every file that is not one of ``paths``."""
@@ -120,13 +153,29 @@ class MappingCache:
             keep.add((st.st_dev, st.st_ino))
         with self._lock:
             for key in [k for k in self._maps if k not in keep]:
-                self._maps.pop(key)[0].close()
+                _unmap(self._pins.pop(key, None), self._maps.pop(key))
 
     def close(self) -> None:
         self.retain(())
 
     def __len__(self) -> int:
         return len(self._maps)
+
+
+def _unmap(pinned: PinnedRange | None, entry: FileMapping) -> None:
+    """Release a mapping's registration (if any), then unmap it: in this order, always."""
+    if pinned is not None:
+        pinned.release()
+    if entry[0] is not None:
+        entry[0].close()
+
+
+def _unmap_all(
+    pins: dict[tuple[int, int], PinnedRange], maps: dict[tuple[int, int], FileMapping]
+) -> None:
+    """A dropped cache's finalizer: every registration released, then every mapping unmapped."""
+    for key in list(maps):
+        _unmap(pins.pop(key, None), maps.pop(key))
 
 
 Mapper = OneShotMappings | MappingCache
