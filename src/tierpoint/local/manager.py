@@ -240,11 +240,11 @@ class LocalCheckpointManager(NVRxFileNames):
 
     def warm_up(self, ta_state_dict: TensorAwareStateDict, *, wait: bool = False) -> None:
         """Prepare the first saves of ``ta_state_dict``'s layout ahead of time, in a background
-        thread: the staging memory (allocated, its pages faulted in, pinned for CUDA tensors) and,
-        on a RAM tier, the spare files the first saves fill. Without it the first saves pay for
-        all of that. Not collective; call it once the state has the layout it is saved with (after
-        the first optimizer step creates the optimizer's state), well before the first save, which
-        waits for it. ``wait``: return once it is done."""
+        thread: the staging memory (allocated, its pages faulted in, pinned for CUDA tensors),
+        which is the spare files the first saves fill on a RAM tier, else a staging buffer.
+        Without it the first saves pay for all of that. Not collective; call it once the state
+        has the layout it is saved with (after the first optimizer step creates the optimizer's
+        state), well before the first save, which waits for it. ``wait``: return once it is done."""
         if not isinstance(ta_state_dict, TensorAwareStateDict):
             raise CheckpointingError(
                 "warm_up expects a TensorAwareStateDict (e.g. BasicTensorAwareStateDict(state)), "

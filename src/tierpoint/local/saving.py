@@ -184,10 +184,11 @@ class PartSaver:
 
     def warm_up(self, state: TensorAwareStateDict) -> None:
         """Prepare, in a background thread, what the first saves of ``state``'s layout would
-        otherwise pay for: the staging buffer (allocated, faulted in, pinned for a state with CUDA
-        tensors) and, on a RAM tier with recycling, the spare files the first saves write into
-        (their pages allocated). Not collective; the next save waits for it. Does nothing while an
-        async save is unfinalized (its staging memory and spare files are in use)."""
+        otherwise pay for: on a disk tier the staging buffer (allocated, faulted in, pinned for a
+        state with CUDA tensors); on a RAM tier with recycling the spare files the first saves
+        write into (their pages allocated; mapped and pinned where the snapshot copies into them).
+        Not collective; the next save waits for it. Does nothing while an async save is
+        unfinalized (its staging memory and spare files are in use)."""
         self.join_warm_up()
         if self.requested:
             logger.info("warm_up skipped: an async save is in flight (its memory is in use)")
