@@ -35,8 +35,8 @@ def _load(root, iteration: int) -> dict:
 
 @pytest.mark.parametrize("mode", ["sync", "async", "overlapped"])
 def test_round_trip(tier_root, mode):
-    """On a disk and on a RAM tier (where the worker copies the staged snapshot into recycled
-    part files), three saves: the third rewrites a spare."""
+    """On a disk tier (staged in pinned memory) and on a RAM tier (the snapshot copied into the
+    recycled part files' pinned pages), three saves: the third rewrites a spare."""
     manager = LocalCheckpointManager(tier_root, session_id="job")
     with AsyncCallsQueue(overlap_snapshot=mode == "overlapped") as queue:
         for it in (1, 2, 3):
@@ -92,6 +92,29 @@ def test_warm_up_pins_ahead_and_the_first_saves_use_its_buffer(tmp_path, mode):
             _save(manager, queue, state, it, mode)
             assert manager._stager.buffer is warmed
             assert_same(_load(tmp_path, it), want)
+    cuda_still_works()
+
+
+@pytest.mark.parametrize("mode", ["async", "overlapped"])
+def test_a_ram_tier_pins_its_part_files_ahead_and_the_snapshots_land_in_them(shm_dir, mode):
+    """On /dev/shm the part files are the staging memory: warm_up makes, maps and pins the spares
+    (keep_last + 1 files), no staging buffer is made, and the saves cycle through those files."""
+    state = model_state(21)
+    manager = LocalCheckpointManager(shm_dir, session_id="job")
+    manager.warm_up(BasicTensorAwareStateDict(state), wait=True)
+    mappings = manager._store.mappings
+    pinned = mappings.pinned_bytes
+    assert len(mappings) == 2
+    assert (pinned > 0) == (DEVICE == "cuda")  # pinned ahead, not inside the first saves
+    with AsyncCallsQueue(overlap_snapshot=mode == "overlapped") as queue:
+        for it in (21, 22, 23, 24):
+            want = clone(state)
+            _save(manager, queue, state, it, mode)
+            # Copied out: tensors viewing a part file would keep it from becoming a spare.
+            reader = LocalCheckpointManager(shm_dir, session_id="job", mmap_load=False)
+            assert_same(reader.load()[0].state_dict, want)
+            assert manager._stager.buffer is None  # no second host copy of the state
+    assert len(mappings) == 2 and mappings.pinned_bytes == pinned  # the same files, pinned once
     cuda_still_works()
 
 

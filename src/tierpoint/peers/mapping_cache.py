@@ -114,11 +114,15 @@ class MappingCache:
             pinned = self._pins.setdefault(key, PinnedRange())
             return pinned.register(entry[1].data_ptr(), entry[1].numel(), device)
 
-    def pinned(self, entry: FileMapping) -> bool:
-        """Whether ``entry`` (a kept mapping) is page-locked."""
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the kept mappings that are page-locked now."""
         with self._lock:
-            key = next((k for k, v in self._maps.items() if v[0] is entry[0]), None)
-            return key is not None and key in self._pins and self._pins[key].pinned
+            return sum(
+                self._maps[k][1].numel()
+                for k, p in self._pins.items()
+                if p.pinned and k in self._maps
+            )
 
     def done(self, entry: FileMapping) -> None:
         pass
