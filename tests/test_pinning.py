@@ -220,6 +220,51 @@ def test_a_ram_tier_pins_each_part_file_once_and_unpins_it_before_unmapping(shm_
     assert fake.registered == fake.unregistered
 
 
+def test_a_sync_save_that_resizes_a_pinned_spare_drops_its_mapping_first(shm_dir):
+    """A sync save writes a spare without the kept mapping (and may shrink it): that mapping is
+    unpinned and unmapped first, so a later async save of the old size maps and pins the file
+    anew instead of copying through a registration over pages the file no longer has."""
+    with fake_runtime() as fake:
+        manager = LocalCheckpointManager(shm_dir, session_id="job")
+        manager.warm_up(BasicTensorAwareStateDict(_state(256, 0)), wait=True)
+        with AsyncCallsQueue() as queue:
+            _save_async(manager, queue, 1, rows=256)
+            before = fake.unregistered
+            manager.save(BasicTensorAwareStateDict(_state(128, 2)), 2)  # sync, smaller
+            assert fake.unregistered == before + 1  # the spare's mapping went first
+            _save_async(manager, queue, 3, rows=256)
+            _save_async(manager, queue, 4, rows=256)
+        _loads(shm_dir, 4, rows=256)
+        del manager, queue
+        gc.collect()
+    assert fake.violations == [] and fake.live == {} and fake.pending is None
+
+
+def test_an_abort_while_a_snapshot_copies_into_a_part_file_leaves_it_mapped(shm_dir):
+    """A save aborted while its snapshot still copies into the part file (a stuck device copy
+    the queue gave up on) removes the file's name but never unpins or unmaps its mapping."""
+    with fake_runtime() as fake:
+        manager = LocalCheckpointManager(shm_dir, session_id="job")
+        manager.warm_up(BasicTensorAwareStateDict(_state(256, 0)), wait=True)
+        saver, mappings = manager._saver, manager._store.mappings
+        with AsyncCallsQueue() as queue:
+            _save_async(manager, queue, 1, rows=256)
+            spare = next(p for p in (shm_dir / "job" / "0").iterdir() if p.suffix == ".free")
+            copying = mappings.map(str(spare), spare.stat().st_size, writable=True)
+            mappings.pin(copying, 0)
+            live = len(fake.live)
+            saver._copying = copying  # as while stage_into runs
+            saver.abort(2)
+            spare.unlink()
+            manager._store.forget_removed_files()
+            assert copying[0] is not None and not copying[0].closed
+            assert len(fake.live) == live  # still registered
+            saver._copying = None
+            _save_async(manager, queue, 2, rows=256)
+        _loads(shm_dir, 2, rows=256)
+    assert fake.violations == [] and fake.pending is None
+
+
 def test_dcp_warm_up_pins_ahead_and_the_pool_unpins_before_unmapping(tmp_path):
     from tierpoint.dcp import warm_up
 

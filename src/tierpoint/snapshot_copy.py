@@ -27,6 +27,7 @@ properties; ``torch`` provides the device copies.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -50,17 +51,25 @@ LANES_ENV = "TIERPOINT_COPY_LANES"
 
 def _lanes() -> int:
     """``TIERPOINT_COPY_LANES`` (a positive integer), or this rank's share of the node's CPUs (the
-    CPUs over torchrun's ``LOCAL_WORLD_SIZE``), at most 8."""
+    CPUs this process may use over torchrun's ``LOCAL_WORLD_SIZE``), at most 8."""
     given = os.environ.get(LANES_ENV, "").strip()
     if not given:
         local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        share = (os.cpu_count() or 1) // max(1, int(local) if local.isdigit() else 1)
+        share = _usable_cpus() // max(1, int(local) if local.isdigit() else 1)
         return max(1, min(8, share))
     if not given.isdigit() or int(given) < 1:
         raise ValueError(
             f"{LANES_ENV} must be a positive integer (threads a copy uses), not {given!r}"
         )
     return int(given)
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, e.g. a container's share), else all."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 LANES = _lanes()
@@ -135,18 +144,29 @@ def copy_from_devices(
                 by_device.setdefault(src.device, []).append((src, dst))
             else:
                 dst.copy_(src.detach())
-        copied = []
-        for device, pairs in by_device.items():
-            stream = _side_streams.get(device)
-            if stream is None:
-                stream = _side_streams[device] = torch.cuda.Stream(device)
-            waited = (after or {}).get(device)
-            stream.wait_stream(waited if waited is not None else torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                issue_copies([s.detach() for s, _ in pairs], [d for _, d in pairs], pinned)
-                done = torch.cuda.Event(blocking=True)
-                done.record(stream)
-            copied.append(done)
+        copied, used = [], []
+        try:
+            for device, pairs in by_device.items():
+                stream = _side_streams.get(device)
+                if stream is None:
+                    stream = _side_streams[device] = torch.cuda.Stream(device)
+                waited = (after or {}).get(device)
+                stream.wait_stream(
+                    waited if waited is not None else torch.cuda.current_stream(device)
+                )
+                used.append(stream)
+                with torch.cuda.stream(stream):
+                    issue_copies([s.detach() for s, _ in pairs], [d for _, d in pairs], pinned)
+                    done = torch.cuda.Event(blocking=True)
+                    done.record(stream)
+                copied.append(done)
+        except BaseException:
+            # Copies already queued still write into the targets: they end before the caller
+            # may free those (a part file unmapped by the save's abort).
+            for stream in used:
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
+            raise
         for done in copied:
             # Sleeps until the copies end: a stream's synchronize would spin a CPU core meanwhile
             # (CUDA's default with few contexts), one the training thread may need.

@@ -114,7 +114,7 @@ def test_a_ram_tier_pins_its_part_files_ahead_and_the_snapshots_land_in_them(shm
             reader = LocalCheckpointManager(shm_dir, session_id="job", mmap_load=False)
             assert_same(reader.load()[0].state_dict, want)
             assert manager._stager.buffer is None  # no second host copy of the state
-    assert len(mappings) == 2 and mappings.pinned_bytes == pinned  # the same files, pinned once
+    assert len(mappings) == 2 and mappings.pinned_bytes == pinned  # the same files, still pinned
     cuda_still_works()
 
 

@@ -1,5 +1,5 @@
 """The worker's jobs: a staged snapshot becomes a complete part file, its checksums computed from
-the bytes written; on a RAM tier it is copied into a recycled spare's own pages."""
+the bytes written, into a recycled spare's pages when there is one."""
 
 from __future__ import annotations
 

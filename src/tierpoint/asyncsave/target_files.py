@@ -1,5 +1,5 @@
-"""Files a job fills through a shared mapping, kept mapped in the worker for the next job that fills
-the same file.
+"""Files a job fills or hashes through a shared mapping, kept mapped in the worker for the next job
+on the same file.
 
 Checkpoint files circulate: an expired part becomes a spare that the next save fills again, so a
 handful of files (the same inodes) are filled in turn. Mapping a file and faulting its pages in, then
@@ -9,8 +9,8 @@ a mapping kept from one save to the next costs it once per file.
 remain; nobody tells the worker, so it holds each file's descriptor and asks the file itself
 whether it still has a name.)
 
-Call order: a job calls ``with mapped_file(path, nbytes) as data:`` and fills ``data`` (a writable
-byte tensor over the whole file). Only in the worker process (:func:`keep_mappings`, called once at
+Call order: a job calls ``with mapped_file(path, nbytes) as data:`` and fills or reads ``data`` (a
+writable byte tensor over the whole file). Only in the worker process (:func:`keep_mappings`, called once at
 its start) is the mapping kept afterwards; elsewhere it is unmapped when the block ends. The worker
 calls :func:`sweep` while idle (about once a second).
 

@@ -241,7 +241,8 @@ class LocalCheckpointManager(NVRxFileNames):
     def warm_up(self, ta_state_dict: TensorAwareStateDict, *, wait: bool = False) -> None:
         """Prepare the first saves of ``ta_state_dict``'s layout ahead of time, in a background
         thread: the staging memory (allocated, its pages faulted in, pinned for CUDA tensors),
-        which is the spare files the first saves fill on a RAM tier, else a staging buffer.
+        which is the spare files the first saves fill on a RAM tier with recycling, else a
+        staging buffer.
         Without it the first saves pay for all of that. Not collective; call it once the state
         has the layout it is saved with (after the first optimizer step creates the optimizer's
         state), well before the first save, which waits for it. ``wait``: return once it is done."""

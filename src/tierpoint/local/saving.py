@@ -33,7 +33,9 @@ Invariants:
   file for CUDA tensors (so the device-to-host copy lands in the file at the pinned rate, and no
   second host copy of the state exists); only the snapshot of the pending save writes through such
   a mapping, and the worker only hashes (what the snapshot did not) and seals the file. On a disk
-  tier the snapshot goes into a reused memfd staging buffer (:mod:`tierpoint.staging`).
+  tier, or without recycling, the snapshot goes into a reused memfd staging buffer
+  (:mod:`tierpoint.staging`). A part file a stuck snapshot still copies into when its save is
+  aborted is never unmapped (:meth:`tierpoint.peers.MappingCache.abandon`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from ..asyncsave.request import AsyncRequest
 from ..device_snapshot import OVERWRITTEN, DeviceSnapshot, Ticket
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
+from ..peers.mapping_cache import FileMapping
 from ..pinning import copy_device
 from ..snapshot_copy import Streams, training_streams
 from ..staging import Stager
@@ -100,6 +103,7 @@ class PartSaver:
         self._ticket_request: AsyncRequest | None = None  # the request holding the latest ticket
         self._tier_in_memory: bool | None = None
         self._warming: threading.Thread | None = None
+        self._copying: FileMapping | None = None  # a part file a snapshot copies into now
 
     def save(
         self, state: TensorAwareStateDict, iteration: int, is_async: bool = False
@@ -184,9 +188,9 @@ class PartSaver:
 
     def warm_up(self, state: TensorAwareStateDict) -> None:
         """Prepare, in a background thread, what the first saves of ``state``'s layout would
-        otherwise pay for: on a disk tier the staging buffer (allocated, faulted in, pinned for a
-        state with CUDA tensors); on a RAM tier with recycling the spare files the first saves
-        write into (their pages allocated; mapped and pinned where the snapshot copies into them).
+        otherwise pay for: the staging buffer (allocated, faulted in, pinned for a state with CUDA
+        tensors), or, on a RAM tier with recycling, the spare files the first saves write into
+        (their pages allocated; mapped, and pinned for CUDA tensors, as the snapshot uses them).
         Not collective; the next save waits for it. Does nothing while an async save is
         unfinalized (its staging memory and spare files are in use)."""
         self.join_warm_up()
@@ -194,7 +198,9 @@ class PartSaver:
             logger.info("warm_up skipped: an async save is in flight (its memory is in use)")
             return
         flat = state.to_flat()
-        plan = fileformat.plan_part(flat, self._extra(0))
+        # The header names the iteration: plan with one of about the next save's digits, so that
+        # the spares have that save's size (a spare resized later is mapped and pinned anew).
+        plan = fileformat.plan_part(flat, self._extra((self.store.latest or 0) + 1))
         self.store.ensure_dir()
         staged = not self._snapshots_in_place(flat)
         device = copy_device(flat.tensors)
@@ -271,6 +277,9 @@ class PartSaver:
     def abort(self, iteration: int) -> None:
         """``iteration`` failed on some rank (alike on every rank): remove its files here."""
         self.after_commit = None
+        copying = self._copying
+        if copying is not None:  # a snapshot still copies into it (a stuck device copy)
+            self.store.mappings.abandon([copying])  # never unmapped under the copy
         if self.pending == iteration:
             self.pending = None
         self.requested.discard(iteration)
@@ -286,14 +295,11 @@ class PartSaver:
     def _write_part(self, flat: FlatState, plan: fileformat.PartPlan, iteration: int) -> None:
         path = self.store.part_path(iteration)
         spare = self.store.take_spare() if self.recycle else None
+        if spare is not None:
+            self.store.mappings.drop(spare)  # resized below, not through the kept mapping
         result = fileformat.write_flat(path, flat, plan=plan, recycle=spare)
-        logger.debug(
-            "wrote %s (%d bytes, %.3f s, %s)",
-            path,
-            result.nbytes,
-            result.seconds,
-            "recycled" if spare else "new",
-        )
+        how = "recycled" if spare else "new"
+        logger.debug("wrote %s (%d bytes, %.3f s, %s)", path, result.nbytes, result.seconds, how)
 
     def _async_request(
         self,
@@ -398,7 +404,11 @@ class PartSaver:
         device = copy_device(flat.tensors)
         pinned = device is not None and self.store.mappings.pin(entry, device)
         data = entry[1][plan.data_start() : plan.data_start() + plan.data_size]
-        return self.stager.stage_into(flat, plan, data, hash=hash_now, pinned=pinned, after=after)
+        self._copying = entry
+        try:
+            return self.stager.stage_into(flat, plan, data, hash_now, pinned, after)
+        finally:
+            self._copying = None
 
     # ------------------------------------------------------------------------------ replicating
 

@@ -25,7 +25,7 @@ import torch
 
 from ..pinning import PinnedRange
 
-_abandoned: list[Any] = []  # mappings a timed-out receive may still write into
+_abandoned: list[Any] = []  # mappings a timed-out receive (or device copy) may still write into
 
 
 def map_file(path: str, nbytes: int, writable: bool) -> tuple[mmap.mmap | None, torch.Tensor]:
@@ -76,16 +76,16 @@ class MappingCache:
 
     :meth:`pin` page-locks a kept mapping for copies from a CUDA device (a snapshot copied straight
     into the file, :mod:`tierpoint.local.saving`), once per mapping: the registration is released
-    before the mapping is unmapped on every path (a size change, :meth:`forget`, :meth:`retain`,
-    :meth:`close`, and the cache's garbage collection or interpreter exit, through a finalizer that
-    holds the mappings), and when a mapping is abandoned (it stays mapped, unpinned).
+    before the mapping is unmapped on every path (a size change, :meth:`forget`, :meth:`drop`,
+    :meth:`retain`, :meth:`close`, and the cache's garbage collection or interpreter exit, through
+    a finalizer that holds the mappings); an abandoned mapping stays mapped and pinned.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: dict[tuple[int, int], FileMapping] = {}
         self._pins: dict[tuple[int, int], PinnedRange] = {}
-        self._finalizer = weakref.finalize(self, _unmap_all, self._pins, self._maps)
+        self._finalizer = weakref.finalize(self, _unmap_all, self._lock, self._pins, self._maps)
 
     def map(self, path: str, nbytes: int, writable: bool) -> FileMapping:
         if nbytes == 0:
@@ -137,14 +137,26 @@ class MappingCache:
             entry[0].close()
 
     def abandon(self, entries: Iterable[FileMapping]) -> None:
-        """A receive into these may still be in flight: never hand them out (or unmap them) again."""
+        """A receive or a device copy into these may still be in flight: never hand them out,
+        unpin or unmap them again (they stay as they are until the process ends)."""
         gone = {id(e[0]) for e in entries}
         with self._lock:
             for key in [k for k, v in self._maps.items() if id(v[0]) in gone]:
-                _abandoned.append(self._maps.pop(key))
-                pinned = self._pins.pop(key, None)
-                if pinned is not None:
-                    pinned.release()  # unpinning leaves the memory mapped and writable
+                _abandoned.append((self._maps.pop(key), self._pins.pop(key, None)))
+
+    def drop(self, path: str | os.PathLike) -> None:
+        """Unpin and unmap ``path``'s mapping, if kept: before the file is resized by a writer that
+        does not map it through this cache (a mapping kept over a shrunk and regrown file would
+        still be registered over its old pages)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            entry = self._maps.pop(key, None)
+            if entry is not None:
+                _unmap(self._pins.pop(key, None), entry)
 
     def retain(self, paths: Iterable[str | os.PathLike]) -> None:
         """Unmap every file that is not one of ``paths``."""
@@ -175,11 +187,19 @@ def _unmap(pinned: PinnedRange | None, entry: FileMapping) -> None:
 
 
 def _unmap_all(
-    pins: dict[tuple[int, int], PinnedRange], maps: dict[tuple[int, int], FileMapping]
+    lock: threading.Lock,
+    pins: dict[tuple[int, int], PinnedRange],
+    maps: dict[tuple[int, int], FileMapping],
 ) -> None:
-    """A dropped cache's finalizer: every registration released, then every mapping unmapped."""
-    for key in list(maps):
-        _unmap(pins.pop(key, None), maps.pop(key))
+    """A dropped cache's finalizer: every registration released, then every mapping unmapped (at
+    interpreter exit a daemon thread may still be pinning one: waited for, briefly)."""
+    locked = lock.acquire(timeout=10)
+    try:
+        for key in list(maps):
+            _unmap(pins.pop(key, None), maps.pop(key))
+    finally:
+        if locked:
+            lock.release()
 
 
 Mapper = OneShotMappings | MappingCache
