@@ -15,8 +15,7 @@ from tierpoint import CheckpointingError, fileformat
 from tierpoint.asyncsave import AsyncCallsQueue, target_files
 from tierpoint.asyncsave.worker import Worker
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
-from tierpoint.local.jobs import write_staged_part
-from tierpoint.staging import Stager
+from tierpoint.local.jobs import seal_staged_part
 from tierpoint.tree import flatten
 
 
@@ -99,11 +98,10 @@ def _one_result(worker: Worker, timeout: float = 60.0) -> tuple:
 
 
 def test_the_worker_keeps_a_spare_mapped_across_saves_and_unmaps_it_once_deleted(shm_dir):
-    state = {"w": torch.randn(100_000), "b": torch.arange(10)}
-    flat = flatten(state)
+    """The snapshot filled a recycled spare in place (as on a RAM tier); the worker hashes and
+    seals it through a mapping it keeps for the next save of the same file."""
+    flat = flatten({"w": torch.randn(100_000), "b": torch.arange(10)})
     plan = fileformat.plan_part(flat, None)
-    stager = Stager()
-    stager.stage(flat, plan)
     spare = shm_dir / "spare"
     spare.write_bytes(b"\0" * plan.file_size())
     worker = Worker()
@@ -111,11 +109,17 @@ def test_the_worker_keeps_a_spare_mapped_across_saves_and_unmaps_it_once_deleted
         worker.wait_ready(60)
         for k in (1, 2):
             part = shm_dir / f"part{k}"
-            args = (str(part), plan.to_json(), stager.buffer)
-            worker.submit(k, write_staged_part, args, {"recycle": str(spare)})
+            dirty = fileformat.dirty_name(part)
+            fileformat.prepare_planned(dirty, plan, recycle=spare)
+            with open(dirty, "r+b") as f:  # the snapshot's bytes, each in its planned place
+                for t, (begin, _) in zip(flat.tensors, plan.offsets):
+                    f.seek(plan.data_start() + begin)
+                    f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+            worker.submit(k, seal_staged_part, (str(part), plan.to_json()), {})
             call_id, ok, result, _ = _one_result(worker)
             assert (call_id, ok, result) == (k, True, plan.file_size())
             fileformat.verify(part)
+            assert torch.equal(fileformat.read(part)["w"], flat.tensors[0])
             mapped = _mapped_here(worker.process.pid, shm_dir)
             assert len(mapped) == 1 and mapped[0].endswith(str(part)), mapped
             os.replace(part, spare)  # retired: the next save recycles it
@@ -123,7 +127,6 @@ def test_the_worker_keeps_a_spare_mapped_across_saves_and_unmaps_it_once_deleted
         assert _seconds_until_unmapped([worker.process.pid], shm_dir) < 3  # about a sweep
     finally:
         worker.stop()
-        stager.close()
 
 
 def test_a_file_of_another_size_than_planned_is_refused_not_mapped(shm_dir):
