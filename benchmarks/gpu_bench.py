@@ -501,8 +501,8 @@ def print_training(
         f" state {state / 1e9:.2f} GB), seq {args.seq}, batch {BATCH}, bf16 autocast, fused AdamW;"
         f" {args.steps} steps a run, {args.train_reps} interleaved repetitions (medians)"
     )
-    head = f"{'variant':48s} {'ms/step':>8s} {'vs none':>8s} {'ms/save':>8s} {'sched':>8s}"
-    print(f"{head} {'drain s':>8s} {'ceiling':>8s}")
+    head = f"{'variant':48s} {'ms/step':>8s} {'vs none':>8s} {'range':>11s} {'ms/save':>8s}"
+    print(f"{head} {'sched':>8s} {'drain s':>8s} {'ceiling':>8s}")
     for key in ["none", *args.variants]:
         label, every = variant_label(key), cadence(key)
         if not times.get(f"train_{key}"):
@@ -510,6 +510,8 @@ def print_training(
             continue
         step_ms = median(times[f"train_{key}"]) / args.steps * 1e3
         ratio = paired(times, "train_none", f"train_{key}")
+        ratios = [a / b for a, b in zip(times["train_none"], times[f"train_{key}"])]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if key != "none" else ""
         saves = (args.steps - 1) // every if every else 0
         blocked = times.get(f"train_{key}_blocked")
         save_ms = f"{median(blocked) / saves * 1e3:8.1f}" if blocked and saves else ""
@@ -521,10 +523,12 @@ def print_training(
         if key.startswith("tp") and floor_bps and times.get("train_none"):
             none = median(times["train_none"])
             ceiling = f"{none / (none + saves * state / floor_bps):7.3f}x"
-        line = f"{label:48s} {step_ms:8.1f} {ratio:7.3f}x {save_ms:>8s} {sched_ms:>8s}"
-        print(f"{line} {drain_s:>8s} {ceiling:>8s}")
+        line = f"{label:48s} {step_ms:8.1f} {ratio:7.3f}x {spread:>11s} {save_ms:>8s}"
+        print(f"{line} {sched_ms:>8s} {drain_s:>8s} {ceiling:>8s}")
     print(
-        "(ms/step until the last step's work is done; 'ms/save': the training thread's wait per"
+        "(ms/step until the last step's work is done; 'range': the lowest and highest ratio of"
+        " one repetition to the run without checkpoints next to it; 'ms/save': the training"
+        " thread's wait per"
         " save (save, schedule, optimizer hook); 'sched': the part in schedule_async_request\n"
         " (the previous save finishing); 'drain': the last save's finishing after it, paid once"
         " a job; 'ceiling': the throughput a save blocking for the pinned\n device-to-host floor"
