@@ -9,6 +9,7 @@ interpreter exit."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import mmap
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierpoint import pinning
+from tierpoint import CheckpointingError, pinning
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import StagingPool, async_save, step_path
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
@@ -240,26 +241,60 @@ def test_a_sync_save_that_resizes_a_pinned_spare_drops_its_mapping_first(shm_dir
     assert fake.violations == [] and fake.live == {} and fake.pending is None
 
 
-def test_an_abort_while_a_snapshot_copies_into_a_part_file_leaves_it_mapped(shm_dir):
-    """A save aborted while its snapshot still copies into the part file (a stuck device copy
-    the queue gave up on) removes the file's name but never unpins or unmaps its mapping."""
+@pytest.mark.parametrize("aborted", ["its own save", "another save"])
+def test_an_abort_while_a_snapshot_copies_into_a_part_file_leaves_it_mapped(shm_dir, aborted):
+    """A save aborted while its snapshot still copies into the part file (a stuck device copy the
+    queue gave up on): the file's name goes, its mapping stays mapped and pinned. The abort of
+    another iteration leaves that snapshot's mapping to the cache as usual."""
     with fake_runtime() as fake:
         manager = LocalCheckpointManager(shm_dir, session_id="job")
         manager.warm_up(BasicTensorAwareStateDict(_state(256, 0)), wait=True)
-        saver, mappings = manager._saver, manager._store.mappings
+        in_place, mappings = manager._saver.in_place, manager._store.mappings
         with AsyncCallsQueue() as queue:
             _save_async(manager, queue, 1, rows=256)
             spare = next(p for p in (shm_dir / "job" / "0").iterdir() if p.suffix == ".free")
             copying = mappings.map(str(spare), spare.stat().st_size, writable=True)
             mappings.pin(copying, 0)
             live = len(fake.live)
-            saver._copying = copying  # as while stage_into runs
-            saver.abort(2)
+            in_place._copying = (2, copying)  # as while iteration 2's snapshot copies
+            manager._saver.abort(2 if aborted == "its own save" else 3)
             spare.unlink()
             manager._store.forget_removed_files()
-            assert copying[0] is not None and not copying[0].closed
-            assert len(fake.live) == live  # still registered
-            saver._copying = None
+            if aborted == "its own save":
+                assert copying[0] is not None and not copying[0].closed
+                assert len(fake.live) == live  # still registered
+                assert not in_place.busy
+            else:
+                assert copying[0] is not None and copying[0].closed
+                assert len(fake.live) == live - 1
+                in_place._copying = None
+            _save_async(manager, queue, 2, rows=256)
+        _loads(shm_dir, 2, rows=256)
+    assert fake.violations == [] and fake.pending is None
+
+
+def _pin_then_abort(entry, device, pin, in_place):
+    pinned = pin(entry, device)
+    in_place.abort(1)  # as the training thread would, the queue having given up on the snapshot
+    return pinned
+
+
+def test_a_snapshot_aborted_before_it_copies_copies_nothing(shm_dir):
+    """The abort lands while the snapshot maps and pins the part file: it copies nothing, and the
+    save fails on its own (the file is removed with the aborted iteration)."""
+    with fake_runtime() as fake:
+        manager = LocalCheckpointManager(shm_dir, session_id="job")
+        mappings = manager._store.mappings
+        mappings.pin = functools.partial(
+            _pin_then_abort, pin=mappings.pin, in_place=manager._saver.in_place
+        )
+        with AsyncCallsQueue() as queue:
+            request = manager.save(BasicTensorAwareStateDict(_state(256, 1)), 1, is_async=True)
+            queue.schedule_async_request(request)
+            with pytest.raises(CheckpointingError, match="iteration 1 was aborted: nothing copied"):
+                queue.maybe_finalize_async_calls(blocking=True)
+            assert fake.registered == 1 and fake.live == {}  # removed with iteration 1, unpinned
+            del mappings.pin
             _save_async(manager, queue, 2, rows=256)
         _loads(shm_dir, 2, rows=256)
     assert fake.violations == [] and fake.pending is None

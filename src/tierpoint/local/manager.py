@@ -251,7 +251,7 @@ class LocalCheckpointManager(NVRxFileNames):
                 "warm_up expects a TensorAwareStateDict (e.g. BasicTensorAwareStateDict(state)), "
                 f"got {type(ta_state_dict).__name__}"
             )
-        self.wait_for_restore()  # the restore takes spares too
+        self.wait_for_restore()  # the restore writes into the tier too
         self._saver.warm_up(ta_state_dict)
         if wait:
             self.wait_for_warm_up()

@@ -34,8 +34,8 @@ Invariants:
   second host copy of the state exists); only the snapshot of the pending save writes through such
   a mapping, and the worker only hashes (what the snapshot did not) and seals the file. On a disk
   tier, or without recycling, the snapshot goes into a reused memfd staging buffer
-  (:mod:`tierpoint.staging`). A part file a stuck snapshot still copies into when its save is
-  aborted is never unmapped (:meth:`tierpoint.peers.MappingCache.abandon`).
+  (:mod:`tierpoint.staging`). The copy into a part file and what an abort does to it:
+  :mod:`tierpoint.local.in_place`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import dataclasses
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from .. import dist as tpdist
@@ -54,14 +53,14 @@ from ..asyncsave.request import AsyncRequest
 from ..device_snapshot import OVERWRITTEN, DeviceSnapshot, Ticket
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
-from ..peers.mapping_cache import FileMapping
 from ..pinning import copy_device
-from ..snapshot_copy import Streams, training_streams
+from ..snapshot_copy import training_streams
 from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from ..tree import FlatState
 from . import naming
 from .agreement import AfterCommit, agree_on_iteration
+from .in_place import InPlaceCopies
 from .jobs import seal_staged_part, write_staged_part
 from .replicas import replicate_part, write_user_replicas
 from .replication import UserReplication
@@ -103,7 +102,7 @@ class PartSaver:
         self._ticket_request: AsyncRequest | None = None  # the request holding the latest ticket
         self._tier_in_memory: bool | None = None
         self._warming: threading.Thread | None = None
-        self._copying: FileMapping | None = None  # a part file a snapshot copies into now
+        self.in_place = InPlaceCopies(store)
 
     def save(
         self, state: TensorAwareStateDict, iteration: int, is_async: bool = False
@@ -114,7 +113,7 @@ class PartSaver:
             raise CheckpointingError(
                 f"save expects a TensorAwareStateDict (e.g. BasicTensorAwareStateDict(state)), got {type(state).__name__}"
             )
-        if self.pending is not None and not is_async:
+        if (self.pending is not None or self.in_place.busy) and not is_async:
             raise CheckpointingError(
                 f"the async save of iteration {self.pending} is not finalized yet: call "
                 "AsyncCallsQueue.maybe_finalize_async_calls(blocking=True) before a sync save"
@@ -277,9 +276,7 @@ class PartSaver:
     def abort(self, iteration: int) -> None:
         """``iteration`` failed on some rank (alike on every rank): remove its files here."""
         self.after_commit = None
-        copying = self._copying
-        if copying is not None:  # a snapshot still copies into it (a stuck device copy)
-            self.store.mappings.abandon([copying])  # never unmapped under the copy
+        self.in_place.abort(iteration)  # its snapshot may still run (stuck)
         if self.pending == iteration:
             self.pending = None
         self.requested.discard(iteration)
@@ -294,7 +291,8 @@ class PartSaver:
 
     def _write_part(self, flat: FlatState, plan: fileformat.PartPlan, iteration: int) -> None:
         path = self.store.part_path(iteration)
-        spare = self.store.take_spare() if self.recycle else None
+        # No dirty leftover while async saves are out: one may be a snapshot's file.
+        spare = self.store.take_spare(not self.requested) if self.recycle else None
         if spare is not None:
             self.store.mappings.drop(spare)  # resized below, not through the kept mapping
         result = fileformat.write_flat(path, flat, plan=plan, recycle=spare)
@@ -353,7 +351,7 @@ class PartSaver:
             # copy alone is what training waits for.
             hash_now = threading.current_thread() is not threading.main_thread()
             if in_place:
-                checksums = self._stage_in_place(flat, plan, path, spare, hash_now, after)
+                checksums = self.in_place.copy(flat, plan, iteration, spare, hash_now, after)
                 kwargs = {"checksums": checksums}
             else:
                 buffer, checksums = (
@@ -385,30 +383,6 @@ class PartSaver:
         if self._tier_in_memory is None:  # decided once: the tier does not change file system
             self._tier_in_memory = in_memory_filesystem(self.store.directory)
         return self.recycle and self._tier_in_memory
-
-    def _stage_in_place(
-        self,
-        flat: FlatState,
-        plan: fileformat.PartPlan,
-        path: Path,
-        spare: Path | None,
-        hash_now: bool,
-        after: Streams,
-    ) -> list[str] | None:
-        """Copy ``flat`` into the data section of ``path``'s dirty file (the spare's pages when
-        there is one) through a mapping kept from save to save, page-locked once for a state with
-        CUDA tensors (:meth:`tierpoint.peers.MappingCache.pin`); the worker then seals it."""
-        dirty = fileformat.dirty_name(path)
-        size = fileformat.prepare_planned(dirty, plan, recycle=spare)
-        entry = self.store.mappings.map(str(dirty), size, writable=True)
-        device = copy_device(flat.tensors)
-        pinned = device is not None and self.store.mappings.pin(entry, device)
-        data = entry[1][plan.data_start() : plan.data_start() + plan.data_size]
-        self._copying = entry
-        try:
-            return self.stager.stage_into(flat, plan, data, hash_now, pinned, after)
-        finally:
-            self._copying = None
 
     # ------------------------------------------------------------------------------ replicating
 

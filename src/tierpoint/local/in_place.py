@@ -1,0 +1,85 @@
+"""Async snapshots copied straight into the pages of a RAM tier's part files.
+
+Call order: :class:`~tierpoint.local.saving.PartSaver` makes one :class:`InPlaceCopies` over its
+store; an async save's snapshot calls :meth:`InPlaceCopies.copy` (the save is pending, its spare
+taken), the save's abort calls :meth:`InPlaceCopies.abort`; :attr:`InPlaceCopies.busy` tells a sync
+save that a snapshot is under way.
+
+Invariants:
+- The part's dirty file (a recycled spare, resized to plan) is mapped through the store's
+  :class:`~tierpoint.peers.MappingCache`, which keeps the mapping from save to save and page-locks
+  it once for a state with CUDA tensors, so that device copies land in the file at the pinned rate.
+- A save aborted while its snapshot runs (the queue gave up on a stuck snapshot) loses nothing it
+  should not: before the copy starts the snapshot sees the abort and copies nothing; once copying,
+  its mapping is abandoned (never unpinned or unmapped under the copy, see
+  :meth:`~tierpoint.peers.MappingCache.abandon`). Only the abort of that very iteration does this.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from .. import fileformat
+from ..errors import CheckpointingError
+from ..peers.mapping_cache import FileMapping
+from ..pinning import copy_device
+from ..snapshot_copy import Streams
+from ..staging import Stager
+from ..tree import FlatState
+from .store import PartStore
+
+
+class InPlaceCopies:
+    """The in-place snapshots of one rank's store (see the module docstring)."""
+
+    def __init__(self, store: PartStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        # (iteration, the part file's mapping once mapped) while that snapshot runs
+        self._copying: tuple[int, FileMapping | None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A snapshot is copying into a part file now."""
+        return self._copying is not None
+
+    def copy(
+        self,
+        flat: FlatState,
+        plan: fileformat.PartPlan,
+        iteration: int,
+        spare: Path | None,
+        hash_now: bool,
+        after: Streams,
+    ) -> list[str] | None:
+        """Copy ``flat`` into the data section of ``iteration``'s dirty file (the spare's pages
+        when there is one); ``hash_now``: also return the checksums (see
+        :meth:`tierpoint.staging.Stager.stage_into`). The worker then seals the file."""
+        with self._lock:
+            self._copying = (iteration, None)  # an abort from here on stops the copy
+        try:
+            dirty = fileformat.dirty_name(self.store.part_path(iteration))
+            size = fileformat.prepare_planned(dirty, plan, recycle=spare)
+            entry = self.store.mappings.map(str(dirty), size, writable=True)
+            device = copy_device(flat.tensors)
+            pinned = device is not None and self.store.mappings.pin(entry, device)
+            with self._lock:
+                if self._copying != (iteration, None):
+                    raise CheckpointingError(f"iteration {iteration} was aborted: nothing copied")
+                self._copying = (iteration, entry)
+            data = entry[1][plan.data_start() : plan.data_start() + plan.data_size]
+            return Stager.stage_into(flat, plan, data, hash_now, pinned, after)
+        finally:
+            with self._lock:
+                if self._copying is not None and self._copying[0] == iteration:
+                    self._copying = None
+
+    def abort(self, iteration: int) -> None:
+        """``iteration``'s save is aborted, its files about to be removed: a snapshot of it not
+        copying yet stops; one copying keeps its mapping for good."""
+        with self._lock:
+            if self._copying is not None and self._copying[0] == iteration:
+                if self._copying[1] is not None:
+                    self.store.mappings.abandon([self._copying[1]])
+                self._copying = None
