@@ -1,6 +1,6 @@
 """A process stays healthy with CUDA across many checkpointing objects: several local managers and
-queues used one after another (closed, dropped, collected; some warmed up, pinning on a background
-thread), DCP async saves in between (some pools warmed up), then CUDA still works; a registration
+queues used one after another, on disk and RAM tiers (closed, dropped, collected; some warmed up,
+pinning on a background thread), DCP async saves in between (some pools warmed up), then CUDA still works; a registration
 CUDA refuses leaves no error pending."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ pytestmark = needs_gpu
 
 def test_many_managers_and_persistent_saves_in_one_process(tmp_path, shm_dir):
     for k in range(4):
-        root = tmp_path / f"local{k}"
+        # disk tiers stage in a pinned buffer; RAM tiers pin their part files
+        root = (tmp_path if k % 2 == 0 else shm_dir) / f"local{k}"
         manager = LocalCheckpointManager(root, session_id="job")
         queue = AsyncCallsQueue(overlap_snapshot=k % 2 == 1)
         if k >= 2:  # pinned ahead, on a background thread
