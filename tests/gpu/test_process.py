@@ -1,7 +1,7 @@
 """A process stays healthy with CUDA across many checkpointing objects: several local managers and
 queues used one after another, on disk and RAM tiers (closed, dropped, collected; some warmed up,
-pinning on a background thread), DCP async saves in between (some pools warmed up), then CUDA still works; a registration
-CUDA refuses leaves no error pending."""
+pinning on a background thread), DCP async saves in between (some pools warmed up), then CUDA
+still works; a registration CUDA refuses leaves no error pending."""
 
 from __future__ import annotations
 
