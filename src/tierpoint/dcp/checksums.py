@@ -82,35 +82,18 @@ def range_checksums(
 ) -> list[str]:
     """The xxh3-64 of bytes ``[offset, offset + length)`` of the concatenation of ``views`` (a
     file's content in pieces, as it is written), for each range, on ``lanes`` threads (xxhash
-    releases the GIL; each lane hashes a share of the ranges, about as many bytes as the others,
-    in file order)."""
+    releases the GIL)."""
     pieces = [memoryview(v).cast("B") for v in views]
     try:
-        groups = _shares(ranges, lanes)
-        if len(groups) < 2:
+        if lanes < 2 or len(ranges) < 2:
             return _hash_ranges(pieces, ranges)
-        out = [""] * len(ranges)
-        with ThreadPoolExecutor(len(groups), thread_name_prefix="tierpoint-hash") as pool:
-            hashed = [pool.submit(_hash_ranges, pieces, [ranges[i] for i in g]) for g in groups]
-            for group, done in zip(groups, hashed):  # every lane ends before the views go
-                for i, digest in zip(group, done.result()):
-                    out[i] = digest
-        return out
-    finally:  # a mapping can be closed only once no view of it is left
+        with ThreadPoolExecutor(
+            min(lanes, len(ranges)), thread_name_prefix="tierpoint-hash"
+        ) as pool:
+            return list(pool.map(lambda r: _hash_ranges(pieces, [r])[0], ranges))
+    finally:  # a mapping can be closed only once no view of it is left (every lane ended)
         for piece in pieces:
             piece.release()
-
-
-def _shares(ranges: Sequence[tuple[int, int]], lanes: int) -> list[list[int]]:
-    """The ranges' indices in at most ``lanes`` groups of about equal bytes (largest range to the
-    lightest group), each group in file order; none empty."""
-    groups: list[list[int]] = [[] for _ in range(max(1, min(lanes, len(ranges))))]
-    loads = [0] * len(groups)
-    for i in sorted(range(len(ranges)), key=lambda i: -ranges[i][1]):
-        lightest = loads.index(min(loads))
-        groups[lightest].append(i)
-        loads[lightest] += ranges[i][1]
-    return [sorted(g, key=lambda i: ranges[i][0]) for g in groups if g]
 
 
 def _hash_ranges(pieces: list[memoryview], ranges: Sequence[tuple[int, int]]) -> list[str]:

@@ -16,11 +16,7 @@ worker keeps, :mod:`tierpoint.asyncsave.target_files`) and seals the file.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
-
-import torch
 
 from ..asyncsave.target_files import mapped_file
 from ..asyncsave.worker import BufferRef, resolve_buffer
@@ -46,26 +42,19 @@ def write_staged_part(
     return write_planned(path, part_plan, views, recycle=recycle, checksums=checksums).nbytes
 
 
-@contextlib.contextmanager
-def _dirty_mapped(dirty: str, nbytes: int) -> Iterator[torch.Tensor]:
-    """A part's dirty file mapped (:func:`~tierpoint.asyncsave.target_files.mapped_file`), removed
-    when the block fails."""
-    try:
-        with mapped_file(dirty, nbytes) as whole:
-            yield whole
-    except BaseException:
-        unlink_quietly(dirty)
-        raise
-
-
 def seal_staged_part(path: str, plan: dict[str, Any], checksums: list[str] | None = None) -> int:
     """Finish a part file the snapshot filled in place (its dirty file; runs in the worker): hash it
     unless ``checksums`` came with it (on the lanes, from the file's kept mapping), write the
     header, fsync, rename."""
     part_plan = PartPlan.from_json(plan)
     if checksums is None:
-        with _dirty_mapped(str(dirty_name(path)), part_plan.file_size()) as whole:
-            data = memoryview(whole.numpy())
-            checksums = range_checksums(data, part_plan.data_start(), part_plan.offsets, LANES)
-            data.release()
+        dirty = str(dirty_name(path))
+        try:
+            with mapped_file(dirty, part_plan.file_size()) as whole:
+                with memoryview(whole.numpy()) as data:
+                    start, offsets = part_plan.data_start(), part_plan.offsets
+                    checksums = range_checksums(data, start, offsets, LANES)
+        except BaseException:
+            unlink_quietly(dirty)
+            raise
     return seal_planned(path, part_plan, checksums=checksums).nbytes

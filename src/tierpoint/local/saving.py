@@ -201,23 +201,19 @@ class PartSaver:
         # the spares have that save's size (a spare resized later is mapped and pinned anew).
         plan = fileformat.plan_part(flat, self._extra((self.store.latest or 0) + 1))
         self.store.ensure_dir()
-        staged = not self._snapshots_in_place(flat)
+        in_place = self._snapshots_in_place()
         device = copy_device(flat.tensors)
-        spares = 0
-        if self.recycle and self._tier_in_memory:
-            # Own parts in flight and kept, and the replicas of as many saves of other ranks.
-            copies = self.replication.replication_factor if self.replication is not None else 1
-            spares = (self.keep_last + 1) * copies
+        # Own parts in flight and kept, and the replicas of as many saves of other ranks.
+        copies = self.replication.replication_factor if self.replication is not None else 1
 
         def warm() -> None:
             try:
                 if self.device_snapshot is not None:
                     self.device_snapshot.prepare(flat.tensors)
-                if staged:
+                if in_place:  # the spare files are the staging memory
+                    self.store.make_spares(plan.file_size(), (self.keep_last + 1) * copies, device)
+                else:
                     self.stager.warm(plan, device)
-                if spares:
-                    pin_for = None if staged else device  # the files are the staging memory
-                    self.store.make_spares(plan.file_size(), spares, not staged, pin_for)
             except BaseException as e:  # noqa: BLE001 - the save goes on cold; said once
                 logger.warning("warming up for the first local save failed: %s", str(e))
 
@@ -309,7 +305,7 @@ class PartSaver:
     ) -> AsyncRequest:
         path = self.store.part_path(iteration)
         start = time.perf_counter()
-        in_place = self._snapshots_in_place(flat)
+        in_place = self._snapshots_in_place()
         after = training_streams(flat.tensors)  # this thread's: the snapshot may run on another
         if in_place:
             self.stager.close()  # the part files are the staging memory now
@@ -376,7 +372,7 @@ class PartSaver:
             background_fn=(lambda written: self.replicate(iteration, written)) if clique else None,
         )
 
-    def _snapshots_in_place(self, flat: FlatState) -> bool:
+    def _snapshots_in_place(self) -> bool:
         """Whether an async snapshot goes straight into the part file's pages: the tier is in RAM
         (so those pages are shared memory, as a staging buffer is) and spares are recycled (so the
         pages exist already and are reused, and so do their mappings, pinned for CUDA)."""

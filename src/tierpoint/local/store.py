@@ -33,7 +33,6 @@ from .. import fileformat, peers
 from ..errors import CheckpointingError, CorruptCheckpointError
 from ..files import reserve, unlink_quietly
 from ..peers import transfer
-from ..peers.mapping_cache import map_file
 from . import naming
 
 logger = logging.getLogger("tierpoint")
@@ -243,16 +242,14 @@ class PartStore:
         fileformat.fsync_dir(directory)
         self.forget_removed_files()
 
-    def make_spares(
-        self, nbytes: int, count: int, mapped: bool = False, pin_for: int | None = None
-    ) -> int:
-        """Add spares of ``nbytes`` (their space allocated, their pages written once) until this
-        rank has ``count``: ahead of the first saves, which then reuse pages instead of allocating
-        and clearing them; ``mapped``: also map every spare of that size, its pages faulted in,
-        into :attr:`mappings` (where a snapshot in place finds it: faulting a fresh mapping of
-        2 GiB in costs seconds here), page-locked for copies from CUDA device ``pin_for`` if given.
-        Stops, keeping what it made, at the first one the tier has no room for; returns how many
-        it made. Nothing may take spares meanwhile (the saver waits for this before saving)."""
+    def make_spares(self, nbytes: int, count: int, pin_for: int | None = None) -> int:
+        """Add spares of ``nbytes`` (their space allocated) until this rank has ``count``, and map
+        every spare of that size, its pages faulted in, into :attr:`mappings` (where a snapshot in
+        place finds it: faulting a fresh mapping of 2 GiB in costs seconds here), page-locked for
+        copies from CUDA device ``pin_for`` if given: ahead of the first saves, which then reuse
+        pages and mappings. Stops, keeping what it made, at the first spare the tier has no room
+        for; returns how many it made. Nothing may take spares meanwhile (the saver waits for
+        this before saving)."""
         self.ensure_dir()
         directory = self.directory
         spares = [e.name for e in os.scandir(directory) if naming.is_spare_name(e.name)]
@@ -272,16 +269,11 @@ class PartStore:
                 break
             spares.append(name)
             made += 1
-            if not mapped:  # a mapping's first touch of a page only allocated clears it
-                entry = map_file(str(directory / name), nbytes, writable=True)
-                if entry[0] is not None:
-                    entry[0].close()
-        if mapped:
-            for name in spares:
-                if os.stat(directory / name).st_size == nbytes:
-                    entry = self.mappings.map(str(directory / name), nbytes, writable=True)
-                    if pin_for is not None:
-                        self.mappings.pin(entry, pin_for)
+        for name in spares:
+            if os.stat(directory / name).st_size == nbytes:
+                entry = self.mappings.map(str(directory / name), nbytes, writable=True)
+                if pin_for is not None:
+                    self.mappings.pin(entry, pin_for)
         return made
 
     def remove_from(self, iteration: int) -> None:

@@ -108,10 +108,10 @@ class MappingCache:
         mapping; a failure leaves it unpinned with one WARNING, see
         :class:`~tierpoint.pinning.PinnedRange`); True if it is pinned."""
         with self._lock:  # not unmapped meanwhile (a registration may take a second)
-            key = next((k for k, v in self._maps.items() if v[0] is entry[0]), None)
-            if key is None or entry[0] is None:
+            keys = self._keys_of(entry)
+            if not keys or entry[0] is None:
                 return False
-            pinned = self._pins.setdefault(key, PinnedRange())
+            pinned = self._pins.setdefault(keys[0], PinnedRange())
             return pinned.register(entry[1].data_ptr(), entry[1].numel(), device)
 
     @property
@@ -130,7 +130,7 @@ class MappingCache:
     def forget(self, entry: FileMapping) -> None:
         """Unmap a file that is being deleted."""
         with self._lock:
-            for key in [k for k, v in self._maps.items() if v[0] is entry[0]]:
+            for key in self._keys_of(entry):
                 del self._maps[key]
                 _unmap(self._pins.pop(key, None), (None, entry[1]))
         if entry[0] is not None:
@@ -139,9 +139,8 @@ class MappingCache:
     def abandon(self, entries: Iterable[FileMapping]) -> None:
         """A receive or a device copy into these may still be in flight: never hand them out,
         unpin or unmap them again (they stay as they are until the process ends)."""
-        gone = {id(e[0]) for e in entries}
         with self._lock:
-            for key in [k for k, v in self._maps.items() if id(v[0]) in gone]:
+            for key in dict.fromkeys(k for e in entries for k in self._keys_of(e)):
                 _abandoned.append((self._maps.pop(key), self._pins.pop(key, None)))
 
     def drop(self, path: str | os.PathLike) -> None:
@@ -173,6 +172,10 @@ class MappingCache:
 
     def close(self) -> None:
         self.retain(())
+
+    def _keys_of(self, entry: FileMapping) -> list[tuple[int, int]]:
+        """The keys under which ``entry``'s mapping is kept (call under the lock)."""
+        return [k for k, v in self._maps.items() if v[0] is entry[0]]
 
     def __len__(self) -> int:
         return len(self._maps)
