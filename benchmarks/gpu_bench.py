@@ -442,8 +442,28 @@ def bench_training(
     times = run_interleaved([variant(k) for k in keys], args.train_reps)
     memory = f"host memory before the loop: {memory_before}; after: {host_memory(root)}"
     print_training(times, trainer, args, failures, floor_bps)
+    for key in args.profile:
+        profile_training(key, variant(key))
     times["train_failures"] = [f"{k}: {v}" for k, v in failures.items()]  # type: ignore[list-item]
     return times, memory
+
+
+def profile_training(key: str, run: Callable[[], Metrics]) -> None:
+    """One more run of variant ``key`` under cProfile (the training thread only): where its time
+    goes, the save calls' part in it first."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        run()
+    finally:
+        profiler.disable()
+    print(f"\nprofile of the training thread, one run of {variant_label(key)} (cumulative):")
+    stats = pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative")
+    stats.print_stats(15)
+    stats.print_stats("tierpoint|async_bench|acquire|synchronize|wait", 45)
 
 
 # ------------------------------------------------------------------------------------ reporting
@@ -660,9 +680,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(TRAIN_VARIANTS),
         help="training variants besides no checkpoints, e.g. tp25,ov10,dv10w2 (w: worker lanes)",
     )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="training variants to run once more under cProfile (the training thread), e.g. dv10",
+    )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args(argv)
     args.parts, args.variants = args.parts.split(","), args.variants.split(",")
+    args.profile = [k for k in args.profile.split(",") if k]
+    if unknown := set(args.profile) - set(args.variants):
+        p.error(f"--profile names variants not measured: {', '.join(sorted(unknown))}")
     if unknown := set(args.parts) - set(PARTS):
         p.error(f"unknown parts: {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
     if unknown := {v for v in args.variants if not VARIANT.fullmatch(v)}:
