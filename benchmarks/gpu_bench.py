@@ -29,7 +29,8 @@ of ``--memory-saves`` (50) saves taking turns between the tiers, a state of at m
 written goes under one fresh directory (/dev/shm when it has room), removed at the end.
 
 Run: ``./run bench gpu [--reps 5] [--json results.json]``; without CUDA it exits with a message.
-``--parts saves,training`` and ``--variants tp10,ov10`` measure a part of it (a short device run).
+``--parts saves,training`` and ``--variants tp10,ov10`` measure a part of it (a short device run);
+``--profile dv10`` runs a variant once more under cProfile and prints where its time went.
 ``--device cpu`` runs the same code on the CPU with a tiny state (a check of the script itself; its
 figures mean nothing).
 """
@@ -449,8 +450,9 @@ def bench_training(
 
 
 def profile_training(key: str, run: Callable[[], Metrics]) -> None:
-    """One more run of variant ``key`` under cProfile (the training thread only): where its time
-    goes, the save calls' part in it first."""
+    """One more run of variant ``key`` under cProfile: where its time goes. Python 3.12's profiler
+    sees every thread of the process (the snapshot's too; times are wall times, GIL waits
+    included); earlier ones the training thread only."""
     import cProfile
     import pstats
 
@@ -460,7 +462,7 @@ def profile_training(key: str, run: Callable[[], Metrics]) -> None:
         run()
     finally:
         profiler.disable()
-    print(f"\nprofile of the training thread, one run of {variant_label(key)} (cumulative):")
+    print(f"\nprofile of one run of {variant_label(key)} (cumulative):")
     stats = pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative")
     stats.print_stats(15)
     stats.print_stats("tierpoint|async_bench|acquire|synchronize|wait", 45)
@@ -683,7 +685,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         default="",
-        help="training variants to run once more under cProfile (the training thread), e.g. dv10",
+        help="training variants to run once more under cProfile, e.g. dv10",
     )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args(argv)

@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from tierpoint import CheckpointingError
+from tierpoint import CheckpointingError, fileformat
 from tierpoint.device_snapshot import DeviceSnapshot
+from tierpoint.tree import flatten
 
 
 def _tensors(rows: int = 64) -> list[torch.Tensor]:
@@ -89,3 +90,17 @@ def test_prepare_makes_the_buffers_the_first_take_uses():
     assert [c.data_ptr() for c in first if c.numel()] == [c.data_ptr() for c in second if c.numel()]
     snap.close()
     assert snap.nbytes == 0
+
+
+def test_a_steady_take_reuses_the_copies_and_a_plan_lays_out_no_image_for_cpu_tensors():
+    snap = DeviceSnapshot()
+    tensors = _tensors()
+    flat = flatten({"t": tensors})
+    plan = fileformat.plan_part(flat, {"iteration": 1})
+    first, ticket = snap.take(flat.tensors, wait=5, plan=plan)
+    assert ticket.image is None  # CPU tensors: no device to copy from in one piece
+    ticket.release()
+    second, ticket = snap.take(flat.tensors, wait=5, plan=plan)
+    assert all(a is b for a, b in zip(first, second))  # the same views: nothing allocated
+    assert all(torch.equal(c, t) for c, t in zip(second, flat.tensors))
+    ticket.release()

@@ -11,17 +11,21 @@ background.
 
 Call order: :meth:`DeviceSnapshot.take` on the training thread when a save is requested. It waits
 until the previous snapshot stopped reading the buffers (long done, normally), copies every tensor
-into the buffer of its device (CUDA tensors: one batched copy per device queued on the thread's
+into the buffer of its device (CUDA tensors: batched copies, one per dtype, queued on the thread's
 current stream, no host wait; CPU tensors: copied at once) and returns the copies with a
-:class:`Ticket`. The save's snapshot copies from them (its device copies wait for the training
-stream, so for these copies), then calls :meth:`Ticket.release`, also when it failed.
-:meth:`DeviceSnapshot.prepare` (a warm-up, optional) allocates the buffers ahead of the first
-``take``; :meth:`DeviceSnapshot.close` frees them.
+:class:`Ticket`. Given the save's part plan, the CUDA tensors of a state on one device are laid out
+as the plan's data section (:attr:`Ticket.image`): the snapshot then moves them to host memory in
+one copy, not one per tensor (hundreds of calls on a thread that competes with training for the
+GIL). The save's snapshot copies from them (its device copies wait for the training stream, so for
+these copies), then calls :meth:`Ticket.release`, also when it failed. :meth:`DeviceSnapshot.prepare`
+(a warm-up, optional) allocates the buffers ahead of the first ``take``; :meth:`DeviceSnapshot.close`
+frees them.
 
 Invariants: one snapshot at a time reads the buffers; a ticket whose buffers a later ``take`` took
 over is void (:meth:`Ticket.check` raises), so a stale snapshot never copies another save's bytes;
-the buffers are reallocated only on a layout change, after the previous reader released them. The
-cost is memory: as much as the state on each of its devices (GPU memory for CUDA tensors).
+the buffers and the copies viewing them are made again only on a layout change, after the previous
+reader released them (a steady save allocates nothing). The cost is memory: as much as the state on
+each of its devices (GPU memory for CUDA tensors; the data section's size for an image).
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ from collections.abc import Sequence
 import torch
 
 from .errors import CheckpointingError
+from .fileformat import PartPlan
 from .snapshot_copy import copy_tensors, issue_copies
 
 _ALIGN = 256
 """Byte alignment of each copy in a buffer (any dtype's, and CUDA's preferred)."""
 
 Layout = tuple[tuple[torch.device, torch.dtype, tuple[int, ...]], ...]
+Key = tuple[Layout, tuple[tuple[int, int], ...] | None]
+"""What the buffers are laid out for: the tensors' layout, and the plan's offsets for an image."""
 
 OVERWRITTEN = (
     "the device snapshot of this save was overwritten by a later save (a request that was not "
@@ -55,6 +62,10 @@ class Ticket:
     def __init__(self, owner: DeviceSnapshot, generation: int) -> None:
         self._owner = owner
         self._generation = generation
+        self.image: torch.Tensor | None = None
+        """The CUDA copies as one uint8 buffer laid out as the plan's data section (bytes of other
+        tensors' places unspecified), when ``take`` was given a plan and the state's CUDA tensors
+        are on one device; else None."""
 
     @property
     def current(self) -> bool:
@@ -79,15 +90,22 @@ class DeviceSnapshot:
         self._free = threading.Event()
         self._free.set()
         self._generation = 0
-        self._layout: Layout | None = None
+        self._key: Key | None = None
         self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._views: list[torch.Tensor] = []
+        self._image: torch.Tensor | None = None
 
     def take(
-        self, tensors: Sequence[torch.Tensor], wait: float, void_unscheduled: bool = False
+        self,
+        tensors: Sequence[torch.Tensor],
+        wait: float,
+        void_unscheduled: bool = False,
+        plan: PartPlan | None = None,
     ) -> tuple[list[torch.Tensor], Ticket]:
         """Copy ``tensors`` into the buffers (see the module docstring); ``wait``: seconds to wait
         for the previous reader; ``void_unscheduled``: the previous ticket's save was never
-        scheduled, so nothing reads the buffers: take them over at once (that save is void)."""
+        scheduled, so nothing reads the buffers: take them over at once (that save is void);
+        ``plan``: the part plan of ``tensors`` (in its order), for :attr:`Ticket.image`."""
         if not void_unscheduled and not self._free.wait(wait):
             raise CheckpointingError(
                 f"the previous save's snapshot still reads the device snapshot after {wait:g} s"
@@ -97,52 +115,73 @@ class DeviceSnapshot:
             self._free.clear()
             ticket = Ticket(self, self._generation)
         try:
-            copies = self._copies(tensors)
-            with torch.no_grad():
-                cuda = [(s, c) for s, c in zip(tensors, copies) if s.device.type == "cuda"]
-                host = [(s, c) for s, c in zip(tensors, copies) if s.device.type != "cuda"]
-                for device in {s.device for s, _ in cuda}:
-                    pairs = [(s.detach(), c) for s, c in cuda if s.device == device]
+            copies = self._copies(tensors, plan)
+            ticket.image = self._image
+            with torch.no_grad():  # copy_ reads the data, not the autograd graph
+                cuda: dict[torch.device, list[int]] = {}
+                host = []
+                for k, t in enumerate(tensors):
+                    if t.device.type == "cuda":
+                        cuda.setdefault(t.device, []).append(k)
+                    else:
+                        host.append(k)
+                for device, ks in cuda.items():
                     with torch.cuda.device(device):  # the current stream: the training thread's
-                        issue_copies([s for s, _ in pairs], [c for _, c in pairs], True)
+                        issue_copies([tensors[k] for k in ks], [copies[k] for k in ks], True)
                 if host:
-                    copy_tensors([s.detach() for s, _ in host], [c for _, c in host], False)
+                    copy_tensors([tensors[k] for k in host], [copies[k] for k in host], False)
         except BaseException:
             ticket.release()
             raise
         return copies, ticket
 
-    def prepare(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Allocate (and touch) the buffers for ``tensors``' layout ahead of the first ``take``;
-        not while a snapshot reads them (the caller makes sure)."""
-        if _layout_of(tensors) != self._layout:
-            self._copies(tensors)
+    def prepare(self, tensors: Sequence[torch.Tensor], plan: PartPlan | None = None) -> None:
+        """Allocate (and touch) the buffers for ``tensors``' layout (and ``plan``, as ``take``
+        would get it) ahead of the first ``take``; not while a snapshot reads them (the caller
+        makes sure)."""
+        if self._key_of(tensors, plan) != self._key:
+            self._copies(tensors, plan)
             for buf in self._buffers.values():
                 buf.zero_()  # host pages faulted in now, not in the first save
 
-    def _copies(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """A place for each tensor in its device's buffer (reallocated on a layout change)."""
-        layout = _layout_of(tensors)
+    @staticmethod
+    def _key_of(tensors: Sequence[torch.Tensor], plan: PartPlan | None) -> Key:
+        return _layout_of(tensors), None if plan is None else tuple(plan.offsets)
+
+    def _copies(self, tensors: Sequence[torch.Tensor], plan: PartPlan | None) -> list[torch.Tensor]:
+        """A place for each tensor in its device's buffer: the buffers and these views are made
+        on a layout change, and reused as they are until the next one."""
+        key = self._key_of(tensors, plan)
+        if key == self._key:
+            return list(self._views)
+        devices = {t.device for t in tensors if t.device.type == "cuda" and t.numel()}
+        image = devices.pop() if plan is not None and len(devices) == 1 else None
         offsets: list[int] = []
         sizes: dict[torch.device, int] = {}
-        for t in tensors:
+        for k, t in enumerate(tensors):
+            if t.device == image:
+                assert plan is not None
+                offsets.append(plan.offsets[k][0])
+                sizes[t.device] = plan.data_size
+                continue
             at = sizes.get(t.device, 0)
             offsets.append(at)
             sizes[t.device] = at + -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        if layout != self._layout:
-            self._buffers = {}  # freed before the new ones are made: the memory is the cost
-            self._buffers = {
-                d: torch.empty(max(n, 1), dtype=torch.uint8, device=d) for d, n in sizes.items()
-            }
-            self._layout = layout
-        out = []
+        self._buffers, self._views = {}, []  # freed before the new ones: the memory is the cost
+        self._buffers = {
+            d: torch.empty(max(n, 1), dtype=torch.uint8, device=d) for d, n in sizes.items()
+        }
         for t, at in zip(tensors, offsets):
             n = t.numel() * t.element_size()
             if n == 0:
-                out.append(torch.empty(t.shape, dtype=t.dtype, device=t.device))
+                self._views.append(torch.empty(t.shape, dtype=t.dtype, device=t.device))
             else:
-                out.append(self._buffers[t.device][at : at + n].view(t.dtype).view(t.shape))
-        return out
+                self._views.append(self._buffers[t.device][at : at + n].view(t.dtype).view(t.shape))
+        self._image = (
+            None if plan is None or image is None else self._buffers[image][: plan.data_size]
+        )
+        self._key = key
+        return list(self._views)
 
     @property
     def nbytes(self) -> int:
@@ -161,4 +200,4 @@ class DeviceSnapshot:
     def close(self) -> None:
         """Free the buffers (the next ``take`` makes new ones)."""
         with self._lock:
-            self._buffers, self._layout = {}, None
+            self._buffers, self._views, self._image, self._key = {}, [], None, None

@@ -179,14 +179,21 @@ _batched_copies = True  # False once torch refused a batched copy: one call per 
 def issue_copies(
     sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], non_blocking: bool
 ) -> None:
-    """``targets[k].copy_(sources[k])`` for every k, queued in one call to torch
-    (``_foreach_copy_``, which holds the GIL once, not once per tensor: a background snapshot of
+    """``targets[k].copy_(sources[k])`` for every k, queued in one call to torch per dtype
+    (``_foreach_copy_``, which holds the GIL once, not once per tensor, and copies within a device
+    in a few kernels when every tensor of the call has one dtype: a background snapshot of
     hundreds of tensors then barely competes with the training thread that launches kernels); one
     call per tensor where torch refuses the batch."""
     global _batched_copies
     if _batched_copies and len(sources) > 1:
+        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for src, dst in zip(sources, targets):
+            group = by_dtype.setdefault(src.dtype, ([], []))
+            group[0].append(src)
+            group[1].append(dst)
         try:
-            torch._foreach_copy_(list(targets), list(sources), non_blocking=non_blocking)
+            for srcs, dsts in by_dtype.values():
+                torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
             return
         except (RuntimeError, TypeError, AttributeError) as e:  # redone one by one: idempotent
             _batched_copies = False

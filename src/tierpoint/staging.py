@@ -9,7 +9,10 @@ are still in the CPU cache (for a snapshot taken off the training thread: the wo
 writes, one memory pass less). ``Stager.stage_into(flat, plan, data)`` copies into memory the caller
 owns instead: when checkpoints live on a RAM file system (:func:`in_memory_filesystem`), the shared
 mapping of the part file itself (page-locked by its owner for CUDA tensors), so that the part file
-is the staging memory and the worker has nothing left to write but the header. ``stager.warm(plan, device)``, called ahead of the first save
+is the staging memory and the worker has nothing left to write but the header. Each takes an
+``image`` where the state comes from a device snapshot laid out as the plan's data section
+(:attr:`tierpoint.device_snapshot.Ticket.image`): its CUDA tensors then arrive in one copy.
+``stager.warm(plan, device)``, called ahead of the first save
 (from a background thread, see :meth:`tierpoint.local.LocalCheckpointManager.warm_up`), allocates,
 faults in and pins the buffer, so that the first save costs what a steady one does. A
 :class:`SourceFile` stands in for a staging buffer when the state's tensors already view the pages
@@ -51,7 +54,7 @@ import torch
 from .fileformat import DTYPES, PartPlan
 from .files import in_memory_filesystem as in_memory_filesystem  # re-exported
 from .pinning import PinnedRange, copy_device
-from .snapshot_copy import Streams, copy_tensors, plain_bytes
+from .snapshot_copy import Streams, copy_from_devices, copy_tensors, plain_bytes
 from .tree import FlatState
 
 _ids = itertools.count(1)
@@ -233,15 +236,39 @@ def _populate(m: mmap.mmap, address: int) -> None:
 def planned_views(data: torch.Tensor, plan: PartPlan) -> list[torch.Tensor]:
     """One tensor per planned tensor, viewing its place in ``data`` (uint8, laid out as ``plan``'s
     data section)."""
-    out = []
-    for (begin, end), dtype_name, shape in zip(plan.offsets, plan.dtypes, plan.shapes):
-        dtype = DTYPES[dtype_name]
-        out.append(
-            data[begin:end].view(dtype).view(shape)
-            if end > begin
-            else torch.empty(shape, dtype=dtype)
-        )
-    return out
+    return [planned_view(data, plan, k) for k in range(len(plan.offsets))]
+
+
+def planned_view(data: torch.Tensor, plan: PartPlan, k: int) -> torch.Tensor:
+    """The ``k``-th planned tensor's place in ``data`` (see :func:`planned_views`)."""
+    (begin, end), dtype = plan.offsets[k], DTYPES[plan.dtypes[k]]
+    if end == begin:
+        return torch.empty(plan.shapes[k], dtype=dtype)
+    return data[begin:end].view(dtype).view(plan.shapes[k])
+
+
+def copy_planned(
+    flat: FlatState,
+    plan: PartPlan,
+    data: torch.Tensor,
+    pinned: bool,
+    hash: bool = False,
+    after: Streams | None = None,
+    image: torch.Tensor | None = None,
+) -> list[str] | None:
+    """Copy ``flat``'s tensors into ``data`` (uint8, laid out as ``plan``'s data section; pinned or
+    not); ``hash``: also return their checksums (None when some come from a device: the worker
+    hashes those). ``image``: ``flat``'s CUDA tensors as one device buffer laid out as the data
+    section (see :mod:`tierpoint.device_snapshot`): copied whole, then the other tensors over their
+    places in it."""
+    if image is None:
+        return copy_tensors(flat.tensors, planned_views(data, plan), pinned, hash, after)
+    copy_from_devices([image], [data[: plan.data_size]], pinned, after)
+    rest = [k for k, t in enumerate(flat.tensors) if t.device.type != "cuda"]
+    if rest:
+        views = [planned_view(data, plan, k) for k in rest]
+        copy_tensors([flat.tensors[k] for k in rest], views, pinned)
+    return None
 
 
 class Stager:
@@ -272,21 +299,32 @@ class Stager:
         buf.prepare(device)
         return buf
 
-    def stage(self, flat: FlatState, plan: PartPlan, after: Streams | None = None) -> StagingBuffer:
+    def stage(
+        self,
+        flat: FlatState,
+        plan: PartPlan,
+        after: Streams | None = None,
+        image: torch.Tensor | None = None,
+    ) -> StagingBuffer:
         """Copy every tensor of ``flat`` into the staging buffer for ``plan`` (blocking); device
-        copies wait for the streams ``after`` (see :func:`tierpoint.snapshot_copy.copy_tensors`)."""
+        copies wait for the streams ``after`` (see :func:`tierpoint.snapshot_copy.copy_tensors`);
+        ``image``: see :func:`copy_planned`."""
         buf = self.buffer_for(plan, copy_device(flat.tensors))
-        copy_tensors(flat.tensors, buf.views(plan), buf.pinned, after=after)
+        copy_planned(flat, plan, buf.tensor, buf.pinned, False, after, image)
         return buf
 
     def stage_and_hash(
-        self, flat: FlatState, plan: PartPlan, after: Streams | None = None
+        self,
+        flat: FlatState,
+        plan: PartPlan,
+        after: Streams | None = None,
+        image: torch.Tensor | None = None,
     ) -> tuple[StagingBuffer, list[str] | None]:
         """:meth:`stage`, also returning each tensor's xxh3-64 checksum (plan order), computed on
         one thread as the copy goes (no second pass over the memory). None instead of checksums
         when some tensors come from a device: the worker hashes them (off this process's GIL)."""
         buf = self.buffer_for(plan, copy_device(flat.tensors))
-        return buf, copy_tensors(flat.tensors, buf.views(plan), buf.pinned, True, after)
+        return buf, copy_planned(flat, plan, buf.tensor, buf.pinned, True, after, image)
 
     @staticmethod
     def stage_into(
@@ -296,13 +334,14 @@ class Stager:
         hash: bool = False,
         pinned: bool = False,
         after: Streams | None = None,
+        image: torch.Tensor | None = None,
     ) -> list[str] | None:
         """Copy every tensor of ``flat`` into ``data``, memory laid out as ``plan``'s data section
         that the caller owns (e.g. the shared mapping of the part file being written; ``pinned``:
         page-locked by its owner, for CUDA tensors); ``hash``: also return each tensor's checksum
-        as :meth:`stage_and_hash` does (None when some tensors come from a device); ``after``: see
-        :meth:`stage`."""
-        return copy_tensors(flat.tensors, planned_views(data, plan), pinned, hash, after)
+        as :meth:`stage_and_hash` does (None when some tensors come from a device); ``after`` and
+        ``image``: see :meth:`stage`."""
+        return copy_planned(flat, plan, data, pinned, hash, after, image)
 
     def close(self) -> None:
         if self.buffer is not None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import torch
+
 from .. import fileformat
 from ..errors import CheckpointingError
 from ..peers.mapping_cache import FileMapping
@@ -52,10 +54,12 @@ class InPlaceCopies:
         spare: Path | None,
         hash_now: bool,
         after: Streams,
+        image: torch.Tensor | None = None,
     ) -> list[str] | None:
         """Copy ``flat`` into the data section of ``iteration``'s dirty file (the spare's pages
-        when there is one); ``hash_now``: also return the checksums (see
-        :meth:`tierpoint.staging.Stager.stage_into`). The worker then seals the file."""
+        when there is one); ``hash_now``: also return the checksums; ``image``: ``flat``'s device
+        tensors in one buffer (see :meth:`tierpoint.staging.Stager.stage_into`). The worker then
+        seals the file."""
         with self._lock:
             self._copying = (iteration, None)  # an abort from here on stops the copy
         try:
@@ -69,7 +73,7 @@ class InPlaceCopies:
                     raise CheckpointingError(f"iteration {iteration} was aborted: nothing copied")
                 self._copying = (iteration, entry)
             data = entry[1][plan.data_start() : plan.data_start() + plan.data_size]
-            return Stager.stage_into(flat, plan, data, hash_now, pinned, after)
+            return Stager.stage_into(flat, plan, data, hash_now, pinned, after, image)
         finally:
             with self._lock:
                 if self._copying is not None and self._copying[0] == iteration:

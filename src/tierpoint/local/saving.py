@@ -142,7 +142,7 @@ class PartSaver:
                 flat = state.to_flat()
                 plan = fileformat.plan_part(flat, self._extra(iteration))
                 if is_async and self.device_snapshot is not None:
-                    flat, ticket = self._take_device_snapshot(flat)
+                    flat, ticket = self._take_device_snapshot(flat, plan)
             if not is_async:
                 with tpdist.agree(f"writing local checkpoint iteration {iteration}"):
                     self._write_part(flat, plan, iteration)
@@ -170,7 +170,9 @@ class PartSaver:
             self._ticket_request = request
         return request
 
-    def _take_device_snapshot(self, flat: FlatState) -> tuple[FlatState, Ticket]:
+    def _take_device_snapshot(
+        self, flat: FlatState, plan: fileformat.PartPlan
+    ) -> tuple[FlatState, Ticket]:
         """Copy ``flat``'s tensors into the device snapshot (see :mod:`tierpoint.device_snapshot`).
         The previous save's request holds the buffers until its snapshot ends; one never scheduled
         holds nothing (its snapshot will refuse to run)."""
@@ -180,6 +182,7 @@ class PartSaver:
             flat.tensors,
             wait=tpdist.default_timeout().total_seconds(),
             void_unscheduled=previous is not None and not previous.scheduled,
+            plan=plan,
         )
         return dataclasses.replace(flat, tensors=copies), ticket
 
@@ -209,7 +212,7 @@ class PartSaver:
         def warm() -> None:
             try:
                 if self.device_snapshot is not None:
-                    self.device_snapshot.prepare(flat.tensors)
+                    self.device_snapshot.prepare(flat.tensors, plan)
                 if in_place:  # the spare files are the staging memory
                     self.store.make_spares(plan.file_size(), (self.keep_last + 1) * copies, device)
                 else:
@@ -346,14 +349,15 @@ class PartSaver:
             # little more than the copy and spares the worker a pass over the memory; on it, the
             # copy alone is what training waits for.
             hash_now = threading.current_thread() is not threading.main_thread()
+            image = ticket.image if ticket is not None else None
             if in_place:
-                checksums = self.in_place.copy(flat, plan, iteration, spare, hash_now, after)
+                checksums = self.in_place.copy(flat, plan, iteration, spare, hash_now, after, image)
                 kwargs = {"checksums": checksums}
             else:
                 buffer, checksums = (
-                    self.stager.stage_and_hash(flat, plan, after)
+                    self.stager.stage_and_hash(flat, plan, after, image)
                     if hash_now
-                    else (self.stager.stage(flat, plan, after), None)
+                    else (self.stager.stage(flat, plan, after, image), None)
                 )
                 recycle = str(spare) if spare else None
                 kwargs = {"buffer": buffer, "checksums": checksums, "recycle": recycle}
