@@ -57,6 +57,8 @@ MAX_DEPTH = 200
 
 _JSON_SAFE_INT = 2**53
 _TAG = "~"
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types that are never DTensors (exactly these types: a subclass may be one)."""
 
 
 @dataclass
@@ -95,6 +97,23 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
             raise UnsupportedStateError(path, f"nesting deeper than {MAX_DEPTH} levels")
         if obj is None or type(obj) in (bool, str):
             return obj
+        if type(obj) in (dict, OrderedDict):  # the common nodes first: a save walks them all
+            # str and int keys and plain values stand for themselves: no key path is made for them
+            keys = [
+                k
+                if type(k) is str or (type(k) is int and -_JSON_SAFE_INT < k < _JSON_SAFE_INT)
+                else enc(k, _child_path(path, f"<key {k!r}>"), depth + 1)
+                for k in obj
+            ]
+            values = [
+                v
+                if v is None or type(v) in (bool, str)
+                else enc(v, _child_path(path, k), depth + 1)
+                for k, v in obj.items()
+            ]
+            return {_TAG: "odict" if type(obj) is OrderedDict else "dict", "k": keys, "v": values}
+        if type(obj) in _PLAIN_TENSORS and obj.layout == torch.strided and not obj.is_nested:
+            return {_TAG: "tensor", "i": add_tensor(obj, path)}  # not a DTensor: no check for one
         if dtensors.is_dtensor(obj):
             desc = dtensors.describe(obj, path)
             return {_TAG: "dtensor", "i": add_tensor(dtensors.local_shard(obj), path), "d": desc}
@@ -115,10 +134,6 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
                 _TAG: "tuple",
                 "v": [enc(v, _child_path(path, i), depth + 1) for i, v in enumerate(obj)],
             }
-        if type(obj) in (dict, OrderedDict):
-            keys = [enc(k, _child_path(path, f"<key {k!r}>"), depth + 1) for k in obj]
-            values = [enc(v, _child_path(path, k), depth + 1) for k, v in obj.items()]
-            return {_TAG: "odict" if type(obj) is OrderedDict else "dict", "k": keys, "v": values}
         if type(obj) is bytes:
             return {_TAG: "bytes", "v": base64.b64encode(obj).decode("ascii")}
         if isinstance(obj, torch.dtype):
