@@ -104,3 +104,22 @@ def test_a_steady_take_reuses_the_copies_and_a_plan_lays_out_no_image_for_cpu_te
     assert all(a is b for a, b in zip(first, second))  # the same views: nothing allocated
     assert all(torch.equal(c, t) for c, t in zip(second, flat.tensors))
     ticket.release()
+
+
+def test_no_memory_for_the_snapshot_is_a_clear_error_and_the_next_take_tries_again(monkeypatch):
+    snap = DeviceSnapshot()
+    tensors = _tensors()
+    real = torch.empty
+
+    def out_of_memory(*args, **kwargs):
+        if kwargs.get("dtype") == torch.uint8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", out_of_memory)
+    with pytest.raises(CheckpointingError, match="needs 0.00 GB on cpu .* without device_snapshot"):
+        snap.take(tensors, wait=5)
+    monkeypatch.setattr(torch, "empty", real)
+    copies, ticket = snap.take(tensors, wait=5)  # not held by the failed take
+    assert all(torch.equal(c, t) for c, t in zip(copies, tensors))
+    ticket.release()

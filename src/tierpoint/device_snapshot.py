@@ -167,10 +167,18 @@ class DeviceSnapshot:
             at = sizes.get(t.device, 0)
             offsets.append(at)
             sizes[t.device] = at + -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        self._buffers, self._views = {}, []  # freed before the new ones: the memory is the cost
-        self._buffers = {
-            d: torch.empty(max(n, 1), dtype=torch.uint8, device=d) for d, n in sizes.items()
-        }
+        # freed before the new ones are made (the memory is the cost); unusable until they are
+        self._buffers, self._views, self._image, self._key = {}, [], None, None
+        for d, n in sizes.items():
+            try:
+                self._buffers[d] = torch.empty(max(n, 1), dtype=torch.uint8, device=d)
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                self._buffers = {}
+                raise CheckpointingError(
+                    f"the device snapshot needs {n / 1e9:.2f} GB on {d} (a copy of the state there) "
+                    f"and could not get it: {str(e).splitlines()[0]} - free that memory, or save "
+                    "without device_snapshot=True"
+                ) from e
         for t, at in zip(tensors, offsets):
             n = t.numel() * t.element_size()
             if n == 0:
