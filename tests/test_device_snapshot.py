@@ -11,6 +11,7 @@ import torch
 
 from tierpoint import CheckpointingError, fileformat
 from tierpoint.device_snapshot import DeviceSnapshot
+from tierpoint.staging import copy_planned, planned_view
 from tierpoint.tree import flatten
 
 
@@ -92,18 +93,26 @@ def test_prepare_makes_the_buffers_the_first_take_uses():
     assert snap.nbytes == 0
 
 
-def test_a_steady_take_reuses_the_copies_and_a_plan_lays_out_no_image_for_cpu_tensors():
+def test_given_a_plan_the_copies_form_an_image_of_the_data_section_reused_by_steady_takes():
     snap = DeviceSnapshot()
     tensors = _tensors()
     flat = flatten({"t": tensors})
     plan = fileformat.plan_part(flat, {"iteration": 1})
     first, ticket = snap.take(flat.tensors, wait=5, plan=plan)
-    assert ticket.image is None  # CPU tensors: no device to copy from in one piece
+    image = ticket.image
+    assert image is not None and image.numel() == plan.data_size
+    for k, t in enumerate(flat.tensors):
+        assert torch.equal(planned_view(image, plan, k), t)  # each at its planned place
     ticket.release()
+    flat.tensors[0].add_(1)
     second, ticket = snap.take(flat.tensors, wait=5, plan=plan)
     assert all(a is b for a, b in zip(first, second))  # the same views: nothing allocated
-    assert all(torch.equal(c, t) for c, t in zip(second, flat.tensors))
+    assert ticket.image is image
+    data = torch.zeros(plan.data_size, dtype=torch.uint8)
+    assert copy_planned(flat, plan, data, pinned=False, hash=True, image=image) is None
     ticket.release()
+    for k, t in enumerate(flat.tensors):
+        assert torch.equal(planned_view(data, plan, k), t)
 
 
 def test_no_memory_for_the_snapshot_is_a_clear_error_and_the_next_take_tries_again(monkeypatch):

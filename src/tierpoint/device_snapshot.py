@@ -13,10 +13,10 @@ Call order: :meth:`DeviceSnapshot.take` on the training thread when a save is re
 until the previous snapshot stopped reading the buffers (long done, normally), copies every tensor
 into the buffer of its device (CUDA tensors: batched copies, one per dtype, queued on the thread's
 current stream, no host wait; CPU tensors: copied at once) and returns the copies with a
-:class:`Ticket`. Given the save's part plan, the CUDA tensors of a state on one device are laid out
-as the plan's data section (:attr:`Ticket.image`): the snapshot then moves them to host memory in
-one copy, not one per tensor (hundreds of calls on a thread that competes with training for the
-GIL). The save's snapshot copies from them (its device copies wait for the training stream, so for
+:class:`Ticket`. Given the save's part plan, the tensors on the state's one GPU (or, without
+one, its one device) are laid out as the plan's data section (:attr:`Ticket.image`): the snapshot
+then moves them to host memory in one copy, not one per tensor (hundreds of calls on a thread that
+competes with training for the GIL). The save's snapshot copies from them (its device copies wait for the training stream, so for
 these copies), then calls :meth:`Ticket.release`, also when it failed. :meth:`DeviceSnapshot.prepare`
 (a warm-up, optional) allocates the buffers ahead of the first ``take``; :meth:`DeviceSnapshot.close`
 frees them.
@@ -52,6 +52,16 @@ OVERWRITTEN = (
 )
 
 
+def _image_device(tensors: Sequence[torch.Tensor]) -> torch.device | None:
+    """The device whose copies form the image: the one CUDA device holding tensors (CPU ones
+    beside them are copied apart), else the one device of them all; None for several."""
+    devices = {t.device for t in tensors if t.numel()}
+    cuda = {d for d in devices if d.type == "cuda"}
+    return (
+        next(iter(cuda)) if len(cuda) == 1 else next(iter(devices)) if len(devices) == 1 else None
+    )
+
+
 def _layout_of(tensors: Sequence[torch.Tensor]) -> Layout:
     return tuple((t.device, t.dtype, tuple(t.shape)) for t in tensors)
 
@@ -63,9 +73,9 @@ class Ticket:
         self._owner = owner
         self._generation = generation
         self.image: torch.Tensor | None = None
-        """The CUDA copies as one uint8 buffer laid out as the plan's data section (bytes of other
-        tensors' places unspecified), when ``take`` was given a plan and the state's CUDA tensors
-        are on one device; else None."""
+        """The copies on one device as one uint8 buffer laid out as the plan's data section (the
+        places of tensors on other devices unspecified), when ``take`` was given a plan and the
+        state's CUDA tensors are on one GPU, or all its tensors on one device; else None."""
 
     @property
     def current(self) -> bool:
@@ -154,8 +164,7 @@ class DeviceSnapshot:
         key = self._key_of(tensors, plan)
         if key == self._key:
             return list(self._views)
-        devices = {t.device for t in tensors if t.device.type == "cuda" and t.numel()}
-        image = devices.pop() if plan is not None and len(devices) == 1 else None
+        image = None if plan is None else _image_device(tensors)
         offsets: list[int] = []
         sizes: dict[torch.device, int] = {}
         for k, t in enumerate(tensors):

@@ -11,7 +11,7 @@ owns instead: when checkpoints live on a RAM file system (:func:`in_memory_files
 mapping of the part file itself (page-locked by its owner for CUDA tensors), so that the part file
 is the staging memory and the worker has nothing left to write but the header. Each takes an
 ``image`` where the state comes from a device snapshot laid out as the plan's data section
-(:attr:`tierpoint.device_snapshot.Ticket.image`): its CUDA tensors then arrive in one copy.
+(:attr:`tierpoint.device_snapshot.Ticket.image`): its tensors then arrive in one copy.
 ``stager.warm(plan, device)``, called ahead of the first save
 (from a background thread, see :meth:`tierpoint.local.LocalCheckpointManager.warm_up`), allocates,
 faults in and pins the buffer, so that the first save costs what a steady one does. A
@@ -54,7 +54,7 @@ import torch
 from .fileformat import DTYPES, PartPlan
 from .files import in_memory_filesystem as in_memory_filesystem  # re-exported
 from .pinning import PinnedRange, copy_device
-from .snapshot_copy import Streams, copy_from_devices, copy_tensors, plain_bytes
+from .snapshot_copy import Streams, copy_tensors, plain_bytes
 from .tree import FlatState
 
 _ids = itertools.count(1)
@@ -258,13 +258,13 @@ def copy_planned(
 ) -> list[str] | None:
     """Copy ``flat``'s tensors into ``data`` (uint8, laid out as ``plan``'s data section; pinned or
     not); ``hash``: also return their checksums (None when some come from a device: the worker
-    hashes those). ``image``: ``flat``'s CUDA tensors as one device buffer laid out as the data
-    section (see :mod:`tierpoint.device_snapshot`): copied whole, then the other tensors over their
-    places in it."""
+    hashes those). ``image``: ``flat``'s tensors on one device as one buffer laid out as the data
+    section (:attr:`tierpoint.device_snapshot.Ticket.image`): copied whole, then the tensors on
+    other devices over their places in it; no checksums then (the worker hashes)."""
     if image is None:
         return copy_tensors(flat.tensors, planned_views(data, plan), pinned, hash, after)
-    copy_from_devices([image], [data[: plan.data_size]], pinned, after)
-    rest = [k for k, t in enumerate(flat.tensors) if t.device.type != "cuda"]
+    copy_tensors([image], [data[: plan.data_size]], pinned, after=after)
+    rest = [k for k, t in enumerate(flat.tensors) if t.device != image.device]
     if rest:
         views = [planned_view(data, plan, k) for k in rest]
         copy_tensors([flat.tensors[k] for k in rest], views, pinned)

@@ -1,5 +1,6 @@
 """The device snapshot with CUDA states: given the save's plan, the CUDA tensors land in one buffer
-laid out as the part file's data section (one copy to host memory), the CPU ones beside it."""
+laid out as the part file's data section (one copy to host memory), the CPU ones copied over their
+places after it."""
 
 from __future__ import annotations
 
@@ -22,14 +23,11 @@ def test_the_cuda_tensors_form_an_image_of_the_data_section_and_copy_in_one_piec
     snap = DeviceSnapshot()
     copies, ticket = snap.take(flat.tensors, wait=5, plan=plan)
     image = ticket.image
-    if DEVICE != "cuda":
-        assert image is None  # nothing on a device: tensor by tensor
-    else:
-        assert image is not None and image.device.type == "cuda"
-        assert image.numel() == plan.data_size
-        for k, t in enumerate(flat.tensors):
-            if t.device.type == "cuda":
-                assert torch.equal(planned_view(image, plan, k), t)
+    assert image is not None and image.device.type == DEVICE  # the GPU's, not the CPU counters'
+    assert image.numel() == plan.data_size
+    for k, t in enumerate(flat.tensors):
+        if t.device.type == DEVICE:
+            assert torch.equal(planned_view(image, plan, k), t)
     host = torch.zeros(plan.data_size, dtype=torch.uint8)
     copy_planned(flatten(state), plan, host, pinned=False, image=image)
     ticket.release()
