@@ -556,6 +556,11 @@ def print_training(
         " a job; 'ceiling': the throughput a save blocking for the pinned\n device-to-host floor"
         " alone would leave)"
     )
+    if none := times.get("train_none"):
+        print(
+            f"runs without checkpoints took {min(none):.2f}-{max(none):.2f} s: a ratio within"
+            f" {max(none) / min(none) - 1:.0%} of its target is not settled by one run"
+        )
 
 
 def print_checks(times: Times) -> None:
