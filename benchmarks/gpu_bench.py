@@ -558,8 +558,8 @@ def print_training(
     )
     if none := times.get("train_none"):
         print(
-            f"runs without checkpoints took {min(none):.2f}-{max(none):.2f} s: a ratio within"
-            f" {max(none) / min(none) - 1:.0%} of its target is not settled by one run"
+            f"runs without checkpoints took {min(none):.2f}-{max(none):.2f} s"
+            f" (a {max(none) / min(none) - 1:.0%} spread between repetitions)"
         )
 
 
