@@ -16,10 +16,10 @@ current stream, no host wait; CPU tensors: copied at once) and returns the copie
 :class:`Ticket`. Given the save's part plan, the tensors on the state's one GPU (or, without
 one, its one device) are laid out as the plan's data section (:attr:`Ticket.image`): the snapshot
 then moves them to host memory in one copy, not one per tensor (hundreds of calls on a thread that
-competes with training for the GIL). The save's snapshot copies from them (its device copies wait for the training stream, so for
-these copies), then calls :meth:`Ticket.release`, also when it failed. :meth:`DeviceSnapshot.prepare`
-(a warm-up, optional) allocates the buffers ahead of the first ``take``; :meth:`DeviceSnapshot.close`
-frees them.
+competes with training for the GIL). The save's snapshot copies from them (its device copies wait
+for the training stream, so for these copies), then calls :meth:`Ticket.release`, also when it
+failed. :meth:`DeviceSnapshot.prepare` (a warm-up, optional) allocates the buffers ahead of the
+first ``take``; :meth:`DeviceSnapshot.close` frees them.
 
 Invariants: one snapshot at a time reads the buffers; a ticket whose buffers a later ``take`` took
 over is void (:meth:`Ticket.check` raises), so a stale snapshot never copies another save's bytes;
