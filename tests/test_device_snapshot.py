@@ -109,10 +109,13 @@ def test_given_a_plan_the_copies_form_an_image_of_the_data_section_reused_by_ste
     assert all(a is b for a, b in zip(first, second))  # the same views: nothing allocated
     assert ticket.image is image
     data = torch.zeros(plan.data_size, dtype=torch.uint8)
-    assert copy_planned(flat, plan, data, pinned=False, hash=True, image=image) is None
-    ticket.release()
+    assert copy_planned(flat, plan, data, pinned=False, image=image) is None  # in one piece
     for k, t in enumerate(flat.tensors):
         assert torch.equal(planned_view(data, plan, k), t)
+    hashed = copy_planned(flat, plan, torch.zeros_like(data), pinned=False, hash=True, image=image)
+    want = copy_planned(flat, plan, torch.zeros_like(data), pinned=False, hash=True)
+    assert hashed is not None and hashed == want  # a host image hashed as it is copied
+    ticket.release()
 
 
 def test_no_memory_for_the_snapshot_is_a_clear_error_and_the_next_take_tries_again(monkeypatch):

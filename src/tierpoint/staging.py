@@ -260,8 +260,10 @@ def copy_planned(
     not); ``hash``: also return their checksums (None when some come from a device: the worker
     hashes those). ``image``: ``flat``'s tensors on one device as one buffer laid out as the data
     section (:attr:`tierpoint.device_snapshot.Ticket.image`): copied whole, then the tensors on
-    other devices over their places in it; no checksums then (the worker hashes)."""
-    if image is None:
+    other devices over their places in it; no checksums then (the worker hashes). A host image
+    is copied tensor by tensor where checksums are asked for: each is hashed as it is copied (one
+    pass over the memory, not two)."""
+    if image is None or (hash and image.device.type != "cuda"):
         return copy_tensors(flat.tensors, planned_views(data, plan), pinned, hash, after)
     copy_tensors([image], [data[: plan.data_size]], pinned, after=after)
     rest = [k for k, t in enumerate(flat.tensors) if t.device != image.device]

@@ -610,8 +610,10 @@ def test_a_staged_async_save_that_fills_a_ram_tier_fails_cleanly(tmp_path):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_with_a_device_snapshot_the_state_may_change_as_soon_as_save_returns(tmp_path, overlap):
-    manager = LocalCheckpointManager(tmp_path, session_id="job", device_snapshot=True)
+def test_with_a_device_snapshot_the_state_may_change_as_soon_as_save_returns(tier_root, overlap):
+    """Staged (disk) or copied into the part files (RAM); in one piece from the snapshot's image
+    on the training thread, tensor by tensor with checksums on the overlapped thread."""
+    manager = LocalCheckpointManager(tier_root, session_id="job", device_snapshot=True)
     with AsyncCallsQueue(overlap_snapshot=overlap) as queue:
         for it in (1, 2, 3):
             state = make_state(0, it)
@@ -622,7 +624,7 @@ def test_with_a_device_snapshot_the_state_may_change_as_soon_as_save_returns(tmp
             queue.schedule_async_request(request)
             queue.wait_for_snapshot()
             queue.maybe_finalize_async_calls(blocking=True)
-            ta, ckpt_id = LocalCheckpointManager(tmp_path, session_id="job").load()
+            ta, ckpt_id = LocalCheckpointManager(tier_root, session_id="job").load()
             assert ckpt_id.iteration == it
             assert_bitwise_equal(ta.state_dict, want)
 
