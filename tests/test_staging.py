@@ -33,7 +33,7 @@ def test_stage_and_hash_gives_the_checksums_of_the_staged_bytes(tmp_path: Path) 
     stager = staging.Stager()
     try:
         buf, sums = stager.stage_and_hash(flat, plan)
-        staged = buf.views(plan)
+        staged = staging.planned_views(buf.tensor, plan)
         for src, dst, got in zip(flat.tensors, staged, sums):
             assert torch.equal(src.resolve_conj(), dst)
             assert got == fileformat.checksum(fileformat.byte_view(dst))
@@ -74,7 +74,7 @@ def test_a_part_filled_in_place_then_sealed_verifies_and_reads_back(
         mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED)
     data = torch.frombuffer(mapping, dtype=torch.uint8)
     section = data[plan.data_start() : plan.data_start() + plan.data_size]
-    sums = staging.Stager.stage_into(flat, plan, section, hash=hash_now)
+    sums = staging.copy_planned(flat, plan, section, pinned=False, hash=hash_now)
     assert (sums is not None) == hash_now
     result = fileformat.seal_planned(path, plan, checksums=sums)
     assert result.nbytes == plan.file_size() and not dirty.exists()

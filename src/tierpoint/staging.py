@@ -6,10 +6,10 @@ pays for) and returns the buffer; a worker process maps the same memory (its ``f
 Unix socket) and writes it to a file in one piece. ``stager.stage_and_hash(flat, plan)`` also returns
 each tensor's checksum, computed piece by piece right after each piece is copied, while the bytes
 are still in the CPU cache (for a snapshot taken off the training thread: the worker then only
-writes, one memory pass less). ``Stager.stage_into(flat, plan, data)`` copies into memory the caller
-owns instead: when checkpoints live on a RAM file system (:func:`in_memory_filesystem`), the shared
-mapping of the part file itself (page-locked by its owner for CUDA tensors), so that the part file
-is the staging memory and the worker has nothing left to write but the header. Each takes an
+writes, one memory pass less). Both copy with :func:`copy_planned`, which also copies into memory
+the caller owns: when checkpoints live on a RAM file system (:func:`in_memory_filesystem`), the
+shared mapping of the part file itself (page-locked by its owner for CUDA tensors), so that the part
+file is the staging memory and the worker has nothing left to write but the header. Each takes an
 ``image`` where the state comes from a device snapshot laid out as the plan's data section
 (:attr:`tierpoint.device_snapshot.Ticket.image`): its tensors then arrive in one copy.
 ``stager.warm(plan, device)``, called ahead of the first save
@@ -112,10 +112,6 @@ class StagingBuffer:
         if device is None:
             return self.pinned
         return self._pin.register(self.tensor.data_ptr(), self.nbytes, device)
-
-    def views(self, plan: PartPlan) -> list[torch.Tensor]:
-        """One tensor per planned tensor, viewing its place in the buffer."""
-        return planned_views(self.tensor, plan)
 
     @property
     def pinned(self) -> bool:
@@ -327,23 +323,6 @@ class Stager:
         when some tensors come from a device: the worker hashes them (off this process's GIL)."""
         buf = self.buffer_for(plan, copy_device(flat.tensors))
         return buf, copy_planned(flat, plan, buf.tensor, buf.pinned, True, after, image)
-
-    @staticmethod
-    def stage_into(
-        flat: FlatState,
-        plan: PartPlan,
-        data: torch.Tensor,
-        hash: bool = False,
-        pinned: bool = False,
-        after: Streams | None = None,
-        image: torch.Tensor | None = None,
-    ) -> list[str] | None:
-        """Copy every tensor of ``flat`` into ``data``, memory laid out as ``plan``'s data section
-        that the caller owns (e.g. the shared mapping of the part file being written; ``pinned``:
-        page-locked by its owner, for CUDA tensors); ``hash``: also return each tensor's checksum
-        as :meth:`stage_and_hash` does (None when some tensors come from a device); ``after`` and
-        ``image``: see :meth:`stage`."""
-        return copy_planned(flat, plan, data, pinned, hash, after, image)
 
     def close(self) -> None:
         if self.buffer is not None:

@@ -27,7 +27,7 @@ from ..errors import CheckpointingError
 from ..peers.mapping_cache import FileMapping
 from ..pinning import copy_device
 from ..snapshot_copy import Streams
-from ..staging import Stager
+from ..staging import copy_planned
 from ..tree import FlatState
 from .store import PartStore
 
@@ -58,7 +58,7 @@ class InPlaceCopies:
     ) -> list[str] | None:
         """Copy ``flat`` into the data section of ``iteration``'s dirty file (the spare's pages
         when there is one); ``hash_now``: also return the checksums; ``image``: ``flat``'s device
-        tensors in one buffer (see :meth:`tierpoint.staging.Stager.stage_into`). The worker then
+        tensors in one buffer (see :func:`tierpoint.staging.copy_planned`). The worker then
         seals the file."""
         with self._lock:
             self._copying = (iteration, None)  # an abort from here on stops the copy
@@ -73,7 +73,7 @@ class InPlaceCopies:
                     raise CheckpointingError(f"iteration {iteration} was aborted: nothing copied")
                 self._copying = (iteration, entry)
             data = entry[1][plan.data_start() : plan.data_start() + plan.data_size]
-            return Stager.stage_into(flat, plan, data, hash_now, pinned, after, image)
+            return copy_planned(flat, plan, data, pinned, hash_now, after, image)
         finally:
             with self._lock:
                 if self._copying is not None and self._copying[0] == iteration:
