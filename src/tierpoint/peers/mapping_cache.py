@@ -132,7 +132,9 @@ class MappingCache:
         with self._lock:
             for key in self._keys_of(entry):
                 del self._maps[key]
-                _unmap(self._pins.pop(key, None), (None, entry[1]))
+                pinned = self._pins.pop(key, None)
+                if pinned is not None:
+                    pinned.release()  # before the mapping is closed below
         if entry[0] is not None:
             entry[0].close()
 
@@ -147,25 +149,15 @@ class MappingCache:
         """Unpin and unmap ``path``'s mapping, if kept: before the file is resized by a writer that
         does not map it through this cache (a mapping kept over a shrunk and regrown file would
         still be registered over its old pages)."""
-        try:
-            st = os.stat(path)
-        except OSError:
-            return
-        key = (st.st_dev, st.st_ino)
+        key = _file_key(path)
         with self._lock:
-            entry = self._maps.pop(key, None)
+            entry = self._maps.pop(key, None) if key is not None else None
             if entry is not None:
                 _unmap(self._pins.pop(key, None), entry)
 
     def retain(self, paths: Iterable[str | os.PathLike]) -> None:
         """Unmap every file that is not one of ``paths``."""
-        keep = set()
-        for path in paths:
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            keep.add((st.st_dev, st.st_ino))
+        keep = {_file_key(path) for path in paths}
         with self._lock:
             for key in [k for k in self._maps if k not in keep]:
                 _unmap(self._pins.pop(key, None), self._maps.pop(key))
@@ -179,6 +171,15 @@ class MappingCache:
 
     def __len__(self) -> int:
         return len(self._maps)
+
+
+def _file_key(path: str | os.PathLike) -> tuple[int, int] | None:
+    """The key a file's mapping is kept under (its device and inode); None if it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _unmap(pinned: PinnedRange | None, entry: FileMapping) -> None:
