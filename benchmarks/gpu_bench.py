@@ -73,6 +73,7 @@ from machine import cpu_sample, machine_line, require_memory
 
 from tierpoint import dcp as tpdcp
 from tierpoint.asyncsave import AsyncCallsQueue
+from tierpoint.snapshot_copy import LANES_ENV
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -83,18 +84,12 @@ PARTS = ("saves", "memory", "training")
 TRAIN_VARIANTS = ("tp25", "tp10", "ov25", "ov10", "dv25", "dv10", "dcp25")
 VARIANT = re.compile(r"(?P<mode>tp|ov|dv)(?P<every>[0-9]+)(?:w(?P<lanes>[0-9]+))?|dcp25")
 """A training variant: mode (tp plain, ov overlapped, dv device snapshot), a save every so many
-steps, optionally ``w<N>``: the worker copies with N lanes (``TIERPOINT_COPY_LANES``)."""
+steps, optionally ``w<N>``: the worker copies or hashes with N lanes (``TIERPOINT_COPY_LANES``)."""
 MODES = {
     "tp": "tierpoint local async",
     "ov": "tierpoint local overlapped",
     "dv": "tierpoint local device snapshot",
 }
-MODE_SHORT = {
-    "tp": "tierpoint local async",
-    "ov": "tierpoint overlapped",
-    "dv": "tierpoint device snapshot",
-}
-LANES_ENV = "TIERPOINT_COPY_LANES"
 HOST_COPIES = 10
 """Host memory per byte of state: floors (2), local staging and files (3), persistent staging and
 files (2), DCP's copies and files (3)."""
@@ -360,7 +355,7 @@ def variant_label(key: str) -> str:
     found = VARIANT.fullmatch(key)
     assert found is not None
     lanes = f", {found['lanes']} lanes" if found["lanes"] else ""
-    return f"{(MODE_SHORT if lanes else MODES)[found['mode']]} every {found['every']}{lanes}"
+    return f"{MODES[found['mode']]} every {found['every']}{lanes}"
 
 
 def bench_training(
@@ -523,12 +518,12 @@ def print_training(
         f" state {state / 1e9:.2f} GB), seq {args.seq}, batch {BATCH}, bf16 autocast, fused AdamW;"
         f" {args.steps} steps a run, {args.train_reps} interleaved repetitions (medians)"
     )
-    head = f"{'variant':48s} {'ms/step':>8s} {'vs none':>8s} {'range':>11s} {'ms/save':>8s}"
+    head = f"{'variant':50s} {'ms/step':>8s} {'vs none':>8s} {'range':>11s} {'ms/save':>8s}"
     print(f"{head} {'sched':>8s} {'drain s':>8s} {'ceiling':>8s}")
     for key in ["none", *args.variants]:
         label, every = variant_label(key), cadence(key)
         if not times.get(f"train_{key}"):
-            print(f"{label:48s} failed ({failures.get(f'train_{key}', '?')})")
+            print(f"{label:50s} failed ({failures.get(f'train_{key}', '?')})")
             continue
         step_ms = median(times[f"train_{key}"]) / args.steps * 1e3
         ratio = paired(times, "train_none", f"train_{key}")
@@ -545,7 +540,7 @@ def print_training(
         if key.startswith("tp") and floor_bps and times.get("train_none"):
             none = median(times["train_none"])
             ceiling = f"{none / (none + saves * state / floor_bps):7.3f}x"
-        line = f"{label:48s} {step_ms:8.1f} {ratio:7.3f}x {spread:>11s} {save_ms:>8s}"
+        line = f"{label:50s} {step_ms:8.1f} {ratio:7.3f}x {spread:>11s} {save_ms:>8s}"
         print(f"{line} {sched_ms:>8s} {drain_s:>8s} {ceiling:>8s}")
     print(
         "(ms/step until the last step's work is done; 'range': the lowest and highest ratio of"
