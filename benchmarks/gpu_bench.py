@@ -293,18 +293,24 @@ def host_memory(root: Path) -> str:
 def bench_memory(
     root: Path, gib: float, saves: int, device: torch.device, stack: contextlib.ExitStack
 ) -> Times:
-    """Host memory over ``saves`` saves, taking turns: the local tier plain, overlapped, and the
-    persistent tier (a state of at most 1 GiB: a leak grows with the saves, not the state). RSS
-    and the files under ``root`` after each; growth counted from the 5th save (warm by then)."""
+    """Host memory over ``saves`` saves, taking turns: the local tier plain, overlapped, with a
+    device snapshot, and the persistent tier (a state of at most 1 GiB: a leak grows with the
+    saves, not the state). RSS and the files under ``root`` after each; growth counted from the
+    5th save (each kind warm by then)."""
     state = on_device(make_state(min(gib, 1.0)), device)
     sync(device)
     local = TierpointSaver(root / "mem-local", lambda: state, stack)
     local.warm_up()
+    snapshot = TierpointSaver(
+        root / "mem-device", lambda: state, stack, device_snapshot=True, overlap_snapshot=True
+    )
+    snapshot.warm_up()
     kinds = [
         local.measure,
         TierpointSaver(
             root / "mem-local", lambda: state, stack, local, overlap_snapshot=True
         ).measure,
+        snapshot.measure,
         PersistentSaver(root / "mem-persistent", state, stack).measure,
     ]
     rss, files = [], []
@@ -316,7 +322,8 @@ def bench_memory(
     base = min(4, saves - 1)
     growth = max(rss[base:]) - rss[base]
     print(
-        f"\nhost memory over {saves} saves (local plain, overlapped, persistent in turn, "
+        f"\nhost memory over {saves} saves (local plain, overlapped, device snapshot, persistent"
+        " in turn, "
         f"{nbytes_of(tensors_of(state)) / 1e9:.2f} GB state): RSS after save {base + 1} "
         f"{rss[base] / GIB:.2f} GiB, after save {saves} {rss[-1] / GIB:.2f} GiB, at most "
         f"{max(rss[base:]) / GIB:.2f} GiB; checkpoint files {files[base] / GIB:.2f} -> "

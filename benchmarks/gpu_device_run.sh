@@ -5,14 +5,14 @@
 #     OUT=/some/dir benchmarks/gpu_device_run.sh [gpu_bench.py options...]
 #     PART=tests OUT=... benchmarks/gpu_device_run.sh     # only the tests (about 4 minutes)
 #     PART=bench OUT=... benchmarks/gpu_device_run.sh     # only the benchmark (about 6 minutes)
-#     PART=quick OUT=... benchmarks/gpu_device_run.sh     # about 8 minutes: see below
+#     PART=quick OUT=... benchmarks/gpu_device_run.sh     # about 8-9 minutes: see below
 #
 # Each tests/gpu scenario runs in its own python process (a CUDA failure in one cannot hide the
 # others; JOBS=8 at a time), then all of them in one process (the acceptance: one process stays
 # healthy), then benchmarks/gpu_bench.py. PART=quick runs $QUICK_TESTS (default all of
-# tests/gpu, about 2.5 minutes) in one process, then the benchmark's saves (3 repetitions) and
-# training (variants dv25,dv10,tp25: 4 whole-run repetitions, whose spread is wide, and 8 paired
-# segments each; no DCP training run, no memory check); options given after it win (e.g.
+# tests/gpu, about 2.5 minutes) in one process, then the benchmark's saves (3 repetitions), its
+# memory check and training (variants dv25,dv10,tp25: 4 whole-run repetitions, whose spread is
+# wide, and 8 paired segments each; no DCP training run); options given after it win (e.g.
 # --variants dv10,dv10w4). Under $OUT:
 # tests.log (every scenario's output), a summary (one PASS/FAIL/SKIP line per scenario), bench.log
 # and bench.json. The exit status is non-zero when a scenario failed or the benchmark did.
@@ -44,8 +44,9 @@ if [ "$PART" = quick ]; then
         echo "FAIL $QUICK_TESTS in one process" | tee -a "$OUT/summary"
         status=1
     fi
-    set -- --reps 3 --parts saves,training --variants dv25,dv10,tp25 --train-reps 4 --pairs 8 "$@"
-    BENCH_TIMEOUT="${BENCH_TIMEOUT:-330}"  # with the tests (200 s at most), a 560 s device call
+    set -- --reps 3 --parts saves,memory,training --variants dv25,dv10,tp25 --train-reps 4 \
+        --pairs 8 "$@"
+    BENCH_TIMEOUT="${BENCH_TIMEOUT:-360}"  # with the tests (200 s at most), a 580 s device call
 fi
 if [ "$PART" != bench ] && [ "$PART" != quick ]; then
 scenarios=$("$PY" -m pytest --collect-only -q -p no:cacheprovider tests/gpu 2>>"$OUT/tests.log" | grep '::')
