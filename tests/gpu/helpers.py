@@ -43,6 +43,32 @@ def model_state(seed: int, layers: int = 4, width: int = 256, device: str = DEVI
     }
 
 
+def odd_state(seed: int, device: str = DEVICE) -> dict:
+    """Tensors as real states hold them besides plain weights: views (transposed, sliced, at an
+    offset into their storage, expanded, channels-last), one tensor under two keys (tied
+    weights), a 0-dim and an empty one, small and integer dtypes, and a CPU tensor beside them."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(64, 48, generator=g).to(device)
+    tied = torch.randn(32, 16, generator=g).to(device)
+    image = torch.randn(2, 3, 4, 5, generator=g).to(device)
+    return {
+        "transposed": base.t(),
+        "sliced": base[5:20, 3:40],
+        "offset": base.view(-1)[7:1000],
+        "expanded": torch.randn(1, 16, generator=g).to(device).expand(8, 16),
+        "channels_last": image.to(memory_format=torch.channels_last),
+        "tied": {"embed": tied, "head": tied},
+        "scalar": torch.tensor(3.5, device=device),
+        "empty": torch.empty(0, 5, device=device),
+        "bool": (torch.randn(33, generator=g) > 0).to(device),
+        "int8": torch.randint(-100, 100, (17,), generator=g, dtype=torch.int8).to(device),
+        "float16": torch.randn(9, 3, generator=g).half().to(device),
+        "bfloat16": torch.randn(7, generator=g).bfloat16().to(device),
+        "int64": torch.arange(13, device=device) * seed,
+        "on_cpu": torch.randn(5, generator=g),
+    }
+
+
 def clone(state: object) -> object:
     """A deep copy of a state, tensors cloned on their own devices."""
     if isinstance(state, torch.Tensor):
@@ -55,6 +81,8 @@ def clone(state: object) -> object:
 def scribble(state: object) -> None:
     """Change every tensor in place (training going on right after a snapshot)."""
     if isinstance(state, torch.Tensor):
+        if state.numel() > 1 and 0 in state.stride():
+            return  # an expanded view: its elements share memory (in-place ops refuse it)
         state.add_(1) if state.is_floating_point() else state.fill_(7)
     elif isinstance(state, dict):
         for v in state.values():

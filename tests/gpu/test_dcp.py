@@ -20,6 +20,7 @@ from .helpers import (
     cuda_still_works,
     model_state,
     needs_gpu,
+    odd_state,
     scribble,
 )
 
@@ -57,6 +58,19 @@ def test_async_save_of_cuda_tensors_loads_with_tierpoint_and_torch(tmp_path, shm
     with AsyncCallsQueue() as queue:
         for step in (1, 2, 3):
             _save_and_check(model_state(step), dcp.step_path(base, step), queue, pool)
+    pool.close()
+    cuda_still_works()
+
+
+@pytest.mark.parametrize("where", ["disk", "ram"])
+def test_views_tied_tensors_and_small_dtypes_load_with_tierpoint_and_torch(
+    tmp_path, shm_dir, where
+):
+    base = tmp_path if where == "disk" else shm_dir
+    pool = dcp.StagingPool()
+    with AsyncCallsQueue() as queue:
+        for step in (1, 2):
+            _save_and_check(odd_state(step), dcp.step_path(base, step), queue, pool)
     pool.close()
     cuda_still_works()
 
