@@ -11,9 +11,9 @@
 # others; JOBS=8 at a time), then all of them in one process (the acceptance: one process stays
 # healthy), then benchmarks/gpu_bench.py. PART=quick runs $QUICK_TESTS (default all of
 # tests/gpu, about 2.5 minutes) in one process, then the benchmark's saves (3 repetitions), its
-# memory check and training (variants dv25,dv10,tp25: 4 whole-run repetitions, whose spread is
+# memory check and training (variants dv25,dv10,dv10w4: 4 whole-run repetitions, whose spread is
 # wide, and 8 paired segments each; no DCP training run); options given after it win (e.g.
-# --variants dv10,dv10w4). Under $OUT:
+# --variants dv25,tp25). Under $OUT:
 # tests.log (every scenario's output), a summary (one PASS/FAIL/SKIP line per scenario), bench.log
 # and bench.json. The exit status is non-zero when a scenario failed or the benchmark did.
 set -uo pipefail
@@ -44,7 +44,7 @@ if [ "$PART" = quick ]; then
         echo "FAIL $QUICK_TESTS in one process" | tee -a "$OUT/summary"
         status=1
     fi
-    set -- --reps 3 --parts saves,memory,training --variants dv25,dv10,tp25 --train-reps 4 \
+    set -- --reps 3 --parts saves,memory,training --variants dv25,dv10,dv10w4 --train-reps 4 \
         --pairs 8 "$@"
     BENCH_TIMEOUT="${BENCH_TIMEOUT:-360}"  # with the tests (200 s at most), a 580 s device call
 fi

@@ -78,10 +78,10 @@ def test_views_tied_tensors_and_small_dtypes_round_trip(tier_root, mode):
     cuda_still_works()
 
 
-@pytest.mark.parametrize("mode", ["async", "overlapped"])
+@pytest.mark.parametrize("mode", ["async", "overlapped", "device"])
 def test_layout_change_between_saves(tmp_path, mode):
-    manager = LocalCheckpointManager(tmp_path, session_id="job")
-    with AsyncCallsQueue(overlap_snapshot=mode == "overlapped") as queue:
+    manager = LocalCheckpointManager(tmp_path, session_id="job", device_snapshot=mode == "device")
+    with AsyncCallsQueue(overlap_snapshot=mode in ("overlapped", "device")) as queue:
         for it, layers, width in ((1, 2, 256), (2, 3, 256), (3, 3, 512), (4, 2, 128)):
             state = model_state(it, layers=layers, width=width)
             want = clone(state)
