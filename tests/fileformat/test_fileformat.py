@@ -195,6 +195,38 @@ def test_write_read_round_trip_property(
     assert fileformat.read_header(tmp_path / "part").extra == {"step": step}
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    first=st.lists(tensors(), min_size=1, max_size=5),
+    change=st.sampled_from(["none", "paths", "shape", "dtype", "count"]),
+    step=st.integers(),
+)
+def test_a_plan_like_an_earlier_one_is_the_plan_made_afresh(
+    first: list[torch.Tensor], change: str, step: int
+) -> None:
+    """``plan_part(flat, extra, like=earlier)`` (a saver's next save) equals a fresh plan to the
+    header byte, whatever changed in between; the layout is reused only where nothing did."""
+    second = list(first)  # plans read no tensor data
+    if change == "shape":
+        second[0] = torch.empty(first[0].numel() + 1, dtype=first[0].dtype)
+    elif change == "dtype":
+        other = torch.int8 if first[0].dtype != torch.int8 else torch.float32
+        second[0] = torch.empty(first[0].shape, dtype=other)
+    elif change == "count":
+        second.append(torch.ones(3))
+    earlier = fileformat.plan_part(tree.flatten({"t": first, "step": 0}), {"iteration": 1})
+    earlier.header_size()  # its layout's JSON made
+    key = "u" if change == "paths" else "t"
+    flat = tree.flatten({key: second, "step": step, "lr": 1e-3 * step})
+    reused = fileformat.plan_part(flat, {"iteration": step}, like=earlier)
+    fresh = fileformat.plan_part(flat, {"iteration": step})
+    assert reused == fresh
+    sums = [f"{i:016x}" for i in range(len(fresh.names))]
+    assert reused.header(sums) == fresh.header(sums)
+    assert reused.header_size() == fresh.header_size() == len(fresh.header(sums))
+    assert (reused.offsets is earlier.offsets) == (change == "none")
+
+
 def test_mixed_training_state_round_trips(tmp_path: Path) -> None:
     w = torch.randn(4, 3)
     state = {

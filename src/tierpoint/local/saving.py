@@ -103,6 +103,7 @@ class PartSaver:
         self._tier_in_memory: bool | None = None
         self._warming: threading.Thread | None = None
         self.in_place = InPlaceCopies(store)
+        self._last_plan: fileformat.PartPlan | None = None  # its layout serves the next save's plan
 
     def save(
         self, state: TensorAwareStateDict, iteration: int, is_async: bool = False
@@ -140,7 +141,8 @@ class PartSaver:
                 # left by a killed job would complete it together with another rank's new part.
                 self.store.remove_from(iteration)
                 flat = state.to_flat()
-                plan = fileformat.plan_part(flat, self._extra(iteration))
+                plan = fileformat.plan_part(flat, self._extra(iteration), like=self._last_plan)
+                self._last_plan = plan
                 if is_async and self.device_snapshot is not None:
                     flat, ticket = self._take_device_snapshot(flat, plan)
             if not is_async:
@@ -202,7 +204,10 @@ class PartSaver:
         flat = state.to_flat()
         # The header names the iteration: plan with one of about the next save's digits, so that
         # the spares have that save's size (a spare resized later is mapped and pinned anew).
-        plan = fileformat.plan_part(flat, self._extra((self.store.latest or 0) + 1))
+        plan = fileformat.plan_part(
+            flat, self._extra((self.store.latest or 0) + 1), like=self._last_plan
+        )
+        self._last_plan = plan
         self.store.ensure_dir()
         in_place = self._snapshots_in_place()
         device = copy_device(flat.tensors)
