@@ -123,7 +123,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self._paths = list(flat.paths)
         self._tensors: list[torch.Tensor] | None = list(flat.tensors)
         self._devices = list(devices)
-        self._meta = [(t.shape, t.dtype) for t in flat.tensors]
+        self._popped_meta: list[tuple[torch.Size, torch.dtype]] | None = None  # once hollow
         self._state: Any = None  # the nested state, once built or given
         self._handed_out = False  # whether :attr:`state_dict` gave it out (it may have changed)
 
@@ -168,9 +168,19 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     def is_hollow(self) -> bool:
         return self._tensors is None
 
+    @property
+    def _meta(self) -> list[tuple[torch.Size, torch.dtype]]:
+        """Each tensor's shape and dtype: kept when the tensors are popped, else read from them
+        (a save's wrapper makes no per-tensor objects it does not need)."""
+        if self._tensors is None:
+            assert self._popped_meta is not None
+            return self._popped_meta
+        return [(t.shape, t.dtype) for t in self._tensors]
+
     def pop_tensors(self) -> list[torch.Tensor]:
         self._sync()
         tensors = self.tensors
+        self._popped_meta = self._meta
         self._tensors = None
         return tensors
 

@@ -183,9 +183,14 @@ def plan_part(
     """Lay out a flattened state as a part file (validates dtypes; reads no tensor data).
     ``like``: an earlier plan, whose layout is reused when ``flat``'s tensors have the same paths,
     dtypes, shapes and devices (checked here)."""
+    # Lists of the tensors' own attributes (no tuple per tensor): compared with ``like``'s and then
+    # dropped, a steady save keeps no new objects for Python's garbage collector to track.
+    tensors = flat.tensors
     layout = (
-        tuple(flat.paths),
-        tuple([(t.dtype, t.shape, t.device) for t in flat.tensors]),
+        flat.paths,
+        [t.dtype for t in tensors],
+        [t.shape for t in tensors],
+        [t.device for t in tensors],
     )
     if like is not None and like._layout == layout:
         plan = PartPlan(
@@ -198,7 +203,7 @@ def plan_part(
             data_size=like.data_size,
             extra=dict(extra or {}),
         )
-        object.__setattr__(plan, "_layout", layout)
+        object.__setattr__(plan, "_layout", like._layout)
         object.__setattr__(plan, "_layout_json", like._layout_json)
         return plan
     for t, p in zip(flat.tensors, flat.paths):
@@ -226,5 +231,5 @@ def plan_part(
         data_size=cursor,
         extra=dict(extra or {}),
     )
-    object.__setattr__(plan, "_layout", layout)
+    object.__setattr__(plan, "_layout", (list(flat.paths), *layout[1:]))
     return plan
