@@ -417,6 +417,11 @@ def bench_training(
         every = cadence(key)
 
         def run() -> Metrics:
+            with GcPauses() as gc_pauses:
+                metrics = measure()
+            return {**metrics, f"train_{key}_gc": gc_pauses.seconds}
+
+        def measure() -> Metrics:
             if key == "none":
                 return {"train_none": train_run(trainer, args.steps, None)[0]}
             if key == "dcp25":
@@ -458,6 +463,29 @@ def bench_training(
         profile_training(key, variant(key))
     times["train_failures"] = [f"{k}: {v}" for k, v in failures.items()]  # type: ignore[list-item]
     return times, memory
+
+
+class GcPauses:
+    """Seconds Python's garbage collector ran (every thread stops meanwhile) while in the block:
+    a save that leaves many objects behind makes full collections of the training process's
+    whole heap come sooner."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 class _NoHook:
@@ -582,7 +610,7 @@ def print_training(
         f" {args.steps} steps a run, {args.train_reps} interleaved repetitions (medians)"
     )
     head = f"{'variant':50s} {'ms/step':>8s} {'vs none':>8s} {'range':>11s} {'ms/save':>8s}"
-    print(f"{head} {'sched':>8s} {'drain s':>8s} {'ceiling':>8s}")
+    print(f"{head} {'sched':>8s} {'drain s':>8s} {'ceiling':>8s} {'GC ms':>7s}")
     for key in ["none", *args.variants]:
         label, every = variant_label(key), cadence(key)
         if not times.get(f"train_{key}"):
@@ -603,8 +631,9 @@ def print_training(
         if key.startswith("tp") and floor_bps and times.get("train_none"):
             none = median(times["train_none"])
             ceiling = f"{none / (none + saves * state / floor_bps):7.3f}x"
+        gc_ms = f"{median(g) * 1e3:7.0f}" if (g := times.get(f"train_{key}_gc")) else ""
         line = f"{label:50s} {step_ms:8.1f} {ratio:7.3f}x {spread:>11s} {save_ms:>8s}"
-        print(f"{line} {sched_ms:>8s} {drain_s:>8s} {ceiling:>8s}")
+        print(f"{line} {sched_ms:>8s} {drain_s:>8s} {ceiling:>8s} {gc_ms:>7s}")
     print(
         "(ms/step until the last step's work is done; 'range': the lowest and highest ratio of"
         " one repetition to the run without checkpoints next to it; 'ms/save': the training"
@@ -612,7 +641,7 @@ def print_training(
         " save (save, schedule, optimizer hook); 'sched': the part in schedule_async_request\n"
         " (the previous save finishing); 'drain': the last save's finishing after it, paid once"
         " a job; 'ceiling': the throughput a save blocking for the pinned\n device-to-host floor"
-        " alone would leave)"
+        " alone would leave; 'GC ms': Python's garbage collector's pauses in a run)"
     )
     if none := times.get("train_none"):
         print(
