@@ -43,8 +43,9 @@ _ALIGN = 256
 """Byte alignment of each copy in a buffer (any dtype's, and CUDA's preferred)."""
 
 Layout = tuple[tuple[torch.device, torch.dtype, tuple[int, ...]], ...]
-Key = tuple[Layout, tuple[tuple[int, int], ...] | None]
-"""What the buffers are laid out for: the tensors' layout, and the plan's offsets for an image."""
+LaidOut = PartPlan | Layout
+"""What the buffers are laid out for: the plan (for an image; a plan made ``like`` it is the same
+layout, known at once), or without one the tensors' layout."""
 
 OVERWRITTEN = (
     "the device snapshot of this save was overwritten by a later save (a request that was not "
@@ -100,7 +101,7 @@ class DeviceSnapshot:
         self._free = threading.Event()
         self._free.set()
         self._generation = 0
-        self._key: Key | None = None
+        self._laid_out: LaidOut | None = None
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._views: list[torch.Tensor] = []
         self._image: torch.Tensor | None = None
@@ -149,20 +150,22 @@ class DeviceSnapshot:
         """Allocate (and touch) the buffers for ``tensors``' layout (and ``plan``, as ``take``
         would get it) ahead of the first ``take``; not while a snapshot reads them (the caller
         makes sure)."""
-        if self._key_of(tensors, plan) != self._key:
+        if not self._fits(tensors, plan):
             self._copies(tensors, plan)
             for buf in self._buffers.values():
                 buf.zero_()  # host pages faulted in now, not in the first save
 
-    @staticmethod
-    def _key_of(tensors: Sequence[torch.Tensor], plan: PartPlan | None) -> Key:
-        return _layout_of(tensors), None if plan is None else tuple(plan.offsets)
+    def _fits(self, tensors: Sequence[torch.Tensor], plan: PartPlan | None) -> bool:
+        """The buffers are laid out for ``tensors`` (and ``plan``, their part plan)."""
+        laid_out = self._laid_out
+        if plan is not None:
+            return isinstance(laid_out, PartPlan) and plan.same_layout_as(laid_out)
+        return isinstance(laid_out, tuple) and laid_out == _layout_of(tensors)
 
     def _copies(self, tensors: Sequence[torch.Tensor], plan: PartPlan | None) -> list[torch.Tensor]:
         """A place for each tensor in its device's buffer: the buffers and these views are made
         on a layout change, and reused as they are until the next one."""
-        key = self._key_of(tensors, plan)
-        if key == self._key:
+        if self._fits(tensors, plan):
             return list(self._views)
         image = None if plan is None else _image_device(tensors)
         offsets: list[int] = []
@@ -177,7 +180,7 @@ class DeviceSnapshot:
             offsets.append(at)
             sizes[t.device] = at + -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         # freed before the new ones are made (the memory is the cost); unusable until they are
-        self._buffers, self._views, self._image, self._key = {}, [], None, None
+        self._buffers, self._views, self._image, self._laid_out = {}, [], None, None
         for d, n in sizes.items():
             try:
                 self._buffers[d] = torch.empty(max(n, 1), dtype=torch.uint8, device=d)
@@ -197,7 +200,7 @@ class DeviceSnapshot:
         self._image = (
             None if plan is None or image is None else self._buffers[image][: plan.data_size]
         )
-        self._key = key
+        self._laid_out = plan if plan is not None else _layout_of(tensors)
         return list(self._views)
 
     @property
@@ -217,4 +220,4 @@ class DeviceSnapshot:
     def close(self) -> None:
         """Free the buffers (the next ``take`` makes new ones)."""
         with self._lock:
-            self._buffers, self._views, self._image, self._key = {}, [], None, None
+            self._buffers, self._views, self._image, self._laid_out = {}, [], None, None

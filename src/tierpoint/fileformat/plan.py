@@ -165,6 +165,13 @@ class PartPlan:
             self._layout_json["entries"] = f",{_dumps(entries)[1:-1]}" if entries else ""
         return self._layout_json["entries"]
 
+    def same_layout_as(self, other: PartPlan) -> bool:
+        """Planned from tensors of the same paths, dtypes, shapes and devices (so with the same
+        offsets): at once for a plan made ``like`` the other."""
+        return self._layout is not None and (
+            self._layout is other._layout or self._layout == other._layout
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
@@ -183,16 +190,7 @@ def plan_part(
     """Lay out a flattened state as a part file (validates dtypes; reads no tensor data).
     ``like``: an earlier plan, whose layout is reused when ``flat``'s tensors have the same paths,
     dtypes, shapes and devices (checked here)."""
-    # Lists of the tensors' own attributes (no tuple per tensor): compared with ``like``'s and then
-    # dropped, a steady save keeps no new objects for Python's garbage collector to track.
-    tensors = flat.tensors
-    layout = (
-        flat.paths,
-        [t.dtype for t in tensors],
-        [t.shape for t in tensors],
-        [t.device for t in tensors],
-    )
-    if like is not None and like._layout == layout:
+    if like is not None and _same_layout(flat, like._layout):
         plan = PartPlan(
             skeleton=flat.skeleton,
             names=like.names,
@@ -231,5 +229,30 @@ def plan_part(
         data_size=cursor,
         extra=dict(extra or {}),
     )
-    object.__setattr__(plan, "_layout", (list(flat.paths), *layout[1:]))
+    tensors = flat.tensors
+    layout = (
+        list(flat.paths),
+        [t.dtype for t in tensors],
+        [t.shape for t in tensors],
+        [t.device for t in tensors],
+    )
+    object.__setattr__(plan, "_layout", layout)
     return plan
+
+
+def _same_layout(flat: FlatState, layout: tuple | None) -> bool:
+    """``flat``'s tensors have the paths, dtypes, shapes and devices of ``layout`` (a plan's).
+    Compared tensor by tensor, so that each shape read is dropped at once: a steady save then
+    leaves nothing behind for Python's garbage collector to count."""
+    if layout is None:
+        return False
+    paths, dtypes, shapes, devices = layout
+    tensors = flat.tensors
+    return (
+        len(tensors) == len(shapes)
+        and flat.paths == paths
+        and all(
+            t.dtype is d and t.device == v and t.shape == s
+            for t, d, s, v in zip(tensors, dtypes, shapes, devices)
+        )
+    )
