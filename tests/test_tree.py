@@ -221,6 +221,21 @@ def test_tied_tensors_stored_once_and_restored_as_one_object() -> None:
     assert tree.tensor_count(flat.skeleton) == 2
 
 
+def test_skeletons_are_plain_json_data_that_later_flattens_never_change() -> None:
+    """A save's skeleton travels to the worker by pickle and into headers as JSON; skeletons of
+    later saves (which share nodes with it) must leave it as it was."""
+    first = tree.flatten({"w": [torch.zeros(2), torch.ones(3)], "step": 1})
+    kept = json.dumps(first.skeleton)
+    tree.flatten({"w": [torch.ones(2)], "x": {"y": torch.zeros(1)}, "step": 2})
+    assert json.dumps(first.skeleton) == kept
+    copied = pickle.loads(pickle.dumps(first.skeleton))
+    assert copied == first.skeleton and json.dumps(copied) == kept
+    copied["v"][0][0]["i"] = 5  # a copy is the caller's to change
+    with pytest.raises(TypeError):
+        first.skeleton["v"][0][0]["i"] = 5  # a shared node is not
+    assert tree.flatten({"w": [torch.zeros(2)]}).skeleton["v"][0][0] == {"~": "tensor", "i": 0}
+
+
 def test_tensor_paths_name_key_paths() -> None:
     state = {"model": {"layers": [{"w": torch.ones(1)}]}, 3: torch.ones(1), "t": (torch.ones(1),)}
     assert tree.flatten(state).paths == ["model.layers[0].w", "[3]", "t[0]"]
