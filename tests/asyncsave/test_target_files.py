@@ -115,7 +115,7 @@ def test_the_worker_keeps_a_spare_mapped_across_saves_and_unmaps_it_once_deleted
                 for t, (begin, _) in zip(flat.tensors, plan.offsets):
                     f.seek(plan.data_start() + begin)
                     f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-            worker.submit(k, seal_staged_part, (str(part), plan.to_json()), {})
+            worker.submit(k, seal_staged_part, (str(part), plan), {})
             call_id, ok, result, _ = _one_result(worker)
             assert (call_id, ok, result) == (k, True, plan.file_size())
             fileformat.verify(part)

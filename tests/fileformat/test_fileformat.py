@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import struct
@@ -225,6 +226,8 @@ def test_a_plan_like_an_earlier_one_is_the_plan_made_afresh(
     assert reused.header(sums) == fresh.header(sums)
     assert reused.header_size() == fresh.header_size() == len(fresh.header(sums))
     assert (reused.offsets is earlier.offsets) == (change == "none")
+    received = pickle.loads(pickle.dumps(reused))  # as a worker process gets it
+    assert received == fresh and received.header(sums) == fresh.header(sums)
 
 
 def test_mixed_training_state_round_trips(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ def test_a_staged_part_goes_into_a_recycled_spare_with_its_checksums(shm_dir, sp
     spare.write_bytes(b"\xab" * int(plan.file_size() * factor))  # old bytes the copy overwrites
     inode = spare.stat().st_ino
     path = shm_dir / "part.safetensors"
-    nbytes = write_staged_part(str(path), plan.to_json(), stager.buffer, recycle=str(spare))
+    nbytes = write_staged_part(str(path), plan, stager.buffer, recycle=str(spare))
     stager.close()
     assert nbytes == plan.file_size() == path.stat().st_size
     assert path.stat().st_ino == inode and not spare.exists()  # the spare's pages, reused
@@ -58,7 +58,7 @@ def test_without_a_spare_the_staged_part_is_written(shm_dir):
     state = _state(2)
     plan, stager = _stage(state)
     path = shm_dir / "part.safetensors"
-    write_staged_part(str(path), plan.to_json(), stager.buffer, recycle=str(shm_dir / "gone"))
+    write_staged_part(str(path), plan, stager.buffer, recycle=str(shm_dir / "gone"))
     stager.close()
     assert_bitwise_equal(fileformat.read(path), state)
 
@@ -70,6 +70,6 @@ def test_a_spare_too_small_for_a_full_ram_tier_fails_cleanly(tmp_path):
         spare = tier / "spare"
         spare.write_bytes(b"\0" * 4096)
         with pytest.raises(OSError, match="No space left"):
-            write_staged_part(str(tier / "part"), plan.to_json(), stager.buffer, str(spare))
+            write_staged_part(str(tier / "part"), plan, stager.buffer, str(spare))
         assert os.listdir(tier) == []  # the dirty file is gone with the spare's space
     stager.close()

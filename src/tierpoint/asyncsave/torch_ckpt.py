@@ -77,7 +77,7 @@ class TorchAsyncCheckpoint:
 
         request = AsyncRequest(
             torch_save_staged,
-            (plan.to_json(), *args),
+            (plan, *args),
             [],
             dict(kwargs),
             preload_fn=snapshot,
@@ -101,10 +101,9 @@ class TorchAsyncCheckpoint:
 
 
 def torch_save_staged(
-    plan: dict[str, Any], *args: Any, _staged: BufferRef | None = None, **kwargs: Any
+    part_plan: PartPlan, *args: Any, _staged: BufferRef | None = None, **kwargs: Any
 ) -> None:
     """Worker side: rebuild the state on the staging memory and ``torch.save`` it."""
-    part_plan = PartPlan.from_json(plan)
     data = resolve_buffer(_staged) if _staged is not None else memoryview(b"")
     tensors = []
     for (begin, end), dtype_name, shape in zip(

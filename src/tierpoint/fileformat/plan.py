@@ -3,7 +3,8 @@
 Call order: ``plan = plan_part(flat, extra)`` (checks that every tensor can be saved, reads no tensor
 data), then a writer (:mod:`tierpoint.fileformat.writing`) fills the data section in
 ``plan.file_order`` and writes ``plan.header(checksums)``. A :class:`PartPlan` is JSON-able
-(:meth:`PartPlan.to_json`), so a worker process can seal a part planned by the training process.
+(:meth:`PartPlan.to_json`, which is also how it pickles), so a worker process can seal a part planned
+by the training process.
 A saver planning the same layout again and again passes its last plan, ``plan_part(flat, extra,
 like=last)``: when the tensors' paths, dtypes, shapes and devices are unchanged, the layout and the
 header's layout-only JSON are reused (a save of a state of ~1000 tensors otherwise spends a few
@@ -90,6 +91,7 @@ class PartPlan:
         default_factory=dict, init=False, repr=False, compare=False
     )
     """JSON of the header that only the layout decides, made once, shared by the plans of a layout."""
+    _skeleton_json: str | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def file_order(self) -> list[int]:
@@ -128,7 +130,7 @@ class PartPlan:
         ``{"__metadata__": {"format", "tierpoint": <the inner document>, checksum}, **entries}``
         whole; the pieces only the layout decides are made once per layout."""
         inner = (
-            f'{{"version":{_dumps(FORMAT_VERSION)},"skeleton":{_dumps(self.skeleton)},'
+            f'{{"version":{_dumps(FORMAT_VERSION)},"skeleton":{self._skeleton_text()},'
             f'"extra":{_dumps(self.extra)},"tensors":{self._records_json(sums)}}}'
         )
         meta = (
@@ -172,12 +174,45 @@ class PartPlan:
             self._layout is other._layout or self._layout == other._layout
         )
 
+    def _skeleton_text(self) -> str:
+        if self._skeleton_json is None:
+            object.__setattr__(self, "_skeleton_json", _dumps(self.skeleton))
+        assert self._skeleton_json is not None
+        return self._skeleton_json
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        """Pickled (for a worker process) as :meth:`to_json`."""
+        return PartPlan.from_json, (self.to_json(),)
+
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        """The plan as JSON data: its skeleton and its layout lists as JSON text (made for the
+        header anyway, and once per layout), which pickle copies whole, where thousands of small
+        lists would each cost the sending training process time and objects."""
+        if "layout" not in self._layout_json:
+            layout = [self.names, self.dtypes, self.shapes, self.devices, self.offsets]
+            self._layout_json["layout"] = _dumps(layout)
+        return {
+            "skeleton_json": self._skeleton_text(),
+            "layout_json": self._layout_json["layout"],
+            "data_size": self.data_size,
+            "extra": self.extra,
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> PartPlan:
-        return cls(**{**doc, "offsets": [tuple(o) for o in doc["offsets"]]})
+        names, dtypes, shapes, devices, offsets = json.loads(doc["layout_json"])
+        plan = cls(
+            skeleton=json.loads(doc["skeleton_json"]),
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            devices=devices,
+            offsets=[tuple(o) for o in offsets],
+            data_size=doc["data_size"],
+            extra=doc["extra"],
+        )
+        object.__setattr__(plan, "_skeleton_json", doc["skeleton_json"])
+        return plan
 
 
 def _dumps(value: Any) -> str:

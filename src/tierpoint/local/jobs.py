@@ -16,8 +16,6 @@ worker keeps, :mod:`tierpoint.asyncsave.target_files`) and seals the file.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..asyncsave.target_files import mapped_file
 from ..asyncsave.worker import BufferRef, resolve_buffer
 from ..fileformat import PartPlan, seal_planned, write_planned
@@ -29,32 +27,30 @@ from ..staging import StagingBuffer
 
 def write_staged_part(
     path: str,
-    plan: dict[str, Any],
+    plan: PartPlan,
     buffer: StagingBuffer | BufferRef,
     recycle: str | None = None,
     checksums: list[str] | None = None,
 ) -> int:
     """Write a part file from a staging buffer laid out as ``plan`` (runs in the worker);
     ``checksums``: the tensors' checksums when the snapshot computed them already."""
-    part_plan = PartPlan.from_json(plan)
     data = resolve_buffer(buffer)
-    views = [data[begin:end] for begin, end in part_plan.offsets]
-    return write_planned(path, part_plan, views, recycle=recycle, checksums=checksums).nbytes
+    views = [data[begin:end] for begin, end in plan.offsets]
+    return write_planned(path, plan, views, recycle=recycle, checksums=checksums).nbytes
 
 
-def seal_staged_part(path: str, plan: dict[str, Any], checksums: list[str] | None = None) -> int:
+def seal_staged_part(path: str, plan: PartPlan, checksums: list[str] | None = None) -> int:
     """Finish a part file the snapshot filled in place (its dirty file; runs in the worker): hash it
     unless ``checksums`` came with it (on the lanes, from the file's kept mapping), write the
     header, fsync, rename."""
-    part_plan = PartPlan.from_json(plan)
     if checksums is None:
         dirty = str(dirty_name(path))
         try:
-            with mapped_file(dirty, part_plan.file_size()) as whole:
+            with mapped_file(dirty, plan.file_size()) as whole:
                 with memoryview(whole.numpy()) as data:
-                    start, offsets = part_plan.data_start(), part_plan.offsets
+                    start, offsets = plan.data_start(), plan.offsets
                     checksums = range_checksums(data, start, offsets, LANES)
         except BaseException:
             unlink_quietly(dirty)
             raise
-    return seal_planned(path, part_plan, checksums=checksums).nbytes
+    return seal_planned(path, plan, checksums=checksums).nbytes

@@ -372,7 +372,7 @@ class PartSaver:
         clique = self.replication is not None and not isinstance(self.replication, UserReplication)
         return AsyncRequest(
             seal_staged_part if in_place else write_staged_part,
-            (str(path), plan.to_json()),
+            (str(path), plan),
             [lambda: self.commit(iteration, keep, plan.data_size, start)],
             preload_fn=snapshot,
             abort_fns=[lambda: self.abort(iteration), *([ticket.release] if ticket else [])],
