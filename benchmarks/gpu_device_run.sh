@@ -37,7 +37,7 @@ if [ "$PART" = quick ]; then
     QUICK_TESTS="${QUICK_TESTS:-tests/gpu}"
     echo "==== $QUICK_TESTS in one process" >>"$OUT/tests.log"
     # shellcheck disable=SC2086  # QUICK_TESTS: one or more pytest paths
-    if timeout "${TESTS_TIMEOUT:-200}" "$PY" -m pytest -q -p no:cacheprovider $QUICK_TESTS \
+    if timeout "${TESTS_TIMEOUT:-230}" "$PY" -m pytest -q -p no:cacheprovider $QUICK_TESTS \
         >>"$OUT/tests.log" 2>&1; then
         echo "PASS $QUICK_TESTS in one process" | tee -a "$OUT/summary"
     else
@@ -46,7 +46,7 @@ if [ "$PART" = quick ]; then
     fi
     set -- --reps 3 --parts saves,memory,training --variants dv25,dv10,dv10w4 --train-reps 4 \
         --pairs 8 "$@"
-    BENCH_TIMEOUT="${BENCH_TIMEOUT:-360}"  # with the tests (200 s at most), a 580 s device call
+    BENCH_TIMEOUT="${BENCH_TIMEOUT:-340}"  # with the tests (230 s at most), a 590 s device call
 fi
 if [ "$PART" != bench ] && [ "$PART" != quick ]; then
 scenarios=$("$PY" -m pytest --collect-only -q -p no:cacheprovider tests/gpu 2>>"$OUT/tests.log" | grep '::')

@@ -24,6 +24,7 @@ FLOORS: dict[str, int] = {
     "tierpoint.fileformat": 1,
     "tierpoint.tree": 1,
     "tierpoint.dtensors": 1,  # below tree (a DTensor's node in a state tree)
+    "tierpoint.tensor_refs": 1,  # below tree (the shared nodes of tensors in a state tree)
     "tierpoint.tensor_aware": 1,
     # floor 2: staging and transfer
     "tierpoint.staging": 2,

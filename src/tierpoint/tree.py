@@ -40,7 +40,6 @@ from __future__ import annotations
 import base64
 import math
 import pickle
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ import torch
 from . import dtensors
 from .dtensors import SkeletonError
 from .errors import UnsupportedStateError
+from .tensor_refs import tensor_ref
 
 MAX_DEPTH = 200
 """Deepest nesting accepted on flatten and unflatten (JSON bombs in a header stop here)."""
@@ -60,38 +60,6 @@ _JSON_SAFE_INT = 2**53
 _TAG = "~"
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 """Tensor types that are never DTensors (exactly these types: a subclass may be one)."""
-
-
-class _TensorRef(dict):
-    """The skeleton node ``{"~": "tensor", "i": i}``, one object per index shared by every
-    skeleton ``flatten`` makes, hence read-only: a save of a state of thousands of tensors then
-    leaves no object per tensor for Python's garbage collector (whose full collections of a
-    training process's heap stop every thread). It pickles and copies as a plain dict."""
-
-    def _read_only(self, *_: Any, **__: Any) -> None:
-        raise TypeError("a skeleton's tensor references are shared and read-only")
-
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _read_only  # type: ignore[assignment]
-    __ior__ = _read_only  # type: ignore[assignment]
-
-    def __reduce__(self) -> tuple[type, tuple[dict]]:
-        return dict, (dict(self),)
-
-
-_SHARED_REFS = 1 << 16
-"""Tensor references kept for sharing (indices beyond get a fresh node each time)."""
-_tensor_refs: list[_TensorRef] = []  # _tensor_refs[i]["i"] == i; grows under the lock only
-_tensor_refs_growing = threading.Lock()
-
-
-def _tensor_ref(index: int) -> dict[str, Any]:
-    if index >= _SHARED_REFS:
-        return {_TAG: "tensor", "i": index}
-    if index >= len(_tensor_refs):
-        with _tensor_refs_growing:
-            while len(_tensor_refs) <= index:
-                _tensor_refs.append(_TensorRef({_TAG: "tensor", "i": len(_tensor_refs)}))
-    return _tensor_refs[index]
 
 
 @dataclass
@@ -146,7 +114,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
             ]
             return {_TAG: "odict" if type(obj) is OrderedDict else "dict", "k": keys, "v": values}
         if type(obj) in _PLAIN_TENSORS and obj.layout == torch.strided and not obj.is_nested:
-            return _tensor_ref(add_tensor(obj, path))  # not a DTensor: no check for one
+            return tensor_ref(add_tensor(obj, path))  # not a DTensor: no check for one
         if dtensors.is_dtensor(obj):
             desc = dtensors.describe(obj, path)
             return {_TAG: "dtensor", "i": add_tensor(dtensors.local_shard(obj), path), "d": desc}
@@ -155,7 +123,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
                 raise UnsupportedStateError(path, "nested tensors are not supported")
             if obj.is_sparse or obj.layout != torch.strided:
                 raise UnsupportedStateError(path, f"tensor layout {obj.layout} is not supported")
-            return _tensor_ref(add_tensor(obj, path))
+            return tensor_ref(add_tensor(obj, path))
         if type(obj) is int:
             return obj if -_JSON_SAFE_INT < obj < _JSON_SAFE_INT else {_TAG: "int", "v": str(obj)}
         if type(obj) is float:
