@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from tests.collectives import CountCollectives
 from tierpoint import storage
@@ -155,6 +156,56 @@ def test_single_process_cache_reuse(tmp_path):
     assert cache.planning_rounds == 1
     assert cache.get_metadata_caching_status() == (True, False)
     assert sorted(os.listdir(tmp_path)) == ["step-0", "step-1", "step-2"]
+
+
+def _fresh_local_plan(state: dict) -> object:
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    return planner.create_local_plan()
+
+
+def test_the_local_plan_is_reused_only_while_what_it_is_made_from_is_unchanged(tmp_path):
+    """Each save's local plan equals the one torch's planner makes afresh for its state; the
+    previous one is reused (the same object) exactly when keys, nesting, dtypes, shapes and
+    requires_grad are unchanged, and every checkpoint loads back."""
+
+    def t() -> torch.Tensor:
+        return torch.arange(6.0).reshape(2, 3)
+
+    states = [
+        ("first", {"a": torch.ones(4), "m": {"b": t()}, "n": 1}),
+        ("new values", {"a": torch.zeros(4), "m": {"b": t() + 1}, "n": 2}),
+        ("dtype", {"a": torch.zeros(4, dtype=torch.float64), "m": {"b": t()}, "n": 2}),
+        ("shape", {"a": torch.zeros(5, dtype=torch.float64), "m": {"b": t()}, "n": 2}),
+        (
+            "requires_grad",
+            {"a": torch.zeros(5, dtype=torch.float64), "m": {"b": t().requires_grad_()}, "n": 2},
+        ),
+        ("nesting", {"a": torch.zeros(5, dtype=torch.float64), "m.b": t(), "n": 2}),
+        (
+            "value to tensor",
+            {"a": torch.zeros(5, dtype=torch.float64), "m.b": t(), "n": torch.ones(1)},
+        ),
+        (
+            "unchanged again",
+            {"a": torch.ones(5, dtype=torch.float64), "m.b": t(), "n": torch.zeros(1)},
+        ),
+    ]
+    cache = CheckpointMetadataCache()
+    previous = None
+    for step, (change, state) in enumerate(states):
+        save(state, step_path(tmp_path, step), metadata_cache=cache)
+        plan = cache.cached_local_plan
+        assert plan == _fresh_local_plan(state), change
+        assert (plan is previous) == (change in ("new values", "unchanged again")), change
+        previous = plan
+        out = {
+            k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()
+        }
+        if isinstance(state.get("m"), dict):
+            out["m"] = {"b": torch.zeros_like(state["m"]["b"])}
+        dcp.load(out, checkpoint_id=step_path(tmp_path, step))
+        assert torch.equal(out["a"], state["a"]), change
 
 
 def test_own_async_requests_reuse_one_staging_buffer(tmp_path):

@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
@@ -44,6 +45,8 @@ class CheckpointMetadataCache:
         self.validated_loaded_metadata_reuse = False
         self.loaded_all_plans: list[SavePlan] | None = None
         self.planning_rounds = 0
+        self.local_layout: Any = None
+        """What ``cached_local_plan`` was made from (see :mod:`tierpoint.dcp.planning`)."""
         # The last commit of this cache's saves, the same on every rank: (digest of this rank's
         # write results, coordinator, world size); on the coordinator every rank's results too.
         self._committed: tuple[str, int, int] | None = None
