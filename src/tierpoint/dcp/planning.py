@@ -95,7 +95,11 @@ def save_state_dict_async_plan(
 
     local_plan: SavePlan | None = None
     layout: tuple | None = None  # what local_plan was made from, when it can be reused
-    reusable = cache is not None and default_planner
+    reusable = (  # torch's planner and this module's writer: nothing else shapes the local plan
+        cache is not None
+        and default_planner
+        and type(storage_writer).prepare_local_plan is Writer.prepare_local_plan
+    )
     error: BaseException | None = None
     try:
         require_state_dict(state_dict)
