@@ -140,6 +140,7 @@ def test_rejected_file_never_becomes_visible(tmp_path: Path, how: str) -> None:
 
 def _peer_dies(rank: int, world: int, tmp: str, late: bool) -> str:
     d = _setup_dir(tmp, rank, 1 << 20)
+    dist.barrier()  # every rank's process group is up: a rank gone during its set-up breaks others'
     if rank == 0:
         os._exit(3)  # the source is gone before sending anything
     if late:  # gone before the receive is even posted: gloo may refuse to post it
@@ -159,6 +160,7 @@ def test_dead_peer_gives_an_error_not_a_hang(tmp_path: Path, late: bool) -> None
 
 def _one_destination_gone(rank: int, world: int, tmp: str) -> str:
     _setup_dir(tmp, rank, 1 << 16)
+    dist.barrier()  # every rank's process group is up: a rank gone during its set-up breaks others'
     if rank == 1:
         os._exit(3)  # gone before the call
     time.sleep(1.0)
