@@ -105,6 +105,9 @@ class DeviceSnapshot:
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._views: list[torch.Tensor] = []
         self._image: torch.Tensor | None = None
+        # Indices of the tensors on each CUDA device, and of the others: fixed by the layout.
+        self._on_devices: dict[torch.device, list[int]] = {}
+        self._on_host: list[int] = []
 
     def take(
         self,
@@ -129,17 +132,10 @@ class DeviceSnapshot:
             copies = self._copies(tensors, plan)
             ticket.image = self._image
             with torch.no_grad():  # copy_ reads the data, not the autograd graph
-                cuda: dict[torch.device, list[int]] = {}
-                host = []
-                for k, t in enumerate(tensors):
-                    if t.device.type == "cuda":
-                        cuda.setdefault(t.device, []).append(k)
-                    else:
-                        host.append(k)
-                for device, ks in cuda.items():
+                for device, ks in self._on_devices.items():
                     with torch.cuda.device(device):  # the current stream: the training thread's
                         issue_copies([tensors[k] for k in ks], [copies[k] for k in ks], True)
-                if host:
+                if host := self._on_host:
                     copy_tensors([tensors[k] for k in host], [copies[k] for k in host], False)
         except BaseException:
             ticket.release()
@@ -181,6 +177,12 @@ class DeviceSnapshot:
             sizes[t.device] = at + -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         # freed before the new ones are made (the memory is the cost); unusable until they are
         self._buffers, self._views, self._image, self._laid_out = {}, [], None, None
+        self._on_devices, self._on_host = {}, []
+        for k, t in enumerate(tensors):
+            if t.device.type == "cuda":
+                self._on_devices.setdefault(t.device, []).append(k)
+            else:
+                self._on_host.append(k)
         for d, n in sizes.items():
             try:
                 self._buffers[d] = torch.empty(max(n, 1), dtype=torch.uint8, device=d)

@@ -58,7 +58,7 @@ MAX_DEPTH = 200
 
 _JSON_SAFE_INT = 2**53
 _TAG = "~"
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 """Tensor types that are never DTensors (exactly these types: a subclass may be one)."""
 
 
@@ -113,7 +113,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
                 for k, v in obj.items()
             ]
             return {_TAG: "odict" if type(obj) is OrderedDict else "dict", "k": keys, "v": values}
-        if type(obj) in _PLAIN_TENSORS and obj.layout == torch.strided and not obj.is_nested:
+        if type(obj) in PLAIN_TENSOR_TYPES and obj.layout == torch.strided and not obj.is_nested:
             return tensor_ref(add_tensor(obj, path))  # not a DTensor: no check for one
         if dtensors.is_dtensor(obj):
             desc = dtensors.describe(obj, path)

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import dist as tpdist
 from ..errors import CheckpointingError, error_text, failed_on_ranks
+from ..tree import PLAIN_TENSOR_TYPES
 from .metadata_cache import CheckpointMetadataCache, default_metadata_cache
 from .writer import Writer
 
@@ -192,12 +193,9 @@ def save_state_dict_async_plan(
     return ret
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 def _tensor_layout(value: Any) -> tuple | None:
     """What a plain tensor's write item is made from; None for a value written as bytes."""
-    if type(value) not in _PLAIN_TENSORS:
+    if type(value) not in PLAIN_TENSOR_TYPES:
         return None
     return (
         value.dtype,
@@ -212,7 +210,7 @@ def _tensor_layout(value: Any) -> tuple | None:
 def _own_items(value: Any) -> bool:
     """A value whose write items depend on more than its key and layout (a DTensor, a sharded
     tensor, another tensor subclass, an object that makes its own)."""
-    return type(value) not in _PLAIN_TENSORS and (
+    return type(value) not in PLAIN_TENSOR_TYPES and (
         isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__")
     )
 
