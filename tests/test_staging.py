@@ -102,3 +102,24 @@ def test_sealing_an_unprepared_or_wrong_sized_file_is_refused_and_removes_it(
 def test_ram_filesystems_are_recognised(tmp_path: Path) -> None:
     assert staging.in_memory_filesystem("/dev/shm")
     assert not staging.in_memory_filesystem(tmp_path / "missing")
+
+
+def test_a_buffers_views_are_made_once_per_layout_and_dropped_when_it_closes() -> None:
+    buf = staging.StagingBuffer(64)
+    made: list[str] = []
+
+    def views(key: str) -> object:
+        def make(data: torch.Tensor) -> list[torch.Tensor]:
+            made.append(key)
+            return [data[:8].view(torch.float32)]
+
+        return make
+
+    first = buf.views_for(("a", [1, 2]), views("a"))
+    assert buf.views_for(("a", [1, 2]), views("a")) is first  # an equal layout: the same views
+    first[0].fill_(2.0)
+    assert torch.equal(buf.tensor[:8].view(torch.float32), torch.full((2,), 2.0))
+    assert buf.views_for(("b",), views("b")) is not first
+    assert made == ["a", "b"]
+    buf.close()
+    assert buf._views is None  # nothing left that holds the mapping

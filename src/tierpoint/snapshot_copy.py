@@ -158,7 +158,7 @@ def copy_from_devices(
                 )
                 used.append(stream)
                 with torch.cuda.stream(stream):
-                    issue_copies([s.detach() for s, _ in pairs], [d for _, d in pairs], pinned)
+                    issue_copies([s for s, _ in pairs], [d for _, d in pairs], pinned)
                     done = torch.cuda.Event(blocking=True)
                     done.record(stream)
                 copied.append(done)

@@ -46,7 +46,7 @@ import itertools
 import mmap
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -92,6 +92,7 @@ class StagingBuffer:
         self._free = weakref.finalize(self, _unmap, self._pin, self._map, self.fd)
         self.offsets: list[tuple[int, int]] | None = None
         self.dtypes: list[str] | None = None
+        self._views: tuple[Any, list[torch.Tensor]] | None = None
 
     def populate(self) -> None:
         """Fault every page of the buffer in, writable, now (else the first copy into each page
@@ -122,6 +123,17 @@ class StagingBuffer:
         """The CUDA device the buffer is pinned for (None: not pinned)."""
         return self._pin.device
 
+    def views_for(
+        self, layout: Any, make: Callable[[torch.Tensor], list[torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """``make(self.tensor)``: views of the places of a layout's tensors in the buffer, made on
+        the first call for ``layout`` (any key that identifies it) and returned as they are while
+        it is unchanged: a steady save makes no views."""
+        held = self._views
+        if held is None or not (held[0] is layout or held[0] == layout):
+            held = self._views = (layout, make(self.tensor))
+        return held[1]
+
     def link(self, path: str | os.PathLike) -> None:
         """Give a file-backed buffer the name ``path`` (same file system; an existing file there is
         replaced). The buffer's memory is then that file's content."""
@@ -139,6 +151,7 @@ class StagingBuffer:
     def close(self) -> None:
         """Unpin, unmap and close the buffer (idempotent)."""
         self.__dict__.pop("tensor", None)
+        self._views = None
         self._free()
 
 

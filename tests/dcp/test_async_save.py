@@ -237,8 +237,12 @@ def test_a_save_the_queue_cannot_take_releases_its_directory(tmp_path):
         w.data = torch.zeros(10)  # the state changes between planning and snapshot
         queue.schedule_async_request(failing)
         w.data = torch.arange(1000.0)
-        with pytest.raises(CheckpointingError, match="step-2 failed on rank 0: snapshot failed"):
+        with pytest.raises(
+            CheckpointingError, match="step-2 failed on rank 0: snapshot failed"
+        ) as e:
             async_save(state, step_path(tmp_path, 3), queue=queue)
+        changed = "w: planned torch.float32 [1000], found torch.float32 [10] (the state changed"
+        assert changed in str(e.value)
         assert not os.path.exists(step_path(tmp_path, 3))  # nothing of it is left
         async_save(state, step_path(tmp_path, 3), queue=queue).result(timeout=120)
     out = {"w": torch.zeros(1000)}

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import StagingPool, async_save, async_save_request, save, step_path
 from tierpoint.dcp import snapshot as writer  # the snapshot's copying and in-place naming
+from tierpoint.dcp.file_plan import RankFiles
 from tierpoint.errors import CheckpointingError
 from tierpoint.staging import StagingBuffer
 from tierpoint.testing import run_ranks
@@ -209,3 +210,29 @@ def test_saving_again_with_fewer_ranks_leaves_none_of_the_earlier_files(tmp_path
     names = os.listdir(path)
     assert ".metadata" in names and not [n for n in names if n.startswith(("__1_", "__2_"))]
     _assert_loads(path, _state(2))
+
+
+@pytest.mark.parametrize("where", ["disk", "ram"])
+def test_steady_saves_make_no_staging_views_in_the_trainer(where, tmp_path, shm_dir, monkeypatch):
+    """The views of each tensor's place in the staging memory come with the buffer: made once for
+    a reused buffer (disk), in the background with each spare (RAM): none in a steady save."""
+    made_by: list[str] = []
+    make_views = RankFiles.views
+
+    def counted(self: RankFiles, data: torch.Tensor) -> list[torch.Tensor]:
+        made_by.append(threading.current_thread().name)
+        return make_views(self, data)
+
+    monkeypatch.setattr(RankFiles, "views", counted)
+    root = shm_dir if where == "ram" else str(tmp_path)
+    pool = StagingPool()
+    state = _state(1)
+    with AsyncCallsQueue() as queue:
+        for step in range(1, 5):
+            expected = _save(state, step_path(root, step), queue, pool)
+            _assert_loads(step_path(root, step), expected)
+        pool.wait_for_spare(60)
+    pool.close()
+    assert made_by.count("MainThread") == 1  # for the first save's new buffer only
+    spares = made_by.count("tierpoint-spare-staging")
+    assert (spares, len(made_by)) == ((0, 1) if where == "disk" else (4, 5))

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -41,11 +42,14 @@ SUFFIX = ".distcp"
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """One tensor record: plan item ``item`` at file offset ``offset``."""
+    """One tensor record: plan item ``item`` (a tensor of ``dtype`` and ``shape``) at file offset
+    ``offset``."""
 
     item: int
     offset: int
     template: RecordTemplate
+    dtype: torch.dtype
+    shape: torch.Size
 
     @property
     def data_offset(self) -> int:
@@ -102,6 +106,17 @@ class RankFiles:
     def names(self) -> list[str]:
         return [f.name for f in self.files]
 
+    def views(self, staging: torch.Tensor) -> list[torch.Tensor]:
+        """The place of each tensor that has bytes in ``staging`` (uint8, :attr:`staging_bytes`
+        long), viewed as that tensor, in file and slot order."""
+        views = []
+        for f in self.files:
+            for s in f.tensors:
+                if s.template.nbytes:
+                    at = f.staging_base + s.data_offset
+                    views.append(staging[at : at + s.template.nbytes].view(s.dtype).view(s.shape))
+        return views
+
     def with_token(self, token: str) -> RankFiles:
         """The same files named for the save ``token`` (the layout ``key`` stays the same)."""
         if not token:
@@ -119,6 +134,11 @@ def remove_token(name: str, token: str) -> str:
     """The inverse of :func:`add_token` (a name without ``token`` is returned as it is)."""
     tagged = f".{token}{SUFFIX}"
     return name.removesuffix(tagged) + SUFFIX if token and name.endswith(tagged) else name
+
+
+def _slot(item: int, offset: int, template: RecordTemplate, plan: SavePlan) -> TensorSlot:
+    data = plan.items[item].tensor_data
+    return TensorSlot(item, offset, template, data.properties.dtype, torch.Size(data.chunk.sizes))
 
 
 def _template(item) -> RecordTemplate:  # noqa: ANN001 - a torch WriteItem
@@ -145,7 +165,7 @@ def plan_files(plan: SavePlan, prefix: str, thread_count: int) -> RankFiles:
         slots: list[TensorSlot] = []
         offset = 0
         for i in items:
-            slots.append(TensorSlot(i, offset, templates[i]))
+            slots.append(_slot(i, offset, templates[i], plan))
             offset = aligned(offset + templates[i].length)
         end = slots[-1].offset + slots[-1].template.length if slots else 0
         files.append(

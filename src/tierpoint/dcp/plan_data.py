@@ -3,7 +3,7 @@ resolves for this rank's items, and the file layouts of recent plans.
 
 Call order (inside :class:`~tierpoint.dcp.writer.Writer`): :func:`files_for` lays out the files of
 a final local plan (memoised: a cached central plan is the same object at every save); writing
-then resolves each item's data (:func:`planned_tensor`, :func:`resolve_bytes`, or the views a
+then resolves each item's data (:func:`planned_tensors`, :func:`resolve_bytes`, or the views a
 synchronous save writes: :func:`file_contents`) and sizes the serialized values
 (:func:`byte_sizes`) for the write results.
 
@@ -18,7 +18,7 @@ import io
 from collections import OrderedDict
 
 import torch
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
 from ..errors import CheckpointingError
 from ..fileformat.tensor_bytes import cpu_contiguous
@@ -57,6 +57,22 @@ def planned_tensor(plan: SavePlan, planner: SavePlanner, item_index: int) -> tor
             f"{plan.items[item_index].index.fqn}: planned a tensor, got {type(data)}"
         )
     return data.detach()
+
+
+def planned_tensors(plan: SavePlan, planner: SavePlanner) -> list[torch.Tensor | None]:
+    """The tensor of each plan item as the planner resolves it (``None`` for a bytes item): not
+    detached, for copies made without autograd (a detached alias would be one more object per
+    tensor and save)."""
+    out: list[torch.Tensor | None] = []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            out.append(None)
+            continue
+        data = planner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointingError(f"{item.index.fqn}: planned a tensor, got {type(data)}")
+        out.append(data)
+    return out
 
 
 def resolve_bytes(plan: SavePlan, planner: SavePlanner, files: RankFiles) -> list[list[bytes]]:

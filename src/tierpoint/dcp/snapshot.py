@@ -6,7 +6,8 @@ Call order (inside :meth:`~tierpoint.dcp.writer.Writer.snapshot`, in the trainer
 :func:`stages_in_place` decides at planning whether the save stages in place (a local RAM file
 system); with a :class:`~tierpoint.staging.SourceFile`, :func:`source_pieces` first lays out each
 file as record bytes and ranges of the source (the worker reads the ranges: nothing is staged);
-otherwise :func:`copy_pairs` matches each planned tensor with its place in the staging buffer;
+otherwise :func:`copy_pairs` matches each planned tensor with its place in the staging buffer
+(views made once per buffer and layout: the pool makes them with the buffer);
 :func:`fill` pins the buffer (once) and copies; for in-place staging :func:`name_in_place` appends
 the non-tensor values and links the file into the step directory.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,29 +37,24 @@ from ..files import in_memory_filesystem
 from ..pinning import copy_device
 from ..snapshot_copy import Streams, copy_tensors
 from ..staging import SourceFile, StagingBuffer
-from .file_plan import RankFiles, file_views
+from .file_plan import RankFiles, TensorSlot, file_views
 
 logger = logging.getLogger("tierpoint")
 
 
 def copy_pairs(
-    plan: SavePlan,
-    files: RankFiles,
-    buf: StagingBuffer,
-    data_of: Callable[[int], torch.Tensor],
+    plan: SavePlan, files: RankFiles, buf: StagingBuffer, tensors: Sequence[torch.Tensor | None]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each planned tensor (``data_of(item index)``) and the view of its place in ``buf``, checked
-    against the plan."""
-    sources, targets = [], []
+    """Each planned tensor that has bytes (``tensors``: by plan item) and the view of its place in
+    ``buf`` (made once per buffer and layout, see :meth:`~tierpoint.staging.StagingBuffer.
+    views_for`), checked against the plan."""
+    sources = []
     for f in files.files:
         for slot in f.tensors:
-            begin = f.staging_base + slot.data_offset
-            raw = buf.tensor[begin : begin + slot.template.nbytes]
-            src = _checked(plan, slot.item, data_of)
-            if raw.numel():
+            src = _checked(plan, slot, tensors[slot.item])
+            if slot.template.nbytes:
                 sources.append(src)
-                targets.append(raw.view(src.dtype).view(src.shape))
-    return sources, targets
+    return sources, buf.views_for(files.key, files.views)
 
 
 Pieces = list[list[Any]]
@@ -67,7 +63,7 @@ Pieces = list[list[Any]]
 
 
 def source_pieces(
-    plan: SavePlan, files: RankFiles, source: SourceFile, data_of: Callable[[int], torch.Tensor]
+    plan: SavePlan, files: RankFiles, source: SourceFile, tensors: Sequence[torch.Tensor | None]
 ) -> Pieces | None:
     """Each file's tensor section as pieces, every planned tensor's bytes a range of ``source``
     (checked against the plan); ``None`` when some tensor's bytes are not in ``source``."""
@@ -75,7 +71,7 @@ def source_pieces(
     for f in files.files:
         ranges = []
         for slot in f.tensors:
-            src = _checked(plan, slot.item, data_of)
+            src = _checked(plan, slot, tensors[slot.item])
             at = source.offset_of(src) if slot.template.nbytes else 0
             if at is None:
                 fqn = plan.items[slot.item].index.fqn
@@ -92,15 +88,13 @@ def source_pieces(
     return out
 
 
-def _checked(plan: SavePlan, index: int, data_of: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """The tensor of item ``index``, refused if its dtype or shape differs from the plan."""
-    item = plan.items[index]
-    dtype, shape = item.tensor_data.properties.dtype, tuple(item.tensor_data.chunk.sizes)
-    src = data_of(index)
-    if tuple(src.shape) != shape or src.dtype != dtype:
+def _checked(plan: SavePlan, slot: TensorSlot, src: torch.Tensor | None) -> torch.Tensor:
+    """The tensor of ``slot``, refused if its dtype or shape differs from the plan."""
+    if src is None or src.dtype is not slot.dtype or src.shape != slot.shape:
+        found = "nothing" if src is None else f"{src.dtype} {list(src.shape)}"
         raise CheckpointingError(
-            f"{item.index.fqn}: planned {dtype} {list(shape)}, found {src.dtype} "
-            f"{list(src.shape)} (the state changed after planning)"
+            f"{plan.items[slot.item].index.fqn}: planned {slot.dtype} {list(slot.shape)}, found "
+            f"{found} (the state changed after planning)"
         )
     return src
 

@@ -249,9 +249,11 @@ def _allocate(files: RankFiles, directory: str | None = None) -> StagingBuffer:
 
 
 def _templated(buf: StagingBuffer, files: RankFiles) -> StagingBuffer:
-    """``buf`` with ``files``' templates written (closed if that fails)."""
+    """``buf`` with ``files``' templates written and its tensors' views made (closed if that
+    fails)."""
     try:
         _write_templates(buf, files)
+        buf.views_for(files.key, files.views)  # a spare's in the background, not in the save
     except BaseException:
         buf.close()
         raise

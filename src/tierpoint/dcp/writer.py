@@ -73,7 +73,7 @@ from .file_plan import RankFiles
 from .jobs import write_staged, write_with_manifest
 from .metadata_file import publish_metadata, refuse_complete
 from .names import METADATA_NAME, checkpoint_id_or_path, marker_name
-from .plan_data import byte_sizes, file_contents, files_for, planned_tensor, resolve_bytes
+from .plan_data import byte_sizes, file_contents, files_for, planned_tensors, resolve_bytes
 from .snapshot import copy_pairs, fill, name_in_place, source_pieces, stages_in_place
 from .staging_pool import StagingPool
 
@@ -148,6 +148,7 @@ class Writer(StorageWriter):
         self._prefix = ""
         self._in_place = False  # the async save's staging memory is the checkpoint file itself
         self._training_streams: Streams = {}  # taken in the trainer, for an overlapped snapshot
+        self._tensors: list[torch.Tensor | None] = []  # the async save's, by plan item
         self._busy_key: str | None = None  # this writer's claim (see directory.claim)
         self.earlier_files: list[str] = []
         """Data files and ``.metadata`` of an earlier save this rank saw at set-up (local paths)."""
@@ -284,9 +285,9 @@ class Writer(StorageWriter):
         self._claim()
         # A state with CUDA tensors stages in the pool's reused pinned memory, not in place: every
         # in-place file would be pinned anew, which costs the trainer more than the worker's writing.
-        self._training_streams = training_streams(
-            [self._planner_data(s.item) for f in files.files for s in f.tensors]
-        )
+        assert self._planner is not None
+        self._tensors = planned_tensors(plan, self._planner)  # once a save: the snapshot's too
+        self._training_streams = training_streams([t for t in self._tensors if t is not None])
         on_device = bool(self._training_streams)
         self._in_place = stages_in_place(self.path) and not on_device and not self.source_file
         if self._in_place:  # one file per rank: there is no writing left to share among threads
@@ -307,12 +308,17 @@ class Writer(StorageWriter):
         source file, only say where (the worker reads them there); serialize non-tensor values.
         When staging in place, also name the filled file: the worker then only makes it durable."""
         plan, files = self._require_plan()
+        tensors, self._tensors = self._tensors, []  # not held once copied
+        if len(tensors) != len(plan.items):
+            raise CheckpointingError(
+                "Writer: get_save_function_and_args() must run before snapshot"
+            )
         source = self.source_file
-        pieces = source_pieces(plan, files, source, self._planner_data) if source else None
+        pieces = source_pieces(plan, files, source, tensors) if source else None
         step_dir = storage.local_path(self.path) if self._in_place else None
         buf = self._buffer = self.pool.acquire(files, step_dir) if pieces is None else None
         if buf is not None:
-            sources, targets = copy_pairs(plan, files, buf, self._planner_data)
+            sources, targets = copy_pairs(plan, files, buf, tensors)
             fill(buf, sources, targets, self._training_streams)
         byte_records = self._resolve_bytes()
         self._keep_results(files.write_results(plan, byte_sizes(files, byte_records)))
@@ -379,7 +385,7 @@ class Writer(StorageWriter):
         self._results, self.results_token = results, self.file_token
 
     def _forget_plan(self) -> None:
-        self._plan, self._planner, self._files = None, None, None
+        self._plan, self._planner, self._files, self._tensors = None, None, None, []
 
     def _claim(self, check_only: bool = False) -> None:
         """Refuse if another writer's async save is in flight into this directory in this process;
@@ -401,10 +407,6 @@ class Writer(StorageWriter):
         if self._plan is None or self._files is None:
             raise CheckpointingError("Writer: prepare_write_data() must run before writing")
         return self._plan, self._files
-
-    def _planner_data(self, item_index: int) -> torch.Tensor:
-        assert self._plan is not None and self._planner is not None
-        return planned_tensor(self._plan, self._planner, item_index)
 
     def _resolve_bytes(self) -> list[list[bytes]]:
         """The serialized non-tensor values, per file."""
