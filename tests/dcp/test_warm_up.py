@@ -80,3 +80,26 @@ def test_warm_up_takes_torch_dcp_checkpoint_id(tmp_path):
     warm_up(_state(1), checkpoint_id=step_path(tmp_path, 1), staging_pool=pool)
     assert pool.wait_for_spare(60) and pool.allocations == 1
     pool.close()
+
+
+def test_after_warm_up_the_first_save_lays_out_its_files_without_serializing_a_tensor(
+    tmp_path, monkeypatch
+):
+    """warm_up makes each tensor's torch.save record bytes (per dtype and shape) ahead: the first
+    save, which lays out its files, finds them made."""
+    state = _state(3, rows=317)  # shapes no other test saves
+    pool = StagingPool()
+    warm_up(state, step_path(tmp_path, 1), staging_pool=pool)
+    serialized: list[str] = []
+    real_save = torch.save
+
+    def counted(obj: object, *args: object, **kwargs: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            serialized.append(f"{obj.dtype} {list(obj.shape)}")
+        real_save(obj, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counted)
+    with AsyncCallsQueue() as queue:
+        _save_and_check(state, step_path(tmp_path, 1), queue, pool)
+    pool.close()
+    assert serialized == []

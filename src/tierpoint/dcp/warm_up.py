@@ -6,11 +6,13 @@ Call order (every rank, not collective)::
     ...                                                               # train
     tierpoint.dcp.async_save(state_dict, step_path(base, first_step))  # finds its buffer ready
 
-:func:`warm_up` reads the state's tensor sizes and devices and asks the staging pool for one buffer
-of an upper bound of the save's tensor sections (:meth:`StagingPool.warm_up`: allocated, its pages
-faulted in, pinned for CUDA tensors, in a background thread); the first save without a buffer of
-its layout takes it. Planning is not done here (it is collective, and the layout a save stages is
-known only after it), so the bound is taken from the state alone.
+:func:`warm_up` reads the state's tensor sizes and devices, makes the ``torch.save`` record bytes of
+each tensor's dtype and shape (cached: the first save's files are laid out from them), and asks the
+staging pool for one buffer of an upper bound of the save's tensor sections
+(:meth:`StagingPool.warm_up`: allocated, its pages faulted in, pinned for CUDA tensors, in a
+background thread); the first save without a buffer of its layout takes it. Planning is not done
+here (it is collective, and the layout a save stages is known only after it), so the bound is taken
+from the state alone.
 
 Invariants: nothing is written to the checkpoint directory; a warm-up that fails is a WARNING and
 the first save allocates as it would have; host memory: at most one warmed buffer per pool.
@@ -31,6 +33,7 @@ from .saving import stateful_to_state_dict
 from .snapshot import stages_in_place
 from .staging_pool import StagingPool
 from .step_dirs import checkpoint_id_or_path
+from .torch_save_bytes import record_template
 from .writer import DEFAULT_POOL
 
 
@@ -57,6 +60,8 @@ def warm_up(
         existing = _existing_dir(storage.local_path(path))
         if existing is not None and stages_in_place(existing):
             in_place_dir = existing
+    for t in tensors:  # the first save's file layout then finds each record's bytes made
+        record_template(t.dtype, tuple(t.shape))
     pool = staging_pool if staging_pool is not None else DEFAULT_POOL
     pool.warm_up(
         staging_bound([t.numel() * t.element_size() for t in tensors]), device, in_place_dir

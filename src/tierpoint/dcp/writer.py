@@ -243,10 +243,10 @@ class Writer(StorageWriter):
     # ---------------------------------------------------------------------- tierpoint's flow
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
-        """Remember the final local plan and lay out this rank's files (cached per plan)."""
+        """Remember the final local plan (this rank's files are laid out from it, cached per plan)."""
         prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
         self._plan, self._planner, self._prefix = plan, planner, prefix
-        self._files = self._named_files(self.thread_count)
+        self._files = None  # laid out when first needed: an async save in place makes one file
         self._results = None
         self.write_error = None
 
@@ -281,17 +281,16 @@ class Writer(StorageWriter):
         ``preload_fn`` snapshots the state into a staging buffer (blocking, in the trainer) and
         returns the keyword arguments that complete ``async_fn``'s call in the worker.
         """
-        plan, files = self._require_plan()
+        plan, planner = self._require_planner()
         self._claim()
+        self._tensors = planned_tensors(plan, planner)  # once a save: the snapshot's too
+        self._training_streams = training_streams([t for t in self._tensors if t is not None])
         # A state with CUDA tensors stages in the pool's reused pinned memory, not in place: every
         # in-place file would be pinned anew, which costs the trainer more than the worker's writing.
-        assert self._planner is not None
-        self._tensors = planned_tensors(plan, self._planner)  # once a save: the snapshot's too
-        self._training_streams = training_streams([t for t in self._tensors if t is not None])
         on_device = bool(self._training_streams)
         self._in_place = stages_in_place(self.path) and not on_device and not self.source_file
-        if self._in_place:  # one file per rank: there is no writing left to share among threads
-            self._files = files = self._named_files(1)
+        # in place: one file per rank, there is no writing left to share among threads
+        self._files = files = self._named_files(1 if self._in_place else self.thread_count)
         args = (
             self.path,
             [(f.name, f.staging_base, f.tensor_bytes) for f in files.files],
@@ -403,10 +402,18 @@ class Writer(StorageWriter):
     def _remove(self, name: str) -> None:
         storage.remove(self._url(name), storage_options=self.storage_options, upload=self.upload)
 
-    def _require_plan(self) -> tuple[SavePlan, RankFiles]:
-        if self._plan is None or self._files is None:
+    def _require_planner(self) -> tuple[SavePlan, SavePlanner]:
+        if self._plan is None or self._planner is None:
             raise CheckpointingError("Writer: prepare_write_data() must run before writing")
-        return self._plan, self._files
+        return self._plan, self._planner
+
+    def _require_plan(self) -> tuple[SavePlan, RankFiles]:
+        """The plan and this rank's files (laid out for ``thread_count`` files when first asked
+        for, unless an async save laid them out already)."""
+        plan, _ = self._require_planner()
+        if self._files is None:
+            self._files = self._named_files(self.thread_count)
+        return plan, self._files
 
     def _resolve_bytes(self) -> list[list[bytes]]:
         """The serialized non-tensor values, per file."""
