@@ -20,6 +20,7 @@ the first save allocates as it would have; host memory: at most one warmed buffe
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from .staging_pool import StagingPool
 from .step_dirs import checkpoint_id_or_path
 from .torch_save_bytes import record_template
 from .writer import DEFAULT_POOL
+
+logger = logging.getLogger("tierpoint")
 
 
 def warm_up(
@@ -60,8 +63,11 @@ def warm_up(
         existing = _existing_dir(storage.local_path(path))
         if existing is not None and stages_in_place(existing):
             in_place_dir = existing
-    for t in tensors:  # the first save's file layout then finds each record's bytes made
-        record_template(t.dtype, tuple(t.shape))
+    try:  # the first save's file layout then finds each record's bytes made
+        for t in tensors:
+            record_template(t.dtype, tuple(t.shape))
+    except Exception as e:  # noqa: BLE001 - a warm-up never fails the job
+        logger.warning("warm_up: the tensors' record bytes are left to the first save (%s)", e)
     pool = staging_pool if staging_pool is not None else DEFAULT_POOL
     pool.warm_up(
         staging_bound([t.numel() * t.element_size() for t in tensors]), device, in_place_dir

@@ -40,10 +40,8 @@ Invariants:
   coordinator's marker stays, so the step never counts as complete.)
 - Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the file.
 
-Beside it: the directory's markers, claims and clean-up in :mod:`~tierpoint.dcp.directory`, the
-``.metadata`` file in :mod:`~tierpoint.dcp.metadata_file`, the planned items' data and file layouts
-in :mod:`~tierpoint.dcp.plan_data`, the snapshot's copying in :mod:`~tierpoint.dcp.snapshot`, the
-worker's job in :mod:`~tierpoint.dcp.jobs`.
+Beside it in :mod:`tierpoint.dcp`: ``directory`` (markers, claims, clean-up), ``metadata_file``,
+``plan_data`` (the items' data, the file layouts), ``snapshot`` and ``jobs`` (the worker's).
 """
 
 from __future__ import annotations
@@ -257,8 +255,7 @@ class Writer(StorageWriter):
             plan, files = self._require_plan()
             byte_records = self._resolve_bytes()
             results = files.write_results(plan, byte_sizes(files, byte_records))
-            assert self._planner is not None
-            contents = file_contents(plan, self._planner, files, byte_records)
+            contents = file_contents(plan, self._require_planner()[1], files, byte_records)
             write_with_manifest(
                 self.path,
                 contents,
@@ -287,9 +284,9 @@ class Writer(StorageWriter):
         self._training_streams = training_streams([t for t in self._tensors if t is not None])
         # A state with CUDA tensors stages in the pool's reused pinned memory, not in place: every
         # in-place file would be pinned anew, which costs the trainer more than the worker's writing.
+        # In place, one file per rank: there is no writing left to share among threads.
         on_device = bool(self._training_streams)
         self._in_place = stages_in_place(self.path) and not on_device and not self.source_file
-        # in place: one file per rank, there is no writing left to share among threads
         self._files = files = self._named_files(1 if self._in_place else self.thread_count)
         args = (
             self.path,
@@ -308,10 +305,7 @@ class Writer(StorageWriter):
         When staging in place, also name the filled file: the worker then only makes it durable."""
         plan, files = self._require_plan()
         tensors, self._tensors = self._tensors, []  # not held once copied
-        if len(tensors) != len(plan.items):
-            raise CheckpointingError(
-                "Writer: get_save_function_and_args() must run before snapshot"
-            )
+        assert len(tensors) == len(plan.items), "get_save_function_and_args() runs first"
         source = self.source_file
         pieces = source_pieces(plan, files, source, tensors) if source else None
         step_dir = storage.local_path(self.path) if self._in_place else None
@@ -396,11 +390,9 @@ class Writer(StorageWriter):
         directory.release(self._busy_key)
         self._busy_key = None
 
-    def _url(self, name: str) -> str:
-        return storage.join(self.path, name)
-
     def _remove(self, name: str) -> None:
-        storage.remove(self._url(name), storage_options=self.storage_options, upload=self.upload)
+        url = storage.join(self.path, name)
+        storage.remove(url, storage_options=self.storage_options, upload=self.upload)
 
     def _require_planner(self) -> tuple[SavePlan, SavePlanner]:
         if self._plan is None or self._planner is None:
@@ -408,8 +400,7 @@ class Writer(StorageWriter):
         return self._plan, self._planner
 
     def _require_plan(self) -> tuple[SavePlan, RankFiles]:
-        """The plan and this rank's files (laid out for ``thread_count`` files when first asked
-        for, unless an async save laid them out already)."""
+        """The plan and this rank's files (laid out when first asked for)."""
         plan, _ = self._require_planner()
         if self._files is None:
             self._files = self._named_files(self.thread_count)
@@ -418,8 +409,7 @@ class Writer(StorageWriter):
     def _resolve_bytes(self) -> list[list[bytes]]:
         """The serialized non-tensor values, per file."""
         plan, files = self._require_plan()
-        assert self._planner is not None
-        return resolve_bytes(plan, self._planner, files)
+        return resolve_bytes(plan, self._require_planner()[1], files)
 
 
 def _new_file_token() -> str:
