@@ -46,7 +46,8 @@ def model_state(seed: int, layers: int = 4, width: int = 256, device: str = DEVI
 def odd_state(seed: int, device: str = DEVICE) -> dict:
     """Tensors as real states hold them besides plain weights: views (transposed, sliced, at an
     offset into their storage, expanded, channels-last), one tensor under two keys (tied
-    weights), a 0-dim and an empty one, small and integer dtypes, and a CPU tensor beside them."""
+    weights), a 0-dim and an empty one, small and integer dtypes, a parameter that requires grad
+    (a state of module parameters, not of ``state_dict()``), and a CPU tensor beside them."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(64, 48, generator=g).to(device)
     tied = torch.randn(32, 16, generator=g).to(device)
@@ -65,6 +66,7 @@ def odd_state(seed: int, device: str = DEVICE) -> dict:
         "float16": torch.randn(9, 3, generator=g).half().to(device),
         "bfloat16": torch.randn(7, generator=g).bfloat16().to(device),
         "int64": torch.arange(13, device=device) * seed,
+        "parameter": torch.nn.Parameter(torch.randn(6, 4, generator=g).to(device)),
         "on_cpu": torch.randn(5, generator=g),
     }
 
@@ -83,7 +85,8 @@ def scribble(state: object) -> None:
     if isinstance(state, torch.Tensor):
         if state.numel() > 1 and 0 in state.stride():
             return  # an expanded view: its elements share memory (in-place ops refuse it)
-        state.add_(1) if state.is_floating_point() else state.fill_(7)
+        with torch.no_grad():  # a parameter too
+            state.add_(1) if state.is_floating_point() else state.fill_(7)
     elif isinstance(state, dict):
         for v in state.values():
             scribble(v)
