@@ -28,6 +28,14 @@ pytestmark = needs_gpu
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
+@pytest.fixture(scope="module")
+def queue():
+    """One queue (and worker process) for this module's saves: a worker started per test would
+    take most of their time on a GPU machine."""
+    with AsyncCallsQueue() as shared:
+        yield shared
+
+
 def _zeros_like(state: object) -> object:
     if isinstance(state, torch.Tensor):
         return torch.zeros_like(state)
@@ -52,38 +60,37 @@ def _save_and_check(state: dict, path: str, queue: AsyncCallsQueue, pool: dcp.St
 
 
 @pytest.mark.parametrize("where", ["disk", "ram"])
-def test_async_save_of_cuda_tensors_loads_with_tierpoint_and_torch(tmp_path, shm_dir, where):
+def test_async_save_of_cuda_tensors_loads_with_tierpoint_and_torch(tmp_path, shm_dir, where, queue):
     base = tmp_path if where == "disk" else shm_dir
     pool = dcp.StagingPool()
-    with AsyncCallsQueue() as queue:
-        for step in (1, 2, 3):
-            _save_and_check(model_state(step), dcp.step_path(base, step), queue, pool)
+    for step in (1, 2, 3):
+        _save_and_check(model_state(step), dcp.step_path(base, step), queue, pool)
     pool.close()
     cuda_still_works()
 
 
 @pytest.mark.parametrize("where", ["disk", "ram"])
 def test_views_tied_tensors_and_small_dtypes_load_with_tierpoint_and_torch(
-    tmp_path, shm_dir, where
+    tmp_path, shm_dir, where, queue
 ):
     base = tmp_path if where == "disk" else shm_dir
     pool = dcp.StagingPool()
-    with AsyncCallsQueue() as queue:
-        for step in (1, 2):
-            _save_and_check(odd_state(step), dcp.step_path(base, step), queue, pool)
+    for step in (1, 2):
+        _save_and_check(odd_state(step), dcp.step_path(base, step), queue, pool)
     pool.close()
     cuda_still_works()
 
 
 @pytest.mark.parametrize("where", ["disk", "ram"])
-def test_warm_up_pins_ahead_and_the_first_async_save_takes_its_buffer(tmp_path, shm_dir, where):
+def test_warm_up_pins_ahead_and_the_first_async_save_takes_its_buffer(
+    tmp_path, shm_dir, where, queue
+):
     base = tmp_path if where == "disk" else shm_dir
     pool = dcp.StagingPool()
     state = model_state(4)
     dcp.warm_up(state, dcp.step_path(base, 4), staging_pool=pool)
     assert pool.wait_for_spare(120) and pool.allocations == 1
-    with AsyncCallsQueue() as queue:
-        _save_and_check(state, dcp.step_path(base, 4), queue, pool)
+    _save_and_check(state, dcp.step_path(base, 4), queue, pool)
     pool.wait_for_spare(120)
     # CUDA states stage in memory; CPU ones (TIERPOINT_TEST_DEVICE=cpu) in place on a RAM disk,
     # where the pool then prepares the next save's file: either way the warmed buffer was taken

@@ -24,6 +24,22 @@ from .helpers import (
 pytestmark = needs_gpu
 
 
+@pytest.fixture(scope="module")
+def queue_for():
+    """``queue_for(overlap)``: one queue (and worker process) of each kind for this module's many
+    round trips; a worker started per test would take most of their time on a GPU machine."""
+    queues: dict[bool, AsyncCallsQueue] = {}
+
+    def get(overlap: bool) -> AsyncCallsQueue:
+        if overlap not in queues:
+            queues[overlap] = AsyncCallsQueue(overlap_snapshot=overlap)
+        return queues[overlap]
+
+    yield get
+    for queue in queues.values():
+        queue.close()
+
+
 def _save(manager, queue, state: dict, iteration: int, mode: str) -> None:
     """``mode``: sync, async, overlapped, or device (``device_snapshot``: ``save`` returns with
     the state copied on its device; the queue is overlapped, with nothing to wait for)."""
@@ -46,31 +62,31 @@ def _load(root, iteration: int) -> dict:
 
 @pytest.mark.parametrize("mode", ["sync", "async", "overlapped", "device"])
 @pytest.mark.parametrize("state_of", [model_state, odd_state], ids=["model", "odd"])
-def test_round_trip(tier_root, mode, state_of):
+def test_round_trip(tier_root, mode, state_of, queue_for):
     """On a disk tier (staged in pinned memory) and on a RAM tier (the snapshot copied into the
     recycled part files' pinned pages), three saves (the third rewrites a spare) load back bit for
     bit on the devices they came from. The odd state holds non-contiguous views, an expanded one,
     tied weights, 0-dim and empty tensors, small dtypes and a CPU tensor beside them (the device
     snapshot's image takes strided sources on the device)."""
     manager = LocalCheckpointManager(tier_root, session_id="job", device_snapshot=mode == "device")
-    with AsyncCallsQueue(overlap_snapshot=mode in ("overlapped", "device")) as queue:
-        for it in (1, 2, 3):
-            state = state_of(it)
-            want = clone(state)
-            _save(manager, queue, state, it, mode)
-            assert_same(_load(tier_root, it), want)  # device types included
+    queue = queue_for(mode in ("overlapped", "device"))
+    for it in (1, 2, 3):
+        state = state_of(it)
+        want = clone(state)
+        _save(manager, queue, state, it, mode)
+        assert_same(_load(tier_root, it), want)  # device types included
     cuda_still_works()
 
 
 @pytest.mark.parametrize("mode", ["async", "overlapped", "device"])
-def test_layout_change_between_saves(tmp_path, mode):
+def test_layout_change_between_saves(tmp_path, mode, queue_for):
     manager = LocalCheckpointManager(tmp_path, session_id="job", device_snapshot=mode == "device")
-    with AsyncCallsQueue(overlap_snapshot=mode in ("overlapped", "device")) as queue:
-        for it, layers, width in ((1, 2, 256), (2, 3, 256), (3, 3, 512), (4, 2, 128)):
-            state = model_state(it, layers=layers, width=width)
-            want = clone(state)
-            _save(manager, queue, state, it, mode)
-            assert_same(_load(tmp_path, it), want)
+    queue = queue_for(mode in ("overlapped", "device"))
+    for it, layers, width in ((1, 2, 256), (2, 3, 256), (3, 3, 512), (4, 2, 128)):
+        state = model_state(it, layers=layers, width=width)
+        want = clone(state)
+        _save(manager, queue, state, it, mode)
+        assert_same(_load(tmp_path, it), want)
     cuda_still_works()
 
 
