@@ -264,6 +264,7 @@ def copy_planned(
     hash: bool = False,
     after: Streams | None = None,
     image: torch.Tensor | None = None,
+    views: list[torch.Tensor] | None = None,
 ) -> list[str] | None:
     """Copy ``flat``'s tensors into ``data`` (uint8, laid out as ``plan``'s data section; pinned or
     not); ``hash``: also return their checksums (None when some come from a device: the worker
@@ -271,15 +272,23 @@ def copy_planned(
     section (:attr:`tierpoint.device_snapshot.Ticket.image`): copied whole, then the tensors on
     other devices over their places in it; no checksums then (the worker hashes). A host image
     is copied tensor by tensor where checksums are asked for: each is hashed as it is copied (one
-    pass over the memory, not two)."""
+    pass over the memory, not two). ``views``: ``planned_views(data, plan)``, kept by the caller
+    (made once per memory and layout)."""
     if image is None or (hash and image.device.type != "cuda"):
-        return copy_tensors(flat.tensors, planned_views(data, plan), pinned, hash, after)
+        targets = views if views is not None else planned_views(data, plan)
+        return copy_tensors(flat.tensors, targets, pinned, hash, after)
     copy_tensors([image], [data[: plan.data_size]], pinned, after=after)
     rest = [k for k, t in enumerate(flat.tensors) if t.device != image.device]
     if rest:
         views = [planned_view(data, plan, k) for k in rest]
         copy_tensors([flat.tensors[k] for k in rest], views, pinned)
     return None
+
+
+def _views(buf: StagingBuffer, plan: PartPlan) -> list[torch.Tensor] | None:
+    """``planned_views`` of ``buf`` for ``plan``, made once per buffer and layout."""
+    key = plan.layout_key
+    return None if key is None else buf.views_for(key, lambda data: planned_views(data, plan))
 
 
 class Stager:
@@ -321,7 +330,7 @@ class Stager:
         copies wait for the streams ``after`` (see :func:`tierpoint.snapshot_copy.copy_tensors`);
         ``image``: see :func:`copy_planned`."""
         buf = self.buffer_for(plan, copy_device(flat.tensors))
-        copy_planned(flat, plan, buf.tensor, buf.pinned, False, after, image)
+        copy_planned(flat, plan, buf.tensor, buf.pinned, False, after, image, _views(buf, plan))
         return buf
 
     def stage_and_hash(
@@ -335,7 +344,8 @@ class Stager:
         one thread as the copy goes (no second pass over the memory). None instead of checksums
         when some tensors come from a device: the worker hashes them (off this process's GIL)."""
         buf = self.buffer_for(plan, copy_device(flat.tensors))
-        return buf, copy_planned(flat, plan, buf.tensor, buf.pinned, True, after, image)
+        views = _views(buf, plan)
+        return buf, copy_planned(flat, plan, buf.tensor, buf.pinned, True, after, image, views)
 
     def close(self) -> None:
         if self.buffer is not None:

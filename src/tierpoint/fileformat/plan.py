@@ -167,6 +167,13 @@ class PartPlan:
             self._layout_json["entries"] = f",{_dumps(entries)[1:-1]}" if entries else ""
         return self._layout_json["entries"]
 
+    @property
+    def layout_key(self) -> tuple | None:
+        """Equal for plans of the same tensor layout (paths, dtypes, shapes, devices; the very same
+        object for plans made ``like`` one another): a key for what the layout alone decides (the
+        views of the tensors' places in staging memory). None for a plan read from JSON."""
+        return self._layout
+
     def same_layout_as(self, other: PartPlan) -> bool:
         """Planned from tensors of the same paths, dtypes, shapes and devices (so with the same
         offsets): at once for a plan made ``like`` the other."""

@@ -27,9 +27,12 @@ from ..errors import CheckpointingError
 from ..peers.mapping_cache import FileMapping
 from ..pinning import copy_device
 from ..snapshot_copy import Streams
-from ..staging import copy_planned
+from ..staging import copy_planned, planned_views
 from ..tree import FlatState
 from .store import PartStore
+
+_VIEWS_KEPT = 4
+"""Mappings whose views are kept (more than the part files a tier recycles in turn)."""
 
 
 class InPlaceCopies:
@@ -40,6 +43,8 @@ class InPlaceCopies:
         self._lock = threading.Lock()
         # (iteration, the part file's mapping once mapped) while that snapshot runs
         self._copying: tuple[int, FileMapping | None] | None = None
+        # per mapping (by its tensor's id): (that tensor, data start, layout key, the views)
+        self._views: dict[int, tuple[torch.Tensor, int, tuple, list[torch.Tensor]]] = {}
 
     @property
     def busy(self) -> bool:
@@ -73,11 +78,30 @@ class InPlaceCopies:
                     raise CheckpointingError(f"iteration {iteration} was aborted: nothing copied")
                 self._copying = (iteration, entry)
             data = entry[1][plan.data_start() : plan.data_start() + plan.data_size]
-            return copy_planned(flat, plan, data, pinned, hash_now, after, image)
+            views = self._views_of(entry, plan, data)
+            return copy_planned(flat, plan, data, pinned, hash_now, after, image, views)
         finally:
             with self._lock:
                 if self._copying is not None and self._copying[0] == iteration:
                     self._copying = None
+
+    def _views_of(
+        self, entry: FileMapping, plan: fileformat.PartPlan, data: torch.Tensor
+    ) -> list[torch.Tensor] | None:
+        """``planned_views(data, plan)``, made once per mapping and layout (the recycled part files
+        take turns: their mappings are kept from save to save). Held for the mapping's tensor
+        itself, which the store's cache never hands out again once it unmapped it."""
+        key = plan.layout_key
+        if key is None:
+            return None
+        memory, start = entry[1], plan.data_start()
+        held = self._views.get(id(memory))
+        if held is None or held[0] is not memory or held[1] != start or held[2] != key:
+            held = (memory, start, key, planned_views(data, plan))
+            self._views[id(memory)] = held
+            while len(self._views) > _VIEWS_KEPT:
+                del self._views[next(iter(self._views))]  # the oldest
+        return held[3]
 
     def abort(self, iteration: int) -> None:
         """``iteration``'s save is aborted, its files about to be removed: a snapshot of it not
