@@ -264,7 +264,7 @@ def copy_planned(
     hash: bool = False,
     after: Streams | None = None,
     image: torch.Tensor | None = None,
-    views: list[torch.Tensor] | None = None,
+    views: Callable[[], list[torch.Tensor]] | None = None,
 ) -> list[str] | None:
     """Copy ``flat``'s tensors into ``data`` (uint8, laid out as ``plan``'s data section; pinned or
     not); ``hash``: also return their checksums (None when some come from a device: the worker
@@ -272,10 +272,10 @@ def copy_planned(
     section (:attr:`tierpoint.device_snapshot.Ticket.image`): copied whole, then the tensors on
     other devices over their places in it; no checksums then (the worker hashes). A host image
     is copied tensor by tensor where checksums are asked for: each is hashed as it is copied (one
-    pass over the memory, not two). ``views``: ``planned_views(data, plan)``, kept by the caller
-    (made once per memory and layout)."""
+    pass over the memory, not two). ``views``: gives ``planned_views(data, plan)``, kept by the
+    caller (made once per memory and layout), when they are needed."""
     if image is None or (hash and image.device.type != "cuda"):
-        targets = views if views is not None else planned_views(data, plan)
+        targets = views() if views is not None else planned_views(data, plan)
         return copy_tensors(flat.tensors, targets, pinned, hash, after)
     copy_tensors([image], [data[: plan.data_size]], pinned, after=after)
     rest = [k for k, t in enumerate(flat.tensors) if t.device != image.device]
@@ -285,10 +285,12 @@ def copy_planned(
     return None
 
 
-def _views(buf: StagingBuffer, plan: PartPlan) -> list[torch.Tensor] | None:
+def _views(buf: StagingBuffer, plan: PartPlan) -> Callable[[], list[torch.Tensor]] | None:
     """``planned_views`` of ``buf`` for ``plan``, made once per buffer and layout."""
     key = plan.layout_key
-    return None if key is None else buf.views_for(key, lambda data: planned_views(data, plan))
+    if key is None:
+        return None
+    return lambda: buf.views_for(key, lambda data: planned_views(data, plan))
 
 
 class Stager:

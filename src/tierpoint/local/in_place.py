@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 
@@ -78,7 +79,7 @@ class InPlaceCopies:
                     raise CheckpointingError(f"iteration {iteration} was aborted: nothing copied")
                 self._copying = (iteration, entry)
             data = entry[1][plan.data_start() : plan.data_start() + plan.data_size]
-            views = self._views_of(entry, plan, data)
+            views = functools.partial(self._views_of, entry, plan, data)
             return copy_planned(flat, plan, data, pinned, hash_now, after, image, views)
         finally:
             with self._lock:
@@ -87,13 +88,13 @@ class InPlaceCopies:
 
     def _views_of(
         self, entry: FileMapping, plan: fileformat.PartPlan, data: torch.Tensor
-    ) -> list[torch.Tensor] | None:
+    ) -> list[torch.Tensor]:
         """``planned_views(data, plan)``, made once per mapping and layout (the recycled part files
         take turns: their mappings are kept from save to save). Held for the mapping's tensor
         itself, which the store's cache never hands out again once it unmapped it."""
         key = plan.layout_key
         if key is None:
-            return None
+            return planned_views(data, plan)
         memory, start = entry[1], plan.data_start()
         held = self._views.get(id(memory))
         if held is None or held[0] is not memory or held[1] != start or held[2] != key:
