@@ -11,13 +11,14 @@ an earlier save into the same step never passes for this save's. Format::
      "files": {"__3_0.<token>.distcp": [[offset, length, "<16 hex digits>"], ...], ...}}
 
 Call order. Writing (the worker job that writes a rank's files, or the synchronous write):
-``ranges = item_ranges(write_results)``; per data file ``range_checksums(file_views, ranges[name])``
-over the bytes as they are written (or as they lie in the file staged in place); then
-:func:`manifest_bytes` written with the data files, before the job reports success, so before the
-finalize gathers the outcomes and before ``.metadata`` is written: a committed step has every
-manifest. Reading: :func:`parse_manifest` on the bytes of the manifest of each data file read
-(bounded size, every type checked, no code run); :meth:`Manifest.checksum` of an item; a
-mismatch is a :class:`~tierpoint.dcp.safe_pickle.CorruptDCPError` naming file and item.
+``ranges = results.ranges(token)`` (:mod:`tierpoint.dcp.write_results`); per data file
+``range_checksums(file_views, ranges[name])`` over the bytes as they are written (or as they lie
+in the file staged in place); then :func:`manifest_bytes` written with the data files, before the
+job reports success, so before the finalize gathers the outcomes and before ``.metadata`` is
+written: a committed step has every manifest. Reading: :func:`parse_manifest` on the bytes of the
+manifest of each data file read (bounded size, every type checked, no code run);
+:meth:`Manifest.checksum` of an item; a mismatch is a
+:class:`~tierpoint.dcp.safe_pickle.CorruptDCPError` naming file and item.
 
 Invariants:
 - A data file whose manifest does not exist was written without checksums (plain torch, or an
@@ -31,14 +32,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
-from torch.distributed.checkpoint.storage import WriteResult
 
 from ..snapshot_copy import LANES
 from .safe_pickle import CorruptDCPError, file_name_problem
@@ -66,15 +65,6 @@ def manifest_name(data_file: str) -> str | None:
 
 def is_manifest(name: str) -> bool:
     return bool(_MANIFEST.match(name))
-
-
-def item_ranges(results: Sequence[WriteResult]) -> dict[str, list[tuple[int, int]]]:
-    """``{data file: [(offset, length), ...]}`` of the items a rank wrote, in file order."""
-    out: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for wr in results:
-        info = wr.storage_data
-        out[info.relative_path].append((int(info.offset), int(info.length)))
-    return {name: sorted(ranges) for name, ranges in out.items()}
 
 
 def range_checksums(
@@ -195,7 +185,6 @@ def mismatch(data_file: str, what: str, expected: str, got: str) -> CorruptDCPEr
 __all__ = [
     "Manifest",
     "is_manifest",
-    "item_ranges",
     "manifest_bytes",
     "manifest_name",
     "mismatch",

@@ -16,64 +16,27 @@ Invariants:
   same :class:`~tierpoint.errors.CheckpointingError` on every rank and removes the save's data files
   (an object store's ``.metadata`` upload of unknown outcome keeps the coordinator's marker).
 - Write results travel as JSON, their file names without the save's token, so that the results of
-  saves of an unchanged layout are equal; the cache remembers them on every rank alike, and forgets
-  them on every rank after a failure.
+  saves of an unchanged layout are equal (the very same rows: :mod:`tierpoint.dcp.write_results`);
+  the cache remembers them on every rank alike, and forgets them on every rank after a failure.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import zlib
 from typing import Any
 
-import xxhash
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text, failed_on_ranks
-from .file_plan import add_token, remove_token
 from .metadata_cache import CheckpointMetadataCache
 from .planning import agree, cleanup_after_failure
+from .write_results import decode
 from .writer import Writer
-
-
-def _encode_results(results: list[WriteResult], token: str) -> list:
-    """JSON-ready results; file names without the save's ``token`` (so that the results of saves of
-    an unchanged layout are equal, see :func:`_gather_results`)."""
-    out = []
-    for wr in results:
-        info = wr.storage_data
-        idx = wr.index
-        offset = list(idx.offset) if idx.offset is not None else None
-        out.append(
-            [
-                idx.fqn,
-                offset,
-                idx.index,
-                wr.size_in_bytes,
-                remove_token(info.relative_path, token),
-                info.offset,
-                info.length,
-            ]
-        )
-    return out
-
-
-def _decode_results(encoded: list, token: str) -> list[WriteResult]:
-    return [
-        WriteResult(
-            index=MetadataIndex(fqn, offset, index),
-            size_in_bytes=size,
-            storage_data=_StorageInfo(add_token(path, token), file_offset, length),
-        )
-        for fqn, offset, index, size, path, file_offset, length in encoded
-    ]
 
 
 def save_state_dict_async_finalize(
@@ -96,13 +59,19 @@ def _commit(
     path = storage_writer.path
     token = storage_writer.results_token
     payload: dict[str, Any]
+    committed: tuple[str, int, int] | None = None
     try:
-        payload = {"results": _encode_results(storage_writer.retrieve_write_results(), token)}
+        results = storage_writer.kept_results()
+        payload = {"results": results.rows}
+        committed = (  # what this rank remembers of the commit
+            results.digest,
+            dist_wrapper.global_coordinator_rank,
+            dist_wrapper.get_world_size(),
+        )
     except Exception as e:  # noqa: BLE001 - agreed below
         payload = {"error": error_text(e)[:2000]}
     payload["directory"] = posixpath.basename(os.fspath(path).rstrip("/"))
     payload["token"] = token
-    committed = _commit_key(payload, dist_wrapper)
     what = f"writing the checkpoint {path}"
     try:
         gathered = _gather_results(payload, committed, cache, dist_wrapper, what)
@@ -132,7 +101,7 @@ def _commit(
             if global_metadata is None:
                 raise CheckpointingError("the coordinator has no global metadata to commit")
             commit_unknown = not storage.is_local(path)
-            storage_writer.commit(global_metadata, [_decode_results(e, token) for e in encoded])
+            storage_writer.commit(global_metadata, [decode(e, token) for e in encoded])
             commit_unknown = False
         except Exception as e:  # noqa: BLE001 - agreed below
             error = e
@@ -152,15 +121,6 @@ def _commit(
     except Exception as e:  # noqa: BLE001 - agreed below
         error = e
     agree(group, use_dist, f"removing the unfinished markers of {path} (committed)", error)
-
-
-def _commit_key(payload: dict, dist_wrapper: _DistWrapper) -> tuple[str, int, int] | None:
-    """What this rank remembers of a commit: a digest of its write results (file names without
-    the save's token), the coordinator and the world size."""
-    if "results" not in payload:
-        return None
-    digest = xxhash.xxh3_128_hexdigest(json.dumps(payload["results"]).encode())
-    return digest, dist_wrapper.global_coordinator_rank, dist_wrapper.get_world_size()
 
 
 def _gather_results(

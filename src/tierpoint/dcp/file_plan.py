@@ -1,8 +1,8 @@
 """Where one rank's share of a DCP checkpoint goes: which ``.distcp`` file, at which offset.
 
 Call order: ``plan_files(final_local_plan, prefix, thread_count)`` once per layout (the result depends
-only on the plan, so it is reused while the plan is unchanged); :meth:`RankFiles.write_results` after
-the non-tensor values are serialized (their sizes vary from save to save).
+only on the plan, so it is reused while the plan is unchanged); the save's write results follow from
+it once the non-tensor values are serialized (:mod:`tierpoint.dcp.write_results`).
 
 File format (what torch's ``FileSystemReader`` reads): each tensor is a ``torch.save`` record (see
 :mod:`tierpoint.dcp.torch_save_bytes`) starting at a 64-byte aligned offset, so its data is 64-byte
@@ -30,9 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
 
 from ..storage import direct as direct_write
 from .torch_save_bytes import RecordTemplate, aligned, record_template
@@ -75,32 +73,6 @@ class RankFiles:
     staging_bytes: int
     key: tuple
     """Identifies the tensor layout: equal keys mean identical staging layouts."""
-
-    def write_results(self, plan: SavePlan, byte_sizes: dict[int, int]) -> list[WriteResult]:
-        """The ``WriteResult`` of every item, given the size of each non-tensor value by item."""
-        out: list[WriteResult] = []
-        for f in self.files:
-            for slot in f.tensors:
-                length = slot.template.length
-                out.append(
-                    WriteResult(
-                        index=plan.items[slot.item].index,
-                        size_in_bytes=length,
-                        storage_data=_StorageInfo(f.name, slot.offset, length),
-                    )
-                )
-            offset = f.tensor_bytes
-            for i in f.byte_items:
-                n = byte_sizes[i]
-                out.append(
-                    WriteResult(
-                        index=plan.items[i].index,
-                        size_in_bytes=n,
-                        storage_data=_StorageInfo(f.name, offset, n),
-                    )
-                )
-                offset += n
-        return out
 
     @property
     def names(self) -> list[str]:

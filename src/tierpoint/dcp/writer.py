@@ -66,7 +66,6 @@ from ..errors import CheckpointingError, error_text
 from ..snapshot_copy import Streams, training_streams
 from ..staging import SourceFile, StagingBuffer
 from . import directory
-from .checksums import item_ranges
 from .file_plan import RankFiles
 from .jobs import write_staged, write_with_manifest
 from .metadata_file import publish_metadata, refuse_complete
@@ -74,6 +73,7 @@ from .names import METADATA_NAME, checkpoint_id_or_path, marker_name
 from .plan_data import byte_sizes, file_contents, files_for, planned_tensors, resolve_bytes
 from .snapshot import copy_pairs, fill, name_in_place, source_pieces, stages_in_place
 from .staging_pool import StagingPool
+from .write_results import Results, decode, results_for
 
 logger = logging.getLogger("tierpoint")
 
@@ -140,7 +140,7 @@ class Writer(StorageWriter):
         self._plan: SavePlan | None = None
         self._planner: SavePlanner | None = None
         self._files: RankFiles | None = None
-        self._results: list[WriteResult] | None = None
+        self._results: Results | None = None
         self.write_error: str | None = None
         self._buffer: StagingBuffer | None = None
         self._prefix = ""
@@ -253,20 +253,19 @@ class Writer(StorageWriter):
         :attr:`write_error` (agreed at finalize) unless ``raise_errors``."""
         try:
             plan, files = self._require_plan()
-            byte_records = self._resolve_bytes()
-            results = files.write_results(plan, byte_sizes(files, byte_records))
+            byte_records, results = self._serialize()
             contents = file_contents(plan, self._require_planner()[1], files, byte_records)
             write_with_manifest(
                 self.path,
                 contents,
-                item_ranges(results),
+                results.ranges(self.file_token),
                 self.storage_options,
                 self.thread_count,
                 self.sync_files,
                 self.upload,
                 self.timeout,
             )
-            self._keep_results(results)
+            self._results, self.results_token = results, self.file_token
         except Exception as e:  # noqa: BLE001 - agreed by the caller, or raised below
             self.write_error = error_text(e)
             if raise_errors:
@@ -313,9 +312,9 @@ class Writer(StorageWriter):
         if buf is not None:
             sources, targets = copy_pairs(plan, files, buf, tensors)
             fill(buf, sources, targets, self._training_streams)
-        byte_records = self._resolve_bytes()
-        self._keep_results(files.write_results(plan, byte_sizes(files, byte_records)))
-        items = item_ranges(self._results or [])  # what the worker hashes, per file
+        byte_records, results = self._serialize()
+        self._results, self.results_token = results, self.file_token
+        items = results.ranges(self.file_token)  # what the worker hashes, per file
         kwargs = {"buffer": buf, "byte_records": byte_records, "items": items}
         if buf is None:  # the worker reads the tensors' bytes from the source file
             return {**kwargs, "source": source, "pieces": pieces}
@@ -336,6 +335,10 @@ class Writer(StorageWriter):
             self._buffer = None
 
     def retrieve_write_results(self) -> list[WriteResult]:
+        return decode(self.kept_results().rows, self.results_token)
+
+    def kept_results(self) -> Results:
+        """This rank's last write results, as the commit sends them (for :attr:`results_token`)."""
         if self.write_error is not None:
             raise CheckpointingError(self.write_error)
         if self._results is None:
@@ -374,9 +377,6 @@ class Writer(StorageWriter):
         assert self._plan is not None
         return files_for(self._plan, self._prefix, thread_count).with_token(self.file_token)
 
-    def _keep_results(self, results: list[WriteResult]) -> None:
-        self._results, self.results_token = results, self.file_token
-
     def _forget_plan(self) -> None:
         self._plan, self._planner, self._files, self._tensors = None, None, None, []
 
@@ -406,10 +406,11 @@ class Writer(StorageWriter):
             self._files = self._named_files(self.thread_count)
         return plan, self._files
 
-    def _resolve_bytes(self) -> list[list[bytes]]:
-        """The serialized non-tensor values, per file."""
+    def _serialize(self) -> tuple[list[list[bytes]], Results]:
+        """The serialized non-tensor values (per file), and the write results they make."""
         plan, files = self._require_plan()
-        return resolve_bytes(plan, self._require_planner()[1], files)
+        records = resolve_bytes(plan, self._require_planner()[1], files)
+        return records, results_for(plan, files, byte_sizes(files, records), self.file_token)
 
 
 def _new_file_token() -> str:
