@@ -133,7 +133,8 @@ def remove_unreferenced_files(
     removed them before). Safe while an unfinished marker exists: the directory does not count as
     complete until the markers go. Nothing reads such files, so a failure to list or remove them
     is only logged: it never fails the save."""
-    keep = set(referenced) | {manifest_name(name) for name in referenced}  # every rank's manifest
+    named = set(referenced)  # a name per item: a few files
+    keep = named | {manifest_name(name) for name in named}  # every rank's manifest
     earlier: list[str] = []
     try:
         earlier = [
