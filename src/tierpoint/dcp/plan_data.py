@@ -2,10 +2,10 @@
 resolves for this rank's items, and the file layouts of recent plans.
 
 Call order (inside :class:`~tierpoint.dcp.writer.Writer`): :func:`files_for` lays out the files of
-a final local plan (memoised: a cached central plan is the same object at every save); writing
-then resolves each item's data (:func:`planned_tensors`, :func:`resolve_bytes`, or the views a
-synchronous save writes: :func:`file_contents`) and sizes the serialized values
-(:func:`byte_sizes`) for the write results.
+a final local plan (memoised with :class:`PlanMemo`: a cached central plan is the same object at
+every save); writing then resolves each item's data (:func:`planned_tensors`,
+:func:`resolve_bytes`, or the views a synchronous save writes: :func:`file_contents`) and sizes the
+serialized values (:func:`byte_sizes`) for the write results.
 
 Invariants: a planned tensor item resolves to a tensor and a planned bytes item to bytes, else a
 :class:`~tierpoint.errors.CheckpointingError` names the item; nothing here copies a tensor's bytes
@@ -15,7 +15,10 @@ Invariants: a planned tensor item resolves to a tensor and a planned bytes item 
 from __future__ import annotations
 
 import io
+import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -24,22 +27,41 @@ from ..errors import CheckpointingError
 from ..fileformat.tensor_bytes import cpu_contiguous
 from .file_plan import RankFiles, file_views, plan_files
 
-# The file layouts of the last few plans (a cached central plan is the same object at every save).
-_FILES_CACHE: OrderedDict[tuple[int, int], tuple[SavePlan, RankFiles]] = OrderedDict()
+T = TypeVar("T")
+
+
+class PlanMemo(Generic[T]):
+    """Values worked out from a plan (and a key), kept for the last few plans: a cached central
+    plan is the same object at every save. Held with the plan itself, so a recycled ``id`` never
+    answers for another plan. Thread-safe (an overlapped snapshot runs on the queue's thread)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._items: OrderedDict[tuple, tuple[SavePlan, T]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, plan: SavePlan, key: Hashable, make: Callable[[], T]) -> T:
+        """The value for ``plan`` and ``key``: ``make()`` the first time."""
+        full = (id(plan), key)
+        with self._lock:
+            hit = self._items.get(full)
+            if hit is not None and hit[0] is plan:
+                self._items.move_to_end(full)
+                return hit[1]
+        value = make()
+        with self._lock:
+            self._items[full] = (plan, value)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return value
+
+
+_FILES: PlanMemo[RankFiles] = PlanMemo()
 
 
 def files_for(plan: SavePlan, prefix: str, thread_count: int) -> RankFiles:
     """``plan_files`` memoised on the plan object (a cached central plan is the same object)."""
-    key = (id(plan), thread_count)
-    hit = _FILES_CACHE.get(key)
-    if hit is not None and hit[0] is plan:
-        _FILES_CACHE.move_to_end(key)
-        return hit[1]
-    files = plan_files(plan, prefix, thread_count)
-    _FILES_CACHE[key] = (plan, files)
-    while len(_FILES_CACHE) > 8:
-        _FILES_CACHE.popitem(last=False)
-    return files
+    return _FILES.get(plan, thread_count, lambda: plan_files(plan, prefix, thread_count))
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

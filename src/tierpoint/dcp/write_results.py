@@ -18,7 +18,7 @@ full collections of the training process). Rows are tuples (shared, read-only).
 from __future__ import annotations
 
 import json
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import xxhash
@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .file_plan import RankFiles, add_token, remove_token
+from .plan_data import PlanMemo
 
 Row = tuple
 """``(fqn, chunk offset or None, index, size, data file without token, file offset, length)``: one
@@ -60,8 +61,7 @@ def digest(rows: object) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(rows).encode())
 
 
-_CACHE: OrderedDict[tuple, tuple[SavePlan, Results]] = OrderedDict()
-"""The results of the last few plans (a cached central plan is the same object at every save)."""
+_RESULTS: PlanMemo[Results] = PlanMemo()
 
 
 def results_for(
@@ -69,11 +69,11 @@ def results_for(
 ) -> Results:
     """The write results of ``plan`` laid out as ``files`` (named for the save ``token``), given
     the size of each serialized value by item; the same object while all of that is unchanged."""
-    key = (id(plan), files.key, tuple(byte_sizes.items()))
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is plan:
-        _CACHE.move_to_end(key)
-        return hit[1]
+    key = (files.key, tuple(byte_sizes.items()))
+    return _RESULTS.get(plan, key, lambda: _results(plan, files, byte_sizes, token))
+
+
+def _results(plan: SavePlan, files: RankFiles, byte_sizes: dict[int, int], token: str) -> Results:
     rows: list[Row] = []
     ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
 
@@ -91,11 +91,7 @@ def results_for(
         for i in f.byte_items:
             add(i, name, offset, byte_sizes[i])
             offset += byte_sizes[i]
-    results = Results(tuple(rows), {name: sorted(r) for name, r in ranges.items()})
-    _CACHE[key] = (plan, results)
-    while len(_CACHE) > 8:
-        _CACHE.popitem(last=False)
-    return results
+    return Results(tuple(rows), {name: sorted(r) for name, r in ranges.items()})
 
 
 def decode(rows: object, token: str) -> list[WriteResult]:
