@@ -20,9 +20,10 @@ of a file whose bytes stay as they are (a committed local part): the worker maps
 and reads the tensors' bytes from it; the snapshot copies nothing.
 
 Invariants:
-- A buffer is allocated once per layout (dtypes, shapes, offsets) and reused while the layout is
-  unchanged; host memory stays flat across saves. A new layout allocates a new buffer and frees the
-  old one (callers guarantee, through back-pressure, that no save still reads it).
+- A stager's buffer is allocated once per size of the data section and reused while it is
+  unchanged; host memory stays flat across saves. Another size allocates a new buffer and frees
+  the old one (callers guarantee, through back-pressure, that no save still reads it). The views
+  of the tensors' places in a buffer are made once per layout (:meth:`StagingBuffer.views_for`).
 - The memory is an anonymous ``memfd``, or (for DCP saves onto a RAM file system) an unnamed
   ``O_TMPFILE`` there: nothing to clean up in /dev/shm, freed when the last process holding it exits,
   crashed or not, unless it was given a name on purpose (:meth:`StagingBuffer.link`).
@@ -90,8 +91,6 @@ class StagingBuffer:
         self._pin = PinnedRange()
         # Holds the mapping, so the mapping outlives the range's release, whoever drops the buffer.
         self._free = weakref.finalize(self, _unmap, self._pin, self._map, self.fd)
-        self.offsets: list[tuple[int, int]] | None = None
-        self.dtypes: list[str] | None = None
         self._views: tuple[Any, list[torch.Tensor]] | None = None
 
     def populate(self) -> None:
@@ -294,22 +293,20 @@ def _views(buf: StagingBuffer, plan: PartPlan) -> Callable[[], list[torch.Tensor
 
 
 class Stager:
-    """Keeps the staging buffer for the current layout and copies states into it."""
+    """Keeps the staging buffer for the current layout's size and copies states into it."""
 
     def __init__(self) -> None:
         self.buffer: StagingBuffer | None = None
 
     def buffer_for(self, plan: PartPlan, device: int | None = None) -> StagingBuffer:
-        """The buffer laid out as ``plan`` (allocated on a layout change, the old one freed),
-        pinned for copies from ``device`` (see :func:`tierpoint.pinning.copy_device`)."""
+        """The buffer for ``plan``'s data section (allocated when its size changes, the old one
+        freed), pinned for copies from ``device`` (see :func:`tierpoint.pinning.copy_device`)."""
         buf = self.buffer
-        if buf is None or buf.offsets != plan.offsets or buf.dtypes != plan.dtypes:
+        if buf is None or buf.nbytes != plan.data_size:
             if buf is not None:
                 self.buffer = None
                 buf.close()
-            buf = StagingBuffer(plan.data_size)
-            buf.offsets, buf.dtypes = list(plan.offsets), list(plan.dtypes)
-            self.buffer = buf
+            buf = self.buffer = StagingBuffer(plan.data_size)
         buf.pin(device)
         return buf
 
@@ -331,9 +328,7 @@ class Stager:
         """Copy every tensor of ``flat`` into the staging buffer for ``plan`` (blocking); device
         copies wait for the streams ``after`` (see :func:`tierpoint.snapshot_copy.copy_tensors`);
         ``image``: see :func:`copy_planned`."""
-        buf = self.buffer_for(plan, copy_device(flat.tensors))
-        copy_planned(flat, plan, buf.tensor, buf.pinned, False, after, image, _views(buf, plan))
-        return buf
+        return self._stage(flat, plan, False, after, image)[0]
 
     def stage_and_hash(
         self,
@@ -345,9 +340,19 @@ class Stager:
         """:meth:`stage`, also returning each tensor's xxh3-64 checksum (plan order), computed on
         one thread as the copy goes (no second pass over the memory). None instead of checksums
         when some tensors come from a device: the worker hashes them (off this process's GIL)."""
+        return self._stage(flat, plan, True, after, image)
+
+    def _stage(
+        self,
+        flat: FlatState,
+        plan: PartPlan,
+        hash: bool,
+        after: Streams | None,
+        image: torch.Tensor | None,
+    ) -> tuple[StagingBuffer, list[str] | None]:
         buf = self.buffer_for(plan, copy_device(flat.tensors))
         views = _views(buf, plan)
-        return buf, copy_planned(flat, plan, buf.tensor, buf.pinned, True, after, image, views)
+        return buf, copy_planned(flat, plan, buf.tensor, buf.pinned, hash, after, image, views)
 
     def close(self) -> None:
         if self.buffer is not None:

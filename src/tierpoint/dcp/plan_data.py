@@ -71,20 +71,10 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def planned_tensor(plan: SavePlan, planner: SavePlanner, item_index: int) -> torch.Tensor:
-    """The tensor of the plan's item ``item_index``, as the planner resolves it (detached)."""
-    data = planner.resolve_data(plan.items[item_index])
-    if not isinstance(data, torch.Tensor):
-        raise CheckpointingError(
-            f"{plan.items[item_index].index.fqn}: planned a tensor, got {type(data)}"
-        )
-    return data.detach()
-
-
 def planned_tensors(plan: SavePlan, planner: SavePlanner) -> list[torch.Tensor | None]:
-    """The tensor of each plan item as the planner resolves it (``None`` for a bytes item): not
-    detached, for copies made without autograd (a detached alias would be one more object per
-    tensor and save)."""
+    """The tensor of each plan item as the planner resolves it (``None`` for a bytes item), not
+    detached: the snapshot copies without autograd (a detached alias would be one more object per
+    tensor and save); a synchronous write detaches what it views as bytes."""
     out: list[torch.Tensor | None] = []
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
@@ -122,8 +112,13 @@ def file_contents(
     """``(name, the views of its contents)`` per file of a synchronous save: the live tensors (made
     contiguous on the CPU where they are not), then the serialized values."""
     contents = []
+    tensors = planned_tensors(plan, planner)
     for k, f in enumerate(files.files):
-        data = [cpu_contiguous(planned_tensor(plan, planner, s.item)) for s in f.tensors]
+        data = []
+        for slot in f.tensors:
+            t = tensors[slot.item]
+            assert t is not None  # a tensor slot holds a tensor item
+            data.append(cpu_contiguous(t.detach()))  # viewed as bytes: no autograd
         views = file_views(f, [byte_view(t) for t in data])
         contents.append((f.name, [*views, *byte_records[k]]))
     return contents

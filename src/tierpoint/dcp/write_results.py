@@ -17,9 +17,10 @@ full collections of the training process). Rows are tuples (shared, read-only).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import xxhash
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -42,14 +43,11 @@ class Results:
     rows: tuple[Row, ...]
     file_ranges: dict[str, list[tuple[int, int]]]
     """``(offset, length)`` of every item in each data file (named without token), in file order."""
-    _digest: list[str] = field(default_factory=list, repr=False, compare=False)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         """xxh3-128 of the rows' JSON (what a commit remembers of them), computed once."""
-        if not self._digest:
-            self._digest.append(digest(self.rows))
-        return self._digest[0]
+        return digest(self.rows)
 
     def ranges(self, token: str) -> dict[str, list[tuple[int, int]]]:
         """:attr:`file_ranges` by the data files' names for the save ``token``."""
