@@ -35,7 +35,6 @@ from .. import storage
 from ..errors import CheckpointingError, error_text, failed_on_ranks
 from .metadata_cache import CheckpointMetadataCache
 from .planning import agree, cleanup_after_failure
-from .write_results import decode
 from .writer import Writer
 
 
@@ -101,7 +100,7 @@ def _commit(
             if global_metadata is None:
                 raise CheckpointingError("the coordinator has no global metadata to commit")
             commit_unknown = not storage.is_local(path)
-            storage_writer.commit(global_metadata, [decode(e, token) for e in encoded])
+            storage_writer.commit(global_metadata, encoded)
             commit_unknown = False
         except Exception as e:  # noqa: BLE001 - agreed below
             error = e

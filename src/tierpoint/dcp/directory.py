@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from .. import storage
@@ -124,7 +124,7 @@ def earlier_save_files(directory: str) -> list[str]:
 
 def remove_unreferenced_files(
     path: str,
-    referenced: list[str],
+    referenced: Collection[str],
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
 ) -> None:
@@ -133,7 +133,7 @@ def remove_unreferenced_files(
     removed them before). Safe while an unfinished marker exists: the directory does not count as
     complete until the markers go. Nothing reads such files, so a failure to list or remove them
     is only logged: it never fails the save."""
-    named = set(referenced)  # a name per item: a few files
+    named = set(referenced)
     keep = named | {manifest_name(name) for name in named}  # every rank's manifest
     earlier: list[str] = []
     try:

@@ -32,15 +32,16 @@ T = TypeVar("T")
 
 class PlanMemo(Generic[T]):
     """Values worked out from a plan (and a key), kept for the last few plans: a cached central
-    plan is the same object at every save. Held with the plan itself, so a recycled ``id`` never
-    answers for another plan. Thread-safe (an overlapped snapshot runs on the queue's thread)."""
+    plan (or global metadata) is the same object at every save. Held with the plan itself, so a
+    recycled ``id`` never answers for another plan. Thread-safe (an overlapped snapshot runs on the
+    queue's thread)."""
 
     def __init__(self, size: int = 8) -> None:
         self._size = size
-        self._items: OrderedDict[tuple, tuple[SavePlan, T]] = OrderedDict()
+        self._items: OrderedDict[tuple, tuple[object, T]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, plan: SavePlan, key: Hashable, make: Callable[[], T]) -> T:
+    def get(self, plan: object, key: Hashable, make: Callable[[], T]) -> T:
         """The value for ``plan`` and ``key``: ``make()`` the first time."""
         full = (id(plan), key)
         with self._lock:

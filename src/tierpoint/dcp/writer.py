@@ -66,8 +66,9 @@ from ..errors import CheckpointingError, error_text
 from ..snapshot_copy import Streams, training_streams
 from ..staging import SourceFile, StagingBuffer
 from . import directory
-from .file_plan import RankFiles
+from .file_plan import RankFiles, add_token
 from .jobs import write_staged, write_with_manifest
+from .metadata_bytes import Rows, file_names, metadata_bytes, pickled
 from .metadata_file import publish_metadata, refuse_complete
 from .names import METADATA_NAME, checkpoint_id_or_path, marker_name
 from .plan_data import byte_sizes, file_contents, files_for, planned_tensors, resolve_bytes
@@ -228,7 +229,17 @@ class Writer(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: commit (``.metadata``), then remove every marker it can see."""
-        self.commit(metadata, results)
+        storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        names = [getattr(info, "relative_path", None) for info in storage_data.values()]
+        referenced = [n for n in names if isinstance(n, str)]
+        data = pickled(metadata, storage_data, self.storage_meta())
+        publish_metadata(
+            self.path,
+            data,
+            referenced if len(referenced) == len(names) else None,
+            self.storage_options,
+            self.upload,
+        )
         self.remove_markers(every_visible=True)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -345,11 +356,14 @@ class Writer(StorageWriter):
             raise CheckpointingError(f"{self.path}: no data was written by this rank yet")
         return self._results
 
-    def commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Write ``.metadata`` (atomically): the checkpoint becomes complete once markers go."""
-        publish_metadata(
-            self.path, metadata, results, self.storage_meta(), self.storage_options, self.upload
-        )
+    def commit(self, metadata: Metadata, rows: Rows) -> None:
+        """Write ``.metadata`` (atomically) for every rank's write results ``rows`` (see
+        :mod:`tierpoint.dcp.write_results`) under this save's token: the checkpoint becomes
+        complete once the markers go."""
+        token = self.results_token
+        data = metadata_bytes(metadata, rows, token, self.storage_meta())
+        referenced = {add_token(name, token) for name in file_names(rows)}
+        publish_metadata(self.path, data, referenced, self.storage_options, self.upload)
 
     def remove_markers(self, every_visible: bool = False) -> None:
         """Remove this rank's marker (and, with ``every_visible``, every marker listed here)."""
