@@ -147,3 +147,48 @@ def test_missing_bucket_fails_clearly(s3_server):  # noqa: F811
         CheckpointingError, match="bucket 'no-such-bucket-tierpoint' does not exist"
     ):
         get_latest_complete_checkpoint("s3://no-such-bucket-tierpoint/run", storage_options=options)
+
+
+class CountingCalls:
+    """Wraps the real s3fs client: counts its requests by method."""
+
+    def __init__(self, fs) -> None:
+        self.original = fs._call_s3
+        self.counts: dict[str, int] = {}
+
+    async def __call__(self, method, *args, **kwargs):
+        self.counts[method] = self.counts.get(method, 0) + 1
+        return await self.original(method, *args, **kwargs)
+
+
+def test_a_step_a_larger_world_left_uncommitted_is_saved_into_cleanly(s3_bucket):  # noqa: F811
+    """A save killed after its commit, by 4 ranks: its .metadata, data files and markers stay. One
+    rank saves into the step again: every stale marker and file goes, with one listing at the
+    commit, and the step is complete and holds the new values."""
+    base, options = s3_bucket
+    path = step_path(base, 1)
+    for name in [".metadata", ".unfinished-2", ".unfinished-3", "__3_0.old.distcp"]:
+        storage.write_file(f"{path}/{name}", [b"stale"], storage_options=options)
+    fs, _ = storage.filesystem(base, options)
+    fs._call_s3 = counting = CountingCalls(fs)
+    try:
+        with AsyncCallsQueue() as queue:
+            future = async_save(
+                {"a": torch.arange(5.0)}, path, queue=queue, storage_options=options
+            )
+            future.result(timeout=120)
+    finally:
+        del fs._call_s3
+    assert untokened(storage.listdir(path, options)) == [
+        ".checksums-0.json",
+        ".metadata",
+        "__0_0.distcp",
+    ]
+    assert get_latest_complete_checkpoint(base, storage_options=options) == path
+    out = {"a": torch.zeros(5)}
+    dcp.load(out, storage_reader=_fsspec_reader(path, options))
+    assert torch.equal(out["a"], torch.arange(5.0))
+    # Listed twice: at set-up (a .metadata with markers: not complete) and by the commit, whose
+    # listing also names the markers to remove; the only single deletion is the stale .metadata.
+    assert counting.counts.get("list_objects_v2", 0) == 2, counting.counts
+    assert counting.counts.get("delete_object", 0) == 1, counting.counts

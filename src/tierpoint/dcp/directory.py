@@ -7,7 +7,8 @@ writing, :func:`make_marker` creates the directory and ``.unfinished-<rank>``, a
 :func:`earlier_save_files` lists what an earlier save left (removed by the writer once every rank
 agreed); an async save then holds its :func:`claim` until :func:`release` (finalized or discarded);
 after the commit, :func:`remove_unreferenced_files` removes the data files ``.metadata`` does not
-name, and :func:`visible_markers` lists the markers the coordinator removes.
+name and returns the markers its listing saw, which the coordinator removes (one listing, one bulk
+removal on an object store; :func:`visible_markers` lists them where that listing was not made).
 
 Invariants:
 - At most one async save of this process is in flight per directory (``_claimed``, under
@@ -127,22 +128,24 @@ def remove_unreferenced_files(
     referenced: Collection[str],
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
-) -> None:
+) -> list[str] | None:
     """Remove the data files in ``path`` that the new ``.metadata`` does not name (an earlier save
     into this directory left them: on an object store, or through torch's own save flow, nothing
     removed them before). Safe while an unfinished marker exists: the directory does not count as
     complete until the markers go. Nothing reads such files, so a failure to list or remove them
-    is only logged: it never fails the save."""
+    is only logged: it never fails the save. Returns the markers the listing showed (every marker
+    of this save: none is removed before the commit is agreed), so that the coordinator removes
+    them without listing again; None if the listing failed."""
     named = set(referenced)
     keep = named | {manifest_name(name) for name in named}  # every rank's manifest
     earlier: list[str] = []
+    markers = None
     try:
-        earlier = [
-            name
-            for name in storage.listdir(path, storage_options, upload)
-            if is_data_file(name) and name not in keep
-        ]
+        names = storage.listdir(path, storage_options, upload)
+        markers = sorted(n for n in names if n.startswith(MARKER_PREFIX))
+        earlier = [name for name in names if is_data_file(name) and name not in keep]
         storage.remove_files(path, earlier, storage_options=storage_options, upload=upload)
     except CheckpointingError as e:
         left = f" ({', '.join(earlier)})" if earlier else ""
         logger.warning("%s: data files of an earlier save left%s, unreferenced: %s", path, left, e)
+    return markers

@@ -33,11 +33,13 @@ def refuse_complete(
     is_coordinator: bool,
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
-) -> None:
+) -> bool:
     """Raise if ``path`` holds a complete checkpoint; a committed one whose markers are left (a
-    save killed after its commit) is not complete: saved into again."""
+    save killed after its commit) is not complete: saved into again. Returns whether ``path``
+    holds a ``.metadata`` (one request to an object store: the caller need not remove what is
+    not there)."""
     if not storage.exists(storage.join(path, METADATA_NAME), storage_options, upload):
-        return
+        return False
     # Markers next to a .metadata: a save killed after its commit and before its clean-up
     # (get_latest_complete_checkpoint never offers it). No rank of this save has made its
     # marker yet (each checks first, and none passes when the directory is complete).
@@ -55,6 +57,7 @@ def refuse_complete(
             path,
             ", ".join(stale),
         )
+    return True
 
 
 def publish_metadata(
@@ -63,14 +66,16 @@ def publish_metadata(
     referenced: Collection[str] | None,
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
-) -> None:
+) -> list[str] | None:
     """Write ``.metadata`` (atomically) with ``data`` (:mod:`tierpoint.dcp.metadata_bytes`); then
     remove the files of an earlier save into ``path`` that are not ``referenced`` (``None``: the
-    names are not known, nothing is removed)."""
+    names are not known, nothing is removed). Returns the unfinished markers seen meanwhile (see
+    :func:`~tierpoint.dcp.directory.remove_unreferenced_files`), or None."""
     storage.publish(
         storage.join(path, METADATA_NAME), data, storage_options=storage_options, upload=upload
     )
-    if referenced is not None:
-        # Files of an earlier save into this directory that this one did not replace (the
-        # markers still keep the step from counting as complete meanwhile).
-        directory.remove_unreferenced_files(path, referenced, storage_options, upload)
+    if referenced is None:
+        return None
+    # Files of an earlier save into this directory that this one did not replace (the markers
+    # still keep the step from counting as complete meanwhile).
+    return directory.remove_unreferenced_files(path, referenced, storage_options, upload)

@@ -138,6 +138,7 @@ class Writer(StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self._marker_made = False
+        self._markers_seen: list[str] | None = None  # by the coordinator's commit (its listing)
         self._plan: SavePlan | None = None
         self._planner: SavePlanner | None = None
         self._files: RankFiles | None = None
@@ -178,12 +179,13 @@ class Writer(StorageWriter):
         self._forget_plan()  # a refused save must not discard the files of this writer's last one
         rank = kwargs.get("rank")
         self.rank = int(rank) if rank is not None else tpdist.get_rank()
-        if not self.overwrite:
-            refuse_complete(self.path, is_coordinator, self.storage_options, self.upload)
+        committed = self.overwrite or refuse_complete(
+            self.path, is_coordinator, self.storage_options, self.upload
+        )
         self._claim(check_only=True)
         directory.make_marker(self.path, self.rank, self.storage_options)
         self._marker_made = True
-        if is_coordinator:  # re-saving into a committed directory un-commits it first
+        if is_coordinator and committed:  # re-saving into a committed directory un-commits it
             self._remove(METADATA_NAME)
         if storage.is_local(self.path):  # on object stores they go after the commit
             self.earlier_files = directory.earlier_save_files(storage.local_path(self.path))
@@ -233,7 +235,7 @@ class Writer(StorageWriter):
         names = [getattr(info, "relative_path", None) for info in storage_data.values()]
         referenced = [n for n in names if isinstance(n, str)]
         data = pickled(metadata, storage_data, self.storage_meta())
-        publish_metadata(
+        self._markers_seen = publish_metadata(
             self.path,
             data,
             referenced if len(referenced) == len(names) else None,
@@ -363,15 +365,26 @@ class Writer(StorageWriter):
         token = self.results_token
         data = metadata_bytes(metadata, rows, token, self.storage_meta())
         referenced = {add_token(name, token) for name in file_names(rows)}
-        publish_metadata(self.path, data, referenced, self.storage_options, self.upload)
+        self._markers_seen = publish_metadata(
+            self.path, data, referenced, self.storage_options, self.upload
+        )
 
     def remove_markers(self, every_visible: bool = False) -> None:
-        """Remove this rank's marker (and, with ``every_visible``, every marker listed here)."""
+        """Remove this rank's marker (and, with ``every_visible``, every marker in the directory:
+        those the commit's listing saw, else listed now), in one request to an object store."""
         names = {marker_name(self.rank)}
         if every_visible:
-            names |= set(directory.visible_markers(self.path, self.storage_options, self.upload))
-        for name in sorted(names):
-            self._remove(name)
+            seen = self._markers_seen
+            if seen is None:
+                seen = directory.visible_markers(self.path, self.storage_options, self.upload)
+            names.update(seen)
+        self._markers_seen = None
+        if len(names) == 1:
+            self._remove(names.pop())
+        else:
+            storage.remove_files(
+                self.path, sorted(names), storage_options=self.storage_options, upload=self.upload
+            )
 
     def discard(self, keep_marker: bool = False) -> None:
         """Remove what this rank wrote for a failed save: data files, then its marker (unless
