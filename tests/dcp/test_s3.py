@@ -192,3 +192,43 @@ def test_a_step_a_larger_world_left_uncommitted_is_saved_into_cleanly(s3_bucket)
     # listing also names the markers to remove; the only single deletion is the stale .metadata.
     assert counting.counts.get("list_objects_v2", 0) == 2, counting.counts
     assert counting.counts.get("delete_object", 0) == 1, counting.counts
+
+
+def test_an_async_save_to_s3_leaves_the_marker_to_the_worker(s3_bucket):  # noqa: F811
+    """The training thread lists the step (one request) and writes nothing: the worker makes the
+    rank's marker before the data, and the commit removes it."""
+    base, options = s3_bucket
+    path = step_path(base, 1)
+    fs, _ = storage.filesystem(base, options)
+    with AsyncCallsQueue() as queue:
+        fs._call_s3 = counting = CountingCalls(fs)
+        try:
+            future = async_save(
+                {"a": torch.arange(5.0)}, path, queue=queue, storage_options=options
+            )
+        finally:
+            del fs._call_s3
+        assert counting.counts == {"list_objects_v2": 1}, counting.counts
+        future.result(timeout=120)
+    names = untokened(storage.listdir(path, options))
+    assert names == [".checksums-0.json", ".metadata", "__0_0.distcp"]
+    assert get_latest_complete_checkpoint(base, storage_options=options) == path
+
+
+def test_listing_a_prefix_names_what_is_directly_under_it_page_after_page(s3_bucket):  # noqa: F811
+    base, options = s3_bucket
+    fs, _ = storage.filesystem(base, options)
+    bucket = base[len("s3://") :]
+    fs.pipe({f"{bucket}/run/step-1/f{k:04d}": b"x" for k in range(1003)})  # two pages
+    fs.pipe({f"{bucket}/run/step-2/.metadata": b"x", f"{bucket}/run/top": b"x"})
+    names = storage.listdir(f"{base}/run/step-1", options)
+    assert names == [f"f{k:04d}" for k in range(1003)]
+    assert storage.listdir(f"{base}/run", options) == ["step-1", "step-2", "top"]
+    fs._call_s3 = counting = CountingCalls(fs)
+    try:
+        assert storage.listdir(f"{base}/run/step-3", options) == []  # a new step directory
+    finally:
+        del fs._call_s3
+    assert counting.counts == {"list_objects_v2": 1}, counting.counts
+    with pytest.raises(CheckpointingError, match="bucket 'tierpoint-missing' does not exist"):
+        storage.listdir("s3://tierpoint-missing/run", options)

@@ -25,6 +25,7 @@ from typing import Any
 
 from .. import storage
 from ..asyncsave.worker import resolve_buffer
+from . import directory
 from .checksums import manifest_bytes, manifest_name, range_checksums
 
 
@@ -42,6 +43,7 @@ def write_staged(
     items: dict[str, list[tuple[int, int]]],
     source: Any = None,
     pieces: list[list[Any]] | None = None,
+    marker: int | None = None,
 ) -> int:
     """Write staged files and their checksum manifest (runs in the background worker): file ``k``
     is the staging range ``[base, base + length)`` followed by its serialized non-tensor values;
@@ -49,7 +51,8 @@ def write_staged(
     no ``buffer`` the snapshot staged the files in place: they are hashed and made durable; or,
     given a ``source`` file, it staged nothing: file ``k``'s tensor section is ``pieces[k]``, record
     bytes and ``(offset, length)`` ranges of the source (see :func:`~tierpoint.dcp.snapshot.
-    source_pieces`), read from the source's pages as they are written."""
+    source_pieces`), read from the source's pages as they are written. ``marker``: see
+    :func:`write_with_manifest`."""
     if source is not None and pieces is not None:
         data = resolve_buffer(source)
         sections = [[_piece(data, p) for p in file_pieces] for file_pieces in pieces]
@@ -63,7 +66,7 @@ def write_staged(
         for (name, _, _), section, records in zip(files, sections, byte_records)
     ]
     return write_with_manifest(
-        path, contents, items, storage_options, thread_count, sync_files, upload, timeout
+        path, contents, items, storage_options, thread_count, sync_files, upload, timeout, marker
     )
 
 
@@ -76,9 +79,14 @@ def write_with_manifest(
     sync_files: bool,
     upload: storage.UploadOptions,
     timeout: float,
+    marker: int | None = None,
 ) -> int:
     """Hash every item of each ``(name, views)`` file (:mod:`tierpoint.dcp.checksums`), then write
-    the files and the rank's manifest together; returns the data bytes written."""
+    the files and the rank's manifest together; returns the data bytes written. ``marker``: make
+    that rank's unfinished marker first (on object stores, where the set-up leaves it to the job
+    that writes)."""
+    if marker is not None:
+        directory.make_marker(path, marker, storage_options)
     sums = {name: _entries(items.get(name, []), views) for name, views in contents}
     jobs = [(storage.join(path, name), views) for name, views in contents]
     manifest = manifest_name(contents[0][0])

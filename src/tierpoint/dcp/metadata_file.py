@@ -23,7 +23,7 @@ from typing import Any
 from .. import storage
 from ..errors import CheckpointingError
 from . import directory
-from .names import METADATA_NAME
+from .names import MARKER_PREFIX, METADATA_NAME
 
 logger = logging.getLogger("tierpoint")
 
@@ -36,14 +36,15 @@ def refuse_complete(
 ) -> bool:
     """Raise if ``path`` holds a complete checkpoint; a committed one whose markers are left (a
     save killed after its commit) is not complete: saved into again. Returns whether ``path``
-    holds a ``.metadata`` (one request to an object store: the caller need not remove what is
-    not there)."""
-    if not storage.exists(storage.join(path, METADATA_NAME), storage_options, upload):
+    holds a ``.metadata`` (the caller need not remove what is not there). One listing: one
+    request to an object store, whatever the directory holds."""
+    names = storage.listdir(path, storage_options, upload)
+    if METADATA_NAME not in names:
         return False
     # Markers next to a .metadata: a save killed after its commit and before its clean-up
     # (get_latest_complete_checkpoint never offers it). No rank of this save has made its
     # marker yet (each checks first, and none passes when the directory is complete).
-    stale = directory.visible_markers(path, storage_options, upload)
+    stale = sorted(n for n in names if n.startswith(MARKER_PREFIX))
     if not stale:
         raise CheckpointingError(
             f"Checkpoint already exists and overwrite=False: {path} already holds "

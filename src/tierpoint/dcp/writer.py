@@ -23,8 +23,10 @@ the worker for async saves, see :mod:`tierpoint.dcp.checksums`); then ``.metadat
 coordinator (:mod:`tierpoint.dcp.metadata_file`): the commit point.
 
 Invariants:
-- Every rank creates its unfinished marker (``.unfinished-<rank>``) in ``set_up_storage_writer``,
-  before any data is written; markers are removed only after ``.metadata`` is written.
+- Every rank creates its unfinished marker (``.unfinished-<rank>``) before any of its data is
+  written: on local paths in ``set_up_storage_writer``, on object stores as the first step of the
+  job that writes (the worker's, for an async save: one request less on the training thread);
+  markers are removed only after ``.metadata`` is written.
 - A rank's write succeeds only once its data files and its checksum manifest are written (and
   fsynced), so every committed step has every rank's manifest.
 - A complete directory is never written into unless ``overwrite=True`` (see
@@ -183,8 +185,9 @@ class Writer(StorageWriter):
             self.path, is_coordinator, self.storage_options, self.upload
         )
         self._claim(check_only=True)
-        directory.make_marker(self.path, self.rank, self.storage_options)
-        self._marker_made = True
+        if storage.is_local(self.path):  # on object stores the job that writes makes it first
+            directory.make_marker(self.path, self.rank, self.storage_options)
+        self._marker_made = True  # (or soon: removing a marker that is not there is fine)
         if is_coordinator and committed:  # re-saving into a committed directory un-commits it
             self._remove(METADATA_NAME)
         if storage.is_local(self.path):  # on object stores they go after the commit
@@ -277,6 +280,7 @@ class Writer(StorageWriter):
                 self.sync_files,
                 self.upload,
                 self.timeout,
+                marker=self._job_marker(),
             )
             self._results, self.results_token = results, self.file_token
         except Exception as e:  # noqa: BLE001 - agreed by the caller, or raised below
@@ -328,7 +332,12 @@ class Writer(StorageWriter):
         byte_records, results = self._serialize()
         self._results, self.results_token = results, self.file_token
         items = results.ranges(self.file_token)  # what the worker hashes, per file
-        kwargs = {"buffer": buf, "byte_records": byte_records, "items": items}
+        kwargs = {
+            "buffer": buf,
+            "byte_records": byte_records,
+            "items": items,
+            "marker": self._job_marker(),
+        }
         if buf is None:  # the worker reads the tensors' bytes from the source file
             return {**kwargs, "source": source, "pieces": pieces}
         if step_dir is None or not buf.file_backed:
@@ -420,6 +429,11 @@ class Writer(StorageWriter):
     def _remove(self, name: str) -> None:
         url = storage.join(self.path, name)
         storage.remove(url, storage_options=self.storage_options, upload=self.upload)
+
+    def _job_marker(self) -> int | None:
+        """The rank whose marker the writing job makes before the data: on object stores (where
+        each request costs the training thread a round trip at set-up), else None."""
+        return None if storage.is_local(self.path) else self.rank
 
     def _require_planner(self) -> tuple[SavePlan, SavePlanner]:
         if self._plan is None or self._planner is None:

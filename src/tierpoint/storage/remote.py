@@ -88,6 +88,27 @@ def check_bucket(
         raise CheckpointingError(f"{os.fspath(url)}: bucket {bucket!r} does not exist")
 
 
+def _s3_names(fs: Any, path: str, url: str, upload: UploadOptions) -> list[str]:
+    """The names directly under ``path`` on S3 (objects and common prefixes), sorted: one
+    ListObjectsV2 request per thousand names. Written by hand because s3fs's ``ls`` of a prefix
+    that holds nothing (a new step directory) lists its parent too, two requests on the caller's
+    thread where one answers."""
+    bucket, _, key = path.partition("/")
+    prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+    names: set[str] = set()
+    where = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+    while True:
+        page = s3_request(f"listing {url}", fs, "list_objects_v2", upload, **where)
+        names.update(o["Key"][len(prefix) :] for o in page.get("Contents", []))
+        names.update(p["Prefix"][len(prefix) :].rstrip("/") for p in page.get("CommonPrefixes", []))
+        token = page.get("NextContinuationToken")
+        if not page.get("IsTruncated") or not token:
+            break
+        where["ContinuationToken"] = token
+    names.discard("")  # the prefix itself (an empty "directory" object)
+    return sorted(names)
+
+
 def _slice_views(views: Sequence[memoryview], begin: int, end: int) -> bytes:
     """Bytes ``[begin, end)`` of the concatenation of ``views``."""
     out = bytearray(end - begin)
@@ -233,6 +254,8 @@ class RemoteStore(Store):
         fs, path = self._open(url)
         fs.invalidate_cache(path)
         try:
+            if _is_s3(fs):
+                return _s3_names(fs, path, url, self.upload)
             entries = self._request(f"listing {url}", fs, "ls", path, detail=False)
         except FileNotFoundError:
             check_bucket(fs, path, url, self.upload)
