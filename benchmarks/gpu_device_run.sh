@@ -29,6 +29,8 @@ export PYTHONDONTWRITEBYTECODE=1 TIERPOINT_TIMEOUT="${TIERPOINT_TIMEOUT:-120}"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
     df -h /dev/shm 2>&1 | tail -1
+    # hyperthreads decide whether the worker's copy lanes share the training thread's core
+    lscpu 2>/dev/null | grep -E '^(Model name|CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|NUMA node\(s\))'
 } | tee "$OUT/summary"
 
 status=0
