@@ -232,3 +232,55 @@ def test_listing_a_prefix_names_what_is_directly_under_it_page_after_page(s3_buc
     assert counting.counts == {"list_objects_v2": 1}, counting.counts
     with pytest.raises(CheckpointingError, match="bucket 'tierpoint-missing' does not exist"):
         storage.listdir("s3://tierpoint-missing/run", options)
+
+
+def test_names_with_pattern_characters_remove_only_themselves(s3_bucket):  # noqa: F811
+    """A step under ``run[1]``: its commit removes its own markers (a name is not a pattern), and
+    nothing of the run ``run1`` that the pattern would match (a step kept incomplete by its
+    coordinator's marker, after a .metadata upload of unknown outcome landed late)."""
+    base, options = s3_bucket
+    other = step_path(f"{base}/run1", 1)
+    storage.write_file(f"{other}/.metadata", [b"late"], storage_options=options)
+    storage.write_file(f"{other}/.unfinished-0", [b""], storage_options=options)
+    mine = step_path(f"{base}/run[1]", 1)
+    storage.write_file(f"{mine}/.unfinished-3", [b""], storage_options=options)  # a stale marker
+    save({"a": torch.arange(5.0)}, mine, storage_options=options)
+    assert storage.listdir(other, options) == [".metadata", ".unfinished-0"]
+    assert get_latest_complete_checkpoint(f"{base}/run1", storage_options=options) is None
+    assert untokened(storage.listdir(mine, options)) == [
+        ".checksums-0.json",
+        ".metadata",
+        "__0_0.distcp",
+    ]
+    assert get_latest_complete_checkpoint(f"{base}/run[1]", storage_options=options) == mine
+
+
+def test_a_marker_the_store_refuses_to_remove_fails_the_save(s3_bucket):  # noqa: F811
+    """A bulk removal answered with a per-key error (a bucket policy that denies it) is an error,
+    not a save reported committed whose step never becomes complete."""
+    base, options = s3_bucket
+    path = step_path(base, 1)
+    storage.write_file(f"{path}/.unfinished-1", [b""], storage_options=options)  # a stale marker
+    fs, _ = storage.filesystem(base, options)
+    original = fs._call_s3
+
+    async def deny_markers(method, *args, **kwargs):
+        if method != "delete_objects":
+            return await original(method, *args, **kwargs)
+        wanted = kwargs["Delete"]["Objects"]
+        denied = [o["Key"] for o in wanted if "/.unfinished-" in o["Key"]]
+        rest = [o for o in wanted if o["Key"] not in denied]
+        reply = {}
+        if rest:
+            delete = dict(kwargs["Delete"], Objects=rest)
+            reply = await original(method, *args, **dict(kwargs, Delete=delete))
+        errors = [{"Key": k, "Code": "AccessDenied", "Message": "denied"} for k in denied]
+        return {**reply, "Errors": errors}
+
+    fs._call_s3 = deny_markers
+    try:
+        with pytest.raises(CheckpointingError, match=r"unfinished markers.*AccessDenied denied"):
+            save({"a": torch.arange(5.0)}, path, storage_options=options)
+    finally:
+        del fs._call_s3
+    assert get_latest_complete_checkpoint(base, storage_options=options) is None

@@ -74,14 +74,20 @@ def release(key: str | None) -> None:
             _claimed.discard(key)
 
 
-def make_marker(path: str, rank: int, storage_options: Mapping[str, Any]) -> None:
+def make_marker(
+    path: str,
+    rank: int,
+    storage_options: Mapping[str, Any],
+    upload: storage.UploadOptions = storage.DEFAULT_UPLOAD,
+) -> None:
     """Create the step directory and rank ``rank``'s marker in it. Another rank's clean-up after a
     failed save removes the directory once it is empty, so a save that follows at once may find it
     gone between the two steps: then both are done again."""
     for attempt in range(3):
         storage.makedirs(path, storage_options)
         try:
-            storage.touch(storage.join(path, marker_name(rank)), storage_options=storage_options)
+            marker = storage.join(path, marker_name(rank))
+            storage.touch(marker, storage_options=storage_options, upload=upload)
             return
         except CheckpointingError as e:
             if attempt == 2 or not isinstance(e.__cause__, FileNotFoundError):

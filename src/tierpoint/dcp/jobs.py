@@ -86,7 +86,7 @@ def write_with_manifest(
     that rank's unfinished marker first (on object stores, where the set-up leaves it to the job
     that writes)."""
     if marker is not None:
-        directory.make_marker(path, marker, storage_options)
+        directory.make_marker(path, marker, storage_options, upload)
     sums = {name: _entries(items.get(name, []), views) for name, views in contents}
     jobs = [(storage.join(path, name), views) for name, views in contents]
     manifest = manifest_name(contents[0][0])

@@ -186,7 +186,7 @@ class Writer(StorageWriter):
         )
         self._claim(check_only=True)
         if storage.is_local(self.path):  # on object stores the job that writes makes it first
-            directory.make_marker(self.path, self.rank, self.storage_options)
+            directory.make_marker(self.path, self.rank, self.storage_options, self.upload)
         self._marker_made = True  # (or soon: removing a marker that is not there is fine)
         if is_coordinator and committed:  # re-saving into a committed directory un-commits it
             self._remove(METADATA_NAME)
