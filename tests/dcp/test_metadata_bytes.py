@@ -4,6 +4,7 @@ cannot stand for the save's strings."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import secrets
 import uuid
@@ -89,18 +90,27 @@ def test_a_placeholder_found_elsewhere_in_the_pickle_means_no_template(monkeypat
         assert "aaaaaaaaaaaa" in pickle.loads(data).state_dict_metadata
 
 
+@dataclasses.dataclass
+class StampedMeta(StorageMeta):
+    """A storage meta with a value of its own per save (as a later torch might add)."""
+
+    stamp: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+
+
 @pytest.mark.parametrize(
-    "meta",
+    "make_meta",
     [
-        StorageMeta(checkpoint_id="/ckpt/stép-1", save_id=uuid.uuid4().hex),
-        StorageMeta(checkpoint_id="/ckpt/step-1", save_id=uuid.uuid4().hex, modules=["x"]),
-        None,
+        lambda: StorageMeta(checkpoint_id="/ckpt/stép-1", save_id=uuid.uuid4().hex),
+        lambda: StorageMeta(checkpoint_id="/ckpt/step-1", save_id=uuid.uuid4().hex, modules=["x"]),
+        lambda: StampedMeta(checkpoint_id="/ckpt/step-1", save_id=uuid.uuid4().hex),
+        lambda: None,
     ],
-    ids=["not ascii", "modules", "none"],
+    ids=["not ascii", "modules", "a value per save", "none"],
 )
-def test_strings_no_template_stands_for_are_pickled_as_usual(meta):
+def test_strings_no_template_stands_for_are_pickled_as_usual(make_meta):
     metadata, rows = _layout()
     for token in (secrets.token_hex(6) for _ in range(3)):
+        meta = make_meta()  # a save's own
         data = mb.metadata_bytes(metadata, rows, token, meta)
         assert data == _plain(metadata, rows, token, meta)
         assert pickle.loads(data).storage_meta == meta

@@ -131,8 +131,9 @@ def metadata_bytes(
 
 def _strings(token: str, meta: StorageMeta | None) -> list[bytes] | None:
     """The save's own strings (token, step directory, save id), or None where no template can
-    stand for them (not ASCII, not strings, or a storage meta of another form)."""
-    if meta is None or meta.load_id is not None or meta.modules:
+    stand for them (not ASCII, not strings, or a storage meta with other values than the
+    defaults: a torch whose storage meta gets a value per save is then pickled as usual)."""
+    if meta is None or meta != StorageMeta(checkpoint_id=meta.checkpoint_id, save_id=meta.save_id):
         return None
     strings = (token, meta.checkpoint_id, meta.save_id)
     if not all(isinstance(s, str) and s and s.isascii() for s in strings):
