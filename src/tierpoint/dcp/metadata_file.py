@@ -36,10 +36,14 @@ def refuse_complete(
 ) -> bool:
     """Raise if ``path`` holds a complete checkpoint; a committed one whose markers are left (a
     save killed after its commit) is not complete: saved into again. Returns whether ``path``
-    holds a ``.metadata`` (the caller need not remove what is not there). One listing: one
-    request to an object store, whatever the directory holds."""
-    names = storage.listdir(path, storage_options, upload)
-    if METADATA_NAME not in names:
+    holds a ``.metadata`` (the caller need not remove what is not there)."""
+    if storage.is_local(path):  # a stat; the directory (perhaps large, shared) listed only then
+        found = storage.exists(storage.join(path, METADATA_NAME), storage_options, upload)
+        names = storage.listdir(path, storage_options, upload) if found else []
+    else:  # one request, where s3fs's check of a missing key makes two
+        names = storage.listdir(path, storage_options, upload)
+        found = METADATA_NAME in names
+    if not found:
         return False
     # Markers next to a .metadata: a save killed after its commit and before its clean-up
     # (get_latest_complete_checkpoint never offers it). No rank of this save has made its
