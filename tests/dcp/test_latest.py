@@ -128,14 +128,14 @@ def test_a_crash_after_commit_before_unmarking_is_not_returned(tmp_path, monkeyp
     """Even a committed .metadata does not count while a marker says a rank may still write; a
     WARNING says why the older step is returned."""
     save({"a": torch.ones(8)}, step_path(tmp_path, 1))
-    original = storage.remove
+    original = storage.remove_files
 
-    def crash_on_markers(url, **kw):
-        if os.path.basename(str(url)).startswith(".unfinished"):
+    def crash_on_markers(directory, names, **kw):
+        if any(name.startswith(".unfinished") for name in names):
             raise OSError(5, "crashed here")
-        return original(url, **kw)
+        return original(directory, names, **kw)
 
-    monkeypatch.setattr(storage, "remove", crash_on_markers)
+    monkeypatch.setattr(storage, "remove_files", crash_on_markers)
     with pytest.raises(CheckpointingError, match="unfinished markers"):
         save({"a": torch.ones(8) * 2}, step_path(tmp_path, 2))
     left = untokened(os.listdir(step_path(tmp_path, 2)))

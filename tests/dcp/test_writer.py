@@ -144,6 +144,13 @@ def test_commit_protocol_order(tmp_path, monkeypatch):
             return _original(url, *a, **k)
 
         monkeypatch.setattr(storage, name, recording)
+    original_bulk = storage.remove_files
+
+    def recording_bulk(directory, names, **k):
+        events.extend(("remove", name) for name in names)
+        return original_bulk(directory, names, **k)
+
+    monkeypatch.setattr(storage, "remove_files", recording_bulk)
     save(local_state(), str(tmp_path / "c"), thread_count=2)
     order = [f"{op}:{name}" for op, name in events]
     assert order[0] == "touch:.unfinished-0"

@@ -94,6 +94,16 @@ def make_marker(
                 raise
 
 
+def remove_earlier_files(
+    path: str, names: list[str], storage_options: Mapping[str, Any], upload: storage.UploadOptions
+) -> None:
+    """Remove the files :func:`earlier_save_files` listed (only while no rank of the new save can
+    have written yet)."""
+    storage.remove_files(path, names, storage_options=storage_options, upload=upload)
+    if names:
+        logger.info("%s: removed %d file(s) of an earlier save", path, len(names))
+
+
 def visible_markers(
     path: str, storage_options: Mapping[str, Any], upload: storage.UploadOptions
 ) -> list[str]:

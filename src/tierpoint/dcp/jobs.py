@@ -37,13 +37,13 @@ def write_staged(
     sync_files: bool,
     upload: storage.UploadOptions,
     timeout: float,
+    marker: int | None = None,
     *,
     buffer: Any,
     byte_records: list[list[bytes]],
     items: dict[str, list[tuple[int, int]]],
     source: Any = None,
     pieces: list[list[Any]] | None = None,
-    marker: int | None = None,
 ) -> int:
     """Write staged files and their checksum manifest (runs in the background worker): file ``k``
     is the staging range ``[base, base + length)`` followed by its serialized non-tensor values;

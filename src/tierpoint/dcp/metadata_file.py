@@ -2,7 +2,8 @@
 
 Call order (inside :class:`~tierpoint.dcp.writer.Writer`): at set-up, before this rank makes its
 marker, :func:`refuse_complete` refuses to save over a complete checkpoint (unless ``overwrite``);
-at the commit, the coordinator calls :func:`publish_metadata` once every rank's data is durable.
+at the commit, the coordinator calls :func:`publish_rows` (or, in torch's own flow,
+:func:`publish_results`) once every rank's data is durable.
 
 Invariants:
 - A complete directory (``.metadata`` and no unfinished marker) is never written into unless
@@ -20,9 +21,14 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.storage import WriteResult
+
 from .. import storage
 from ..errors import CheckpointingError
 from . import directory
+from .file_plan import add_token
+from .metadata_bytes import Rows, file_names, metadata_bytes, pickled
 from .names import MARKER_PREFIX, METADATA_NAME
 
 logger = logging.getLogger("tierpoint")
@@ -63,6 +69,39 @@ def refuse_complete(
             ", ".join(stale),
         )
     return True
+
+
+def publish_rows(
+    path: str,
+    metadata: Metadata,
+    rows: Rows,
+    token: str,
+    storage_meta: StorageMeta | None,
+    storage_options: Mapping[str, Any],
+    upload: storage.UploadOptions,
+) -> list[str] | None:
+    """:func:`publish_metadata` for every rank's write results ``rows`` (tierpoint's commit; see
+    :mod:`tierpoint.dcp.write_results`), the data files named for the save ``token``."""
+    data = metadata_bytes(metadata, rows, token, storage_meta)
+    referenced = {add_token(name, token) for name in file_names(rows)}
+    return publish_metadata(path, data, referenced, storage_options, upload)
+
+
+def publish_results(
+    path: str,
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    storage_meta: StorageMeta | None,
+    storage_options: Mapping[str, Any],
+    upload: storage.UploadOptions,
+) -> list[str] | None:
+    """:func:`publish_metadata` for torch's ``WriteResult`` objects (torch's own save flow)."""
+    storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+    names = [getattr(info, "relative_path", None) for info in storage_data.values()]
+    referenced = [n for n in names if isinstance(n, str)]
+    data = pickled(metadata, storage_data, storage_meta)
+    known = len(referenced) == len(names)
+    return publish_metadata(path, data, referenced if known else None, storage_options, upload)
 
 
 def publish_metadata(

@@ -13,14 +13,12 @@ Two ways to drive it:
   with a ``source_file`` the snapshot copies nothing and the worker writes from the file's pages),
   and finally ``save_state_dict_async_finalize``.
 
-What it writes (see :mod:`tierpoint.dcp.step_dirs` and :mod:`tierpoint.dcp.file_plan`): per rank
-``thread_count`` files ``__<rank>_<k>.<token>.distcp`` (``token``: new for every save of this
-rank, :attr:`Writer.file_token`) written by as many threads, each file fsynced, the
-directory fsynced (async saves of CPU states to a RAM file system: one file, the staging memory
-itself, named by the snapshot); with them the rank's checksum manifest
-``.checksums-<rank>.<token>.json`` (xxh3-64 of every item, hashed by the job that writes the files:
-the worker for async saves, see :mod:`tierpoint.dcp.checksums`); then ``.metadata`` written by the
-coordinator (:mod:`tierpoint.dcp.metadata_file`): the commit point.
+What it writes (:mod:`tierpoint.dcp.step_dirs`, :mod:`tierpoint.dcp.file_plan`): per rank
+``thread_count`` files ``__<rank>_<k>.<token>.distcp`` (``token``: new for every save of this rank,
+:attr:`Writer.file_token`) written by as many threads, fsynced with their directory (async saves of
+CPU states to a RAM file system: one file, the staging memory itself, named by the snapshot), and
+the rank's checksum manifest ``.checksums-<rank>.<token>.json`` (:mod:`tierpoint.dcp.checksums`);
+then ``.metadata`` written by the coordinator (:mod:`tierpoint.dcp.metadata_file`): the commit.
 
 Invariants:
 - Every rank creates its unfinished marker (``.unfinished-<rank>``) before any of its data is
@@ -41,9 +39,6 @@ Invariants:
   an object store a ``.metadata`` upload whose reply never came may still land: then the
   coordinator's marker stays, so the step never counts as complete.)
 - Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the file.
-
-Beside it in :mod:`tierpoint.dcp`: ``directory`` (markers, claims, clean-up), ``metadata_file``,
-``plan_data`` (the items' data, the file layouts), ``snapshot`` and ``jobs`` (the worker's).
 """
 
 from __future__ import annotations
@@ -68,10 +63,10 @@ from ..errors import CheckpointingError, error_text
 from ..snapshot_copy import Streams, training_streams
 from ..staging import SourceFile, StagingBuffer
 from . import directory
-from .file_plan import RankFiles, add_token
+from .file_plan import RankFiles
 from .jobs import write_staged, write_with_manifest
-from .metadata_bytes import Rows, file_names, metadata_bytes, pickled
-from .metadata_file import publish_metadata, refuse_complete
+from .metadata_bytes import Rows
+from .metadata_file import publish_results, publish_rows, refuse_complete
 from .names import METADATA_NAME, checkpoint_id_or_path, marker_name
 from .plan_data import byte_sizes, file_contents, files_for, planned_tensors, resolve_bytes
 from .snapshot import copy_pairs, fill, name_in_place, source_pieces, stages_in_place
@@ -206,14 +201,8 @@ class Writer(StorageWriter):
         """Remove the data files and ``.metadata`` an earlier save left in this rank's view of the
         directory (listed in ``set_up_storage_writer``). Only while no rank of this save can have
         written yet: :mod:`~tierpoint.dcp.state_dict_saver` calls it between two collectives."""
-        storage.remove_files(
-            self.path, self.earlier_files, storage_options=self.storage_options, upload=self.upload
-        )
-        if self.earlier_files:
-            logger.info(
-                "%s: removed %d file(s) of an earlier save", self.path, len(self.earlier_files)
-            )
-        self.earlier_files = []
+        earlier, self.earlier_files = self.earlier_files, []
+        directory.remove_earlier_files(self.path, earlier, self.storage_options, self.upload)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -234,17 +223,8 @@ class Writer(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: commit (``.metadata``), then remove every marker it can see."""
-        storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
-        names = [getattr(info, "relative_path", None) for info in storage_data.values()]
-        referenced = [n for n in names if isinstance(n, str)]
-        data = pickled(metadata, storage_data, self.storage_meta())
-        self._markers_seen = publish_metadata(
-            self.path,
-            data,
-            referenced if len(referenced) == len(names) else None,
-            self.storage_options,
-            self.upload,
-        )
+        where = (self.storage_meta(), self.storage_options, self.upload)
+        self._markers_seen = publish_results(self.path, metadata, results, *where)
         self.remove_markers(every_visible=True)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -271,17 +251,7 @@ class Writer(StorageWriter):
             plan, files = self._require_plan()
             byte_records, results = self._serialize()
             contents = file_contents(plan, self._require_planner()[1], files, byte_records)
-            write_with_manifest(
-                self.path,
-                contents,
-                results.ranges(self.file_token),
-                self.storage_options,
-                self.thread_count,
-                self.sync_files,
-                self.upload,
-                self.timeout,
-                marker=self._job_marker(),
-            )
+            write_with_manifest(self.path, contents, results.ranges(self.file_token), *self._io())
             self._results, self.results_token = results, self.file_token
         except Exception as e:  # noqa: BLE001 - agreed by the caller, or raised below
             self.write_error = error_text(e)
@@ -304,16 +274,8 @@ class Writer(StorageWriter):
         on_device = bool(self._training_streams)
         self._in_place = stages_in_place(self.path) and not on_device and not self.source_file
         self._files = files = self._named_files(1 if self._in_place else self.thread_count)
-        args = (
-            self.path,
-            [(f.name, f.staging_base, f.tensor_bytes) for f in files.files],
-            self.storage_options,
-            self.thread_count,
-            self.sync_files,
-            self.upload,
-            self.timeout,
-        )
-        return write_staged, self.snapshot, args
+        layout = [(f.name, f.staging_base, f.tensor_bytes) for f in files.files]
+        return write_staged, self.snapshot, (self.path, layout, *self._io())
 
     def snapshot(self) -> dict[str, Any]:
         """Copy the state's tensors into a (reused) staging buffer, or, when they all lie in the
@@ -332,12 +294,7 @@ class Writer(StorageWriter):
         byte_records, results = self._serialize()
         self._results, self.results_token = results, self.file_token
         items = results.ranges(self.file_token)  # what the worker hashes, per file
-        kwargs = {
-            "buffer": buf,
-            "byte_records": byte_records,
-            "items": items,
-            "marker": self._job_marker(),
-        }
+        kwargs = {"buffer": buf, "byte_records": byte_records, "items": items}
         if buf is None:  # the worker reads the tensors' bytes from the source file
             return {**kwargs, "source": source, "pieces": pieces}
         if step_dir is None or not buf.file_backed:
@@ -371,29 +328,18 @@ class Writer(StorageWriter):
         """Write ``.metadata`` (atomically) for every rank's write results ``rows`` (see
         :mod:`tierpoint.dcp.write_results`) under this save's token: the checkpoint becomes
         complete once the markers go."""
-        token = self.results_token
-        data = metadata_bytes(metadata, rows, token, self.storage_meta())
-        referenced = {add_token(name, token) for name in file_names(rows)}
-        self._markers_seen = publish_metadata(
-            self.path, data, referenced, self.storage_options, self.upload
-        )
+        where = (self.storage_meta(), self.storage_options, self.upload)
+        self._markers_seen = publish_rows(self.path, metadata, rows, self.results_token, *where)
 
     def remove_markers(self, every_visible: bool = False) -> None:
         """Remove this rank's marker (and, with ``every_visible``, every marker in the directory:
         those the commit's listing saw, else listed now), in one request to an object store."""
-        names = {marker_name(self.rank)}
-        if every_visible:
-            seen = self._markers_seen
-            if seen is None:
-                seen = directory.visible_markers(self.path, self.storage_options, self.upload)
-            names.update(seen)
-        self._markers_seen = None
-        if len(names) == 1:
-            self._remove(names.pop())
-        else:
-            storage.remove_files(
-                self.path, sorted(names), storage_options=self.storage_options, upload=self.upload
-            )
+        seen, self._markers_seen = self._markers_seen, None
+        if every_visible and seen is None:
+            seen = directory.visible_markers(self.path, self.storage_options, self.upload)
+        self._remove_all(
+            sorted({marker_name(self.rank), *(seen if every_visible and seen else ())})
+        )
 
     def discard(self, keep_marker: bool = False) -> None:
         """Remove what this rank wrote for a failed save: data files, then its marker (unless
@@ -401,8 +347,7 @@ class Writer(StorageWriter):
         the step from ever counting as complete)."""
         self._leave()
         if self._files is not None:
-            for name in directory.with_manifest(self._files.names):
-                self._remove(name)
+            self._remove_all(directory.with_manifest(self._files.names))
         if self._marker_made and not keep_marker:
             self._remove(marker_name(self.rank))
             storage.remove_dir_if_empty(self.path, self.storage_options)
@@ -430,10 +375,17 @@ class Writer(StorageWriter):
         url = storage.join(self.path, name)
         storage.remove(url, storage_options=self.storage_options, upload=self.upload)
 
-    def _job_marker(self) -> int | None:
-        """The rank whose marker the writing job makes before the data: on object stores (where
-        each request costs the training thread a round trip at set-up), else None."""
-        return None if storage.is_local(self.path) else self.rank
+    def _remove_all(self, names: list[str]) -> None:
+        storage.remove_files(
+            self.path, names, storage_options=self.storage_options, upload=self.upload
+        )
+
+    def _io(self) -> tuple:
+        """The arguments every writing job takes after its files (:mod:`tierpoint.dcp.jobs`); the
+        last: the rank whose marker the job makes first (object stores), or None (set-up did)."""
+        marker = None if storage.is_local(self.path) else self.rank
+        options, threads, sync = self.storage_options, self.thread_count, self.sync_files
+        return (options, threads, sync, self.upload, self.timeout, marker)
 
     def _require_planner(self) -> tuple[SavePlan, SavePlanner]:
         if self._plan is None or self._planner is None:
