@@ -284,3 +284,36 @@ def test_a_marker_the_store_refuses_to_remove_fails_the_save(s3_bucket):  # noqa
     finally:
         del fs._call_s3
     assert get_latest_complete_checkpoint(base, storage_options=options) is None
+
+
+def test_the_steps_of_a_run_are_listed_several_at_a_time(s3_bucket):  # noqa: F811
+    """Finding the latest step lists each step directory: on an object store several at a time
+    (each is a round trip), with the same answer: the newest committed step without markers."""
+    base, options = s3_bucket
+    fs, _ = storage.filesystem(base, options)
+    bucket = base[len("s3://") :]
+    objects = {f"{bucket}/run/step-{s}/.metadata": b"x" for s in range(1, 13)}
+    objects[f"{bucket}/run/step-12/.unfinished-1"] = b""  # committed, a rank still marked
+    objects[f"{bucket}/run/step-13/__0_0.t.distcp"] = b"x"  # never committed
+    fs.pipe(objects)
+    original = fs._call_s3
+    listing = {"now": 0, "most": 0}
+
+    async def slow_listings(method, *args, **kwargs):
+        if method != "list_objects_v2":
+            return await original(method, *args, **kwargs)
+        listing["now"] += 1
+        listing["most"] = max(listing["most"], listing["now"])
+        try:
+            await asyncio.sleep(0.02)  # a store's round trip
+            return await original(method, *args, **kwargs)
+        finally:
+            listing["now"] -= 1
+
+    fs._call_s3 = slow_listings
+    try:
+        latest = get_latest_complete_checkpoint(f"{base}/run", storage_options=options)
+    finally:
+        del fs._call_s3
+    assert latest == step_path(f"{base}/run", 11)
+    assert listing["most"] > 1, listing

@@ -36,6 +36,7 @@ import logging
 import os
 import zlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import dist as tpdist
@@ -77,16 +78,31 @@ def local_listing(
     layout (ML Flashpoint's sibling markers count as markers of their directory), oldest first."""
     names = storage.listdir(base, storage_options)
     outside = sibling_markers(names)
+    steps = [(name, step) for name in names if (step := step_dir_of(name)) is not None]
     out = []
-    for name in names:
-        step = step_dir_of(name)
-        if step is None:
-            continue
-        entries = storage.listdir(storage.join(base, name), storage_options)
+    listings = _list_each(base, [name for name, _ in steps], storage_options)
+    for (name, step), entries in zip(steps, listings):
         markers = {r for r in map(marker_rank, entries) if r is not None}
         markers.update(outside.get(name, ()))
         out.append([name, step, METADATA_NAME in entries, sorted(markers)])
     return sorted(out, key=_age)
+
+
+_LISTING_THREADS = 8
+"""Step directories of an object store listed at once (each listing is a round trip)."""
+
+
+def _list_each(
+    base: str | os.PathLike, names: list[str], storage_options: Mapping[str, Any] | None
+) -> list[list[str]]:
+    """The listing of each directory ``names`` under ``base``, in order: on an object store
+    several at a time (a run of a hundred steps: a hundred round trips, most of a restart's wait
+    otherwise), on a file system one by one."""
+    paths = [storage.join(base, name) for name in names]
+    if storage.is_local(base) or len(paths) < 2:
+        return [storage.listdir(path, storage_options) for path in paths]
+    with ThreadPoolExecutor(min(_LISTING_THREADS, len(paths)), "tierpoint-listing") as pool:
+        return list(pool.map(lambda path: storage.listdir(path, storage_options), paths))
 
 
 def _age(entry: Sequence) -> tuple[int, bool]:
