@@ -171,7 +171,7 @@ class Writer(StorageWriter):
         """Create the directory and this rank's unfinished marker (before any data is written)."""
         self.refuse_if_in_flight()
         self.is_coordinator = is_coordinator
-        self.earlier_files = []
+        self.earlier_files, self._markers_seen = [], None
         self.file_token = _new_file_token()
         self._forget_plan()  # a refused save must not discard the files of this writer's last one
         rank = kwargs.get("rank")
