@@ -31,7 +31,7 @@ from .. import storage
 from ..errors import CheckpointingError
 from .checksums import is_manifest, manifest_name
 from .file_plan import SUFFIX
-from .names import MARKER_PREFIX, METADATA_NAME, marker_name
+from .names import METADATA_NAME, marker_name, markers_in
 
 logger = logging.getLogger("tierpoint")
 
@@ -108,9 +108,7 @@ def visible_markers(
     path: str, storage_options: Mapping[str, Any], upload: storage.UploadOptions
 ) -> list[str]:
     """The unfinished markers in the step directory now, whoever made them."""
-    return sorted(
-        n for n in storage.listdir(path, storage_options, upload) if n.startswith(MARKER_PREFIX)
-    )
+    return markers_in(storage.listdir(path, storage_options, upload))
 
 
 def is_data_file(name: str) -> bool:
@@ -158,7 +156,7 @@ def remove_unreferenced_files(
     markers = None
     try:
         names = storage.listdir(path, storage_options, upload)
-        markers = sorted(n for n in names if n.startswith(MARKER_PREFIX))
+        markers = markers_in(names)
         earlier = [name for name in names if is_data_file(name) and name not in keep]
         storage.remove_files(path, earlier, storage_options=storage_options, upload=upload)
     except CheckpointingError as e:

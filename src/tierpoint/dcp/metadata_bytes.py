@@ -38,9 +38,8 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
-from .file_plan import add_token
 from .plan_data import PlanMemo
-from .write_results import Row
+from .write_results import Row, decoded
 
 try:  # the version string torch's own writer records
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -65,17 +64,8 @@ def pickled(
 
 
 def storage_data(rows: Rows, token: str) -> dict[MetadataIndex, _StorageInfo]:
-    """Each item's place, from ``rows``, the data files named for the save ``token`` (one string
-    per file, which the pickle then holds once)."""
-    names: dict[str, str] = {}
-    out: dict[MetadataIndex, _StorageInfo] = {}
-    for rank_rows in rows:
-        for fqn, offset, index, _, path, file_offset, length in rank_rows:
-            name = names.get(path)
-            if name is None:
-                name = names[path] = add_token(path, token)
-            out[MetadataIndex(fqn, offset, index)] = _StorageInfo(name, file_offset, length)
-    return out
+    """Each item's place, from every rank's ``rows``, the data files named for the save ``token``."""
+    return {index: place for rank_rows in rows for index, _, place in decoded(rank_rows, token)}
 
 
 def file_names(rows: Rows) -> set[str]:

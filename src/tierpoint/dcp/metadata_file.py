@@ -29,7 +29,7 @@ from ..errors import CheckpointingError
 from . import directory
 from .file_plan import add_token
 from .metadata_bytes import Rows, file_names, metadata_bytes, pickled
-from .names import MARKER_PREFIX, METADATA_NAME
+from .names import METADATA_NAME, markers_in
 
 logger = logging.getLogger("tierpoint")
 
@@ -54,7 +54,7 @@ def refuse_complete(
     # Markers next to a .metadata: a save killed after its commit and before its clean-up
     # (get_latest_complete_checkpoint never offers it). No rank of this save has made its
     # marker yet (each checks first, and none passes when the directory is complete).
-    stale = sorted(n for n in names if n.startswith(MARKER_PREFIX))
+    stale = markers_in(names)
     if not stale:
         raise CheckpointingError(
             f"Checkpoint already exists and overwrite=False: {path} already holds "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .. import storage
@@ -68,6 +68,11 @@ def sibling_markers(names: Sequence[str]) -> dict[str, list[int]]:
 def marker_name(rank: int) -> str:
     """The name of rank ``rank``'s unfinished marker inside a checkpoint directory."""
     return f"{MARKER_PREFIX}{int(rank)}"
+
+
+def markers_in(names: Iterable[str]) -> list[str]:
+    """The unfinished markers among ``names`` (a directory's listing), sorted."""
+    return sorted(n for n in names if n.startswith(MARKER_PREFIX))
 
 
 def marker_rank(name: str) -> int | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import xxhash
@@ -96,10 +97,17 @@ def decode(rows: object, token: str) -> list[WriteResult]:
     """torch's ``WriteResult`` of every row (from :attr:`Results.rows` or their JSON), the data
     files named for the save ``token``."""
     return [
-        WriteResult(
-            index=MetadataIndex(fqn, offset, index),
-            size_in_bytes=size,
-            storage_data=_StorageInfo(add_token(path, token), file_offset, length),
-        )
-        for fqn, offset, index, size, path, file_offset, length in rows  # type: ignore[attr-defined]
+        WriteResult(index=index, size_in_bytes=size, storage_data=place)
+        for index, size, place in decoded(rows, token)
     ]
+
+
+def decoded(rows: object, token: str) -> Iterator[tuple[MetadataIndex, int, _StorageInfo]]:
+    """``(index, size, place)`` of every row, the data files named for the save ``token`` (one
+    name string per file, which a pickle then holds once)."""
+    names: dict[str, str] = {}
+    for fqn, offset, index, size, path, file_offset, length in rows:  # type: ignore[attr-defined]
+        name = names.get(path)
+        if name is None:
+            name = names[path] = add_token(path, token)
+        yield MetadataIndex(fqn, offset, index), size, _StorageInfo(name, file_offset, length)

@@ -335,11 +335,11 @@ class Writer(StorageWriter):
         """Remove this rank's marker (and, with ``every_visible``, every marker in the directory:
         those the commit's listing saw, else listed now), in one request to an object store."""
         seen, self._markers_seen = self._markers_seen, None
-        if every_visible and seen is None:
-            seen = directory.visible_markers(self.path, self.storage_options, self.upload)
-        self._remove_all(
-            sorted({marker_name(self.rank), *(seen if every_visible and seen else ())})
-        )
+        names = {marker_name(self.rank)}
+        if every_visible:
+            where = (self.path, self.storage_options, self.upload)
+            names.update(seen if seen is not None else directory.visible_markers(*where))
+        self._remove_all(sorted(names))
 
     def discard(self, keep_marker: bool = False) -> None:
         """Remove what this rank wrote for a failed save: data files, then its marker (unless
