@@ -178,6 +178,7 @@ class TieredCheckpointManager(SavePath):
         self._last_step: int | None = None
         self._deferred: _Deferred | None = None
         self._in_flight: dict[str, int] = {}  # tier -> call id of its save not yet finalized
+        self._retiring = None
         self._signalled = False
         self._watching_signal = False
         self._closed = False

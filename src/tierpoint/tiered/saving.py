@@ -17,8 +17,11 @@ training thread the planning and no copy: the part is held
 those of its step) and the worker writes its bytes into the DCP files
 (:class:`~tierpoint.staging.SourceFile`), until the save is finalized or aborted, which releases
 the hold (explicitly: the order of the one worker's jobs would protect it too); the
-persistent tier retires older steps (:mod:`.retention`, on rank 0) only after a newer one is
-committed; a failed persistent save is a WARNING and a failed record, training goes on.
+persistent tier retires older steps (:mod:`.retention`) only after a newer one is committed, on a
+thread of rank 0 (listing and removing on an object store takes round trips the training thread
+need not wait for), and the next persistent save, :meth:`wait` (so ``restore``, ``final_save`` and
+``close``) wait for that thread first, so a retirement never overlaps another persistent save; a
+failed persistent save is a WARNING and a failed record, training goes on.
 
 :class:`SavePath` is a mixin of the manager: it holds no state of its own, it uses the manager's
 (the attributes annotated below, all set by the manager's constructor).
@@ -27,6 +30,7 @@ committed; a failed persistent save is a WARNING and a failed record, training g
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +71,7 @@ class SavePath:
     _events: EventLog
     _deferred: _Deferred | None
     _in_flight: dict[str, int]  # tier -> call id of its save not yet finalized
+    _retiring: threading.Thread | None  # rank 0: the persistent retention running
 
     def _make_room(self, tier: str) -> None:
         """Each tier keeps one save in flight: wait (collective) for the previous one."""
@@ -163,11 +168,7 @@ class SavePath:
         def committed() -> None:
             record.phases["durable"] = time.perf_counter() - start
             if tpdist.get_rank() == 0:
-                t0 = time.perf_counter()
-                retire_persistent_steps(
-                    self.persistent_dir, self.keep_persistent, self.storage_options
-                )
-                record.phases["cleanup"] = time.perf_counter() - t0
+                self._retire_in_background()
             self._events.emit(record)
 
         def failed() -> None:
@@ -176,7 +177,8 @@ class SavePath:
             self._events.emit(record)
 
         try:
-            self._make_room("persistent")
+            self._make_room("persistent")  # may commit the previous save: its retirement starts
+            self._wait_for_retirement()
             request = dcp.async_save_request(
                 tree,
                 path,
@@ -241,11 +243,45 @@ class SavePath:
             logger.warning("a checkpoint save failed: %s", e)
 
     def wait(self) -> None:
-        """Wait until every save in flight (and a pending persistent copy) is committed or failed."""
+        """Wait until every save in flight (and a pending persistent copy) is committed or failed,
+        and the persistent retention they started is done."""
         self._finalize(blocking=True)
         if self._deferred is not None:
             self.poll()
             self._finalize(blocking=True)
+        self._wait_for_retirement()
+
+    def _retire_in_background(self) -> None:
+        """Rank 0, after a persistent commit: retire older steps on a thread (see the module
+        docstring). One runs at a time; while an earlier one is stuck past the timeout, this
+        commit's retention is skipped (the next commit's covers it)."""
+        if not self._wait_for_retirement():
+            return
+
+        def run() -> None:
+            try:
+                retire_persistent_steps(
+                    self.persistent_dir, self.keep_persistent, self.storage_options
+                )
+            except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; retried next time
+                logger.warning("the persistent tier's old steps were not retired: %s", e)
+
+        self._retiring = threading.Thread(target=run, name="tierpoint-retention", daemon=True)
+        self._retiring.start()
+
+    def _wait_for_retirement(self) -> bool:
+        """Join the retention thread (bounded by the queue's timeout); False if it still runs."""
+        thread = self._retiring
+        if thread is not None:
+            thread.join(self.queue.timeout)
+            if thread.is_alive():
+                logger.warning(
+                    "the persistent tier's retention has run for over %.0f s; going on without it",
+                    self.queue.timeout,
+                )
+                return False
+            self._retiring = None
+        return True
 
     def _save_final(self, step: int, tree: dict[str, Any]) -> None:
         """A synchronous save of ``step`` (nothing in flight): to the persistent tier, the local
