@@ -175,6 +175,7 @@ def _serve_proxy(upstream: str, port: int, faults: dict[str, Any]) -> None:
                 return
             if self.command == "PUT" and url.path.endswith("/.metadata"):
                 time.sleep(faults.get("late_metadata", 0))
+            time.sleep(faults.get("latency", 0))  # a store farther away than 127.0.0.1
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
             headers["Content-Length"] = str(len(body))
             conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
@@ -222,7 +223,8 @@ class FaultyEndpoint:
     key id are refused (403 InvalidAccessKeyId), as S3 refuses unknown credentials.
     ``late_metadata``: seconds a PUT of a ``.metadata`` object is held before moto applies it.
     ``refuse_data_deletes``: deleting a ``.distcp`` object (alone or in a bulk delete) is answered
-    with 403 AccessDenied.
+    with 403 AccessDenied. ``latency``: seconds every request is held (benchmarks: a store farther
+    away than this machine).
     """
 
     def __init__(self, upstream: str, **faults: Any) -> None:
