@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 import time
 import warnings
 
@@ -400,3 +402,26 @@ def test_a_relative_path_saves_where_the_caller_is_when_the_worker_started_elsew
     dcp.load(out, checkpoint_id=str(second / "ckpt/step-1"))
     assert_same(out, expected)
     assert not (first / "ckpt").exists()
+
+
+_EXIT_SCRIPT = """
+import logging, sys, torch
+from tierpoint import dcp
+logging.basicConfig(format="%(levelname)s %(message)s")
+dcp.async_save({"w": torch.ones(64, 64)}, sys.argv[1])
+"""
+
+
+def test_a_save_left_pending_at_exit_is_named_with_what_would_have_kept_it(tmp_path):
+    """``async_save`` without a queue: the user holds only the future, so the warning at exit
+    says to call its ``result()``, and nothing was committed."""
+    path = tmp_path / "step-1"
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    dropped = [line for line in out.stderr.splitlines() if "was dropped" in line]
+    assert len(dropped) == 1, out.stderr
+    assert dropped[0].startswith("WARNING") and str(path) in dropped[0]
+    assert ".result()" in dropped[0] and "abort=True" not in dropped[0], dropped
+    assert not (path / ".metadata").exists()

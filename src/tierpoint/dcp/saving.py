@@ -203,8 +203,12 @@ def default_queue() -> AsyncCallsQueue:
 def _close_default_queue() -> None:
     global _default_queue
     if _default_queue is not None:
-        try:
-            _default_queue.close(abort=True)
+        try:  # its users hold futures, not the queue: the warning names what keeps a save
+            _default_queue.abort(
+                "the process was exiting (to keep an async save, call .result() on the future "
+                "async_save or Checkpointer.save_async returned before the process ends)"
+            )
+            _default_queue.close()
         finally:
             _default_queue = None
 
