@@ -50,7 +50,7 @@ def get_latest_complete_checkpoint(
     decision = None
     if tpdist.get_rank() == decider(group):
         decision = next(iter(complete_dirs([v["view"] for v in views])), None)
-        warn_skipped(base, [v["view"] for v in views], decision)
+        warn_skipped(views, decision)
     name = tpdist.broadcast_json(
         decision, decider(group), f"agreeing on the latest checkpoint under {base}", group=group
     )
@@ -71,5 +71,5 @@ def _latest_node_local(
             found = name
             break
     if tpdist.get_rank() == decider(group):
-        warn_skipped(str(base), [v["view"] for v in views], found)
+        warn_skipped(views, found)
     return None if found is None else storage.join(base, found)

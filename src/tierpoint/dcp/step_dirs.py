@@ -146,21 +146,32 @@ def choose_latest(views: Sequence[Sequence[Sequence]]) -> int | None:
     return next(iter(complete_steps(views)), None)
 
 
-def warn_skipped(base: str, listings: Sequence[Sequence[Sequence]], latest: str | None) -> None:
+def warn_skipped(views: Sequence[dict], latest: str | None) -> None:
     """A WARNING for each step directory newer than ``latest`` (a name) that is committed in some
     listing but still marked unfinished (a save into it did not finish its clean-up, or a node kept
-    a marker of an earlier one): an older step loads, and the user should know why."""
+    a marker of an earlier one): an older step loads, and the user should know why. The directory
+    is named as the ranks whose listing held the markers see it (``views``: :func:`gather_views`'s;
+    each node lists its own directory when the base is node-local)."""
+    listings = [v["view"] for v in views]
     steps = {str(e[0]): int(e[1]) for listing in listings for e in listing}
     committed, markers = _merged([[[e[0], e[2], e[3]] for e in listing] for listing in listings])
     newest = None if latest is None else steps.get(latest)
     for name in sorted(committed & set(markers), key=lambda n: steps[n], reverse=True):
         if newest is None or steps[name] > newest:
             ranks = ["?" if r == UNKNOWN_RANK else str(r) for r in sorted(markers[name])]
+            seen_in = dict.fromkeys(
+                storage.join(v["base"], name)
+                for v in views
+                if any(e[0] == name and e[3] for e in v["view"])
+            )
             logger.warning(
-                "%s has a .metadata but unfinished markers of rank(s) %s (a save into it did not "
-                "finish): it is not loaded. Save it again (overwrite=True), or remove it",
-                storage.join(base, name),
+                "%s has a .metadata but unfinished markers of rank(s) %s%s (a save into it did "
+                "not finish): it is not loaded. Save it again (overwrite=True), or remove it",
+                ", ".join(seen_in),
                 ", ".join(ranks),
+                ""
+                if step_of(name) is not None
+                else " (ML Flashpoint's markers: ranks on that node)",
             )
 
 
@@ -181,8 +192,8 @@ def complete_checkpoints(
 def gather_views(
     base: str | os.PathLike, storage_options: Mapping[str, Any] | None, group: Any
 ) -> list[dict]:
-    """Listings of ``base`` (``{"view": [...]}`` each; the listings are merged, so an empty one
-    is neutral). Collective; raises the same :class:`CheckpointingError` on every rank when a rank
+    """Listings of ``base`` (``{"view": [...], "base": <the lister's base>}`` each; the listings
+    are merged, so an empty one is neutral). Collective; raises the same :class:`CheckpointingError` on every rank when a rank
     could not list.
 
     Without a ``group`` of the caller's, the listings travel merged per node
@@ -200,7 +211,8 @@ def gather_views(
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = error_text(e)
     what = f"listing checkpoints under {base}"
-    report = {"view": mine, "errors": {str(tpdist.get_rank()): error} if error else {}}
+    errors = {str(tpdist.get_rank()): error} if error else {}
+    report = {"view": mine, "base": os.fspath(base), "errors": errors}
     if group is None and tpdist.is_distributed():
         views = [v for record in tpdist.gather_by_node(report, _merge_views, what) for v in record]
     else:
