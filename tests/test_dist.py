@@ -159,3 +159,20 @@ def test_a_bad_timeout_variable_is_named(monkeypatch, value):
     monkeypatch.setenv("TIERPOINT_TIMEOUT", value)
     with pytest.raises(CheckpointingError, match="TIERPOINT_TIMEOUT must be a positive number"):
         tpdist.default_timeout()
+
+
+def _after_destroying_the_group(rank: int, world: int, root: str) -> str:
+    from tierpoint.local import LocalCheckpointManager
+
+    manager = LocalCheckpointManager(root, session_id="job")
+    dist.destroy_process_group()
+    with pytest.raises(CheckpointingError) as raised:
+        manager.find_latest()
+    return str(raised.value)
+
+
+def test_a_manager_used_after_its_group_was_destroyed_says_so(tmp_path):
+    """Refused (every process would act as rank 0 of 1), and the message gives the way out that
+    fits this case too: new objects once a new process group is up."""
+    for message in run_ranks(_after_destroying_the_group, 2, str(tmp_path), timeout=60):
+        assert "after destroy_process_group(), make new managers" in message, message

@@ -61,6 +61,7 @@ def refuse_uninitialised_launch() -> None:
     if launched.isdigit() and int(launched) > 1:
         raise CheckpointingError(
             f"WORLD_SIZE={launched} is set but torch.distributed is not initialised: call "
-            "torch.distributed.init_process_group() before using tierpoint (or unset WORLD_SIZE "
-            "for a single-process job)"
+            "torch.distributed.init_process_group() before using tierpoint (after "
+            "destroy_process_group(), make new managers and queues once a new group is up; or "
+            "unset WORLD_SIZE for a single-process job)"
         )
