@@ -59,6 +59,7 @@ from ..local import CliqueReplicationStrategy, LocalCheckpointManager
 from ..tensor_aware import BasicTensorAwareStateDict
 from . import state as st
 from .events import EventLog, RestoreRecord
+from .replicas import ReplicaCheck
 from .restoring import reset, restore_newest
 from .saving import SavePath, _Deferred
 
@@ -179,6 +180,7 @@ class TieredCheckpointManager(SavePath):
         self._deferred: _Deferred | None = None
         self._in_flight: dict[str, int] = {}  # tier -> call id of its save not yet finalized
         self._retiring = None
+        self._replica_check = ReplicaCheck()
         self._signalled = False
         self._watching_signal = False
         self._closed = False

@@ -45,6 +45,7 @@ from ..local import HeldPart, LocalCheckpointManager
 from ..tensor_aware import BasicTensorAwareStateDict
 from . import state as st
 from .events import EventLog, SaveRecord
+from .replicas import ReplicaCheck
 from .retention import retire_persistent_steps
 
 logger = logging.getLogger("tierpoint")
@@ -72,6 +73,7 @@ class SavePath:
     _deferred: _Deferred | None
     _in_flight: dict[str, int]  # tier -> call id of its save not yet finalized
     _retiring: threading.Thread | None  # rank 0: the persistent retention running
+    _replica_check: ReplicaCheck
 
     def _make_room(self, tier: str) -> None:
         """Each tier keeps one save in flight: wait (collective) for the previous one."""
@@ -179,6 +181,7 @@ class SavePath:
         try:
             self._make_room("persistent")  # may commit the previous save: its retirement starts
             self._wait_for_retirement()
+            self._replica_check.check(tree, step)
             request = dcp.async_save_request(
                 tree,
                 path,
@@ -296,6 +299,7 @@ class SavePath:
         else:
             ptree = st.persistent_form(tree, tpdist.get_rank())
             record = SaveRecord("persistent", step, st.nbytes(ptree))
+            self._replica_check.check(ptree, step)
             dcp.save(
                 ptree,
                 step_path(self.persistent_dir, step),

@@ -1,0 +1,118 @@
+"""Values the persistent tier stores once for every rank must be alike on every rank: a check that
+names the ones that are not.
+
+torch DCP (and so the persistent tier) takes a tensor or plain value that is not a DTensor and not
+:class:`~tierpoint.RankLocal` to be replicated: one rank's copy is written, and every rank restores
+it. A value that in fact differs between ranks (a data position, an RNG state) would come back the
+same on every rank, each key from whichever rank wrote it, without a word. So before each persistent
+save, each rank hashes every top-level value's plain data and small CPU tensors (and, apart, the layout:
+keys, types, dtypes and shapes), and one all-reduce tells whether the ranks agree; only when the
+layouts agree and the data does not are the per-key hashes gathered, and rank 0 logs a WARNING
+naming the keys (once per key and manager). Ranks whose layouts differ (pipeline stages, each with
+its own keys) are not compared.
+
+Call order: :meth:`ReplicaCheck.check` on every rank with the persistent form of the state, before
+the save is planned (collective).
+
+Invariants: one small all-reduce per save when the ranks agree; large tensors and tensors on
+devices are described by dtype and shape only (hashing them would cost a pass over the model, and
+a device copy, per save): the check finds the small, per-rank values that are the usual mistake.
+DTensors and the rank-local key are left out: they are stored per rank already.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from .. import dist as tpdist
+from ..dtensors import is_dtensor
+from .state import RANK_LOCAL_KEY
+
+logger = logging.getLogger("tierpoint")
+
+HASHED_TENSOR_BYTES = 64 * 1024
+"""CPU tensors up to this size are hashed by value; larger ones by dtype and shape."""
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_MASK = 2**62 - 1  # a hash that reduce_ints carries as a signed 64-bit value, negated too
+
+
+def _feed(layout: Any, data: Any, value: Any, depth: int = 0) -> None:
+    """Hash ``value``'s structure (keys, types, tensor dtypes and shapes) into ``layout`` and its
+    data (plain values, small CPU tensors' bytes) into ``data``."""
+    if depth > 100:
+        layout.update(b"deep")
+    elif isinstance(value, Mapping):
+        layout.update(b"{")
+        for key, item in value.items():
+            layout.update(repr(key).encode())
+            _feed(layout, data, item, depth + 1)
+        layout.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        layout.update(b"[")
+        for item in value:
+            _feed(layout, data, item, depth + 1)
+        layout.update(b"]")
+    elif isinstance(value, torch.Tensor):
+        if is_dtensor(value):
+            return
+        layout.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        small = value.numel() * value.element_size() <= HASHED_TENSOR_BYTES
+        if small and value.device.type == "cpu":
+            data.update(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, _PLAIN):
+        layout.update(type(value).__name__.encode())
+        data.update(repr(value).encode())
+    else:  # an object torch DCP pickles: its repr may hold an address, so its type stands for it
+        layout.update(type(value).__qualname__.encode())
+
+
+def digests(tree: Mapping[str, Any]) -> tuple[int, dict[str, int]]:
+    """A hash of the layout of the values stored once for every rank, and of each top-level
+    value's data."""
+    layout, out = xxhash.xxh3_64(), {}
+    for key, value in tree.items():
+        if key == RANK_LOCAL_KEY:
+            continue
+        data = xxhash.xxh3_64()
+        layout.update(repr(key).encode())
+        _feed(layout, data, value)
+        out[str(key)] = data.intdigest() & _MASK
+    return layout.intdigest() & _MASK, out
+
+
+class ReplicaCheck:
+    """The check of one manager (it remembers which keys it has warned about)."""
+
+    def __init__(self) -> None:
+        self.warned: set[str] = set()
+
+    def check(self, tree: Mapping[str, Any], step: int) -> list[str]:
+        """Collective: the keys of ``tree`` whose values differ between ranks (the same list on
+        every rank); rank 0 warns about the ones not named before."""
+        if not tpdist.is_distributed() or tpdist.get_world_size() < 2:
+            return []
+        layout, mine = digests(tree)
+        data = xxhash.xxh3_64(repr(sorted(mine.items())).encode()).intdigest() & _MASK
+        what = f"comparing the replicated values of step {step}"
+        low = tpdist.reduce_ints([layout, -layout, data, -data], "min", what)
+        if low[0] != -low[1] or low[2] == -low[3]:
+            return []  # other keys per rank (pipeline stages: nothing to compare), or all alike
+        every = tpdist.all_gather_json(mine, what)
+        differ = sorted({k for d in every for k in d if any(e[k] != d[k] for e in every)})
+        new = [k for k in differ if k not in self.warned]
+        self.warned.update(new)
+        if new and tpdist.get_rank() == 0:
+            logger.warning(
+                "step %d: %s differ between ranks, but the persistent tier keeps one copy for "
+                "every rank (torch DCP takes such values to be replicated): each rank would restore "
+                "the same value. Wrap values that differ per rank in RankLocal",
+                step,
+                ", ".join(repr(k) for k in new),
+            )
+        return differ

@@ -1,0 +1,74 @@
+"""A value that differs between ranks but is not wrapped in RankLocal is stored once for every rank
+by the persistent tier (as torch DCP does): the manager says so, naming the key, once; states whose
+ranks agree, or whose ranks hold other keys (pipeline stages), are not warned about."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierpoint import RankLocal, TieredCheckpointManager
+from tierpoint.testing import run_ranks
+
+from .helpers import make_state, train_step
+
+KWARGS = {"local_every": 0, "persistent_every": 2, "keep_persistent": 1}
+
+
+def _warnings_while(run: Any) -> list[str]:
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tierpoint").addHandler(handler)
+    try:
+        run()
+    finally:
+        logging.getLogger("tierpoint").removeHandler(handler)
+    return [m for m in warned if "differ between ranks" in m]
+
+
+def _save(state: dict[str, Any], root: Path, world: int, steps: int = 6) -> None:
+    with TieredCheckpointManager(None, str(root), "r", **KWARGS) as manager:
+        for step in range(1, steps + 1):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+
+
+def _unwrapped(rank: int, world: int, root: Path) -> list:
+    state = make_state(rank)
+    state["cursor"] = {"shard": rank, "seed": torch.tensor([rank, 7])}  # per rank, not wrapped
+    warned = _warnings_while(lambda: _save(state, root / "unwrapped", world))
+    state = make_state(rank)  # the same per-rank value, wrapped: nothing to say
+    state["cursor"] = RankLocal({"shard": rank, "seed": torch.tensor([rank, 7])})
+    wrapped = _warnings_while(lambda: _save(state, root / "wrapped", world))
+    return [warned, wrapped]
+
+
+def test_a_per_rank_value_not_wrapped_in_rank_local_is_named_once(tmp_path):
+    (rank0, rank1) = run_ranks(_unwrapped, 2, tmp_path, timeout=120)
+    warned, wrapped = rank0
+    assert len(warned) == 1, warned  # three persistent saves, one warning
+    assert "'cursor'" in warned[0] and "RankLocal" in warned[0]
+    assert "'model'" not in warned[0] and "'position'" not in warned[0]  # alike on both ranks
+    assert wrapped == []
+    assert rank1 == [[], []]  # said by rank 0 only
+
+
+def _stages(rank: int, world: int, root: Path) -> list[str]:
+    """Each rank holds another stage of a model (other keys and shapes): nothing to compare."""
+    stage = torch.nn.Linear(4 + rank, 3)
+    state = {f"stage{rank}": stage, "position": {"samples": 8}}
+
+    def run() -> None:
+        with TieredCheckpointManager(None, str(root), "p", **KWARGS) as manager:
+            for step in range(1, 5):
+                manager.maybe_save(step, state)
+
+    return _warnings_while(run)
+
+
+def test_ranks_holding_other_keys_are_not_compared(tmp_path):
+    assert run_ranks(_stages, 2, tmp_path, timeout=120) == [[], []]
