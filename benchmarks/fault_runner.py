@@ -243,7 +243,7 @@ def table(kills: list[dict[str, Any]], corruptions: list[dict[str, Any]], second
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--kills", type=int, default=200)
     parser.add_argument("--corruptions", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1)

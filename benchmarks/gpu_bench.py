@@ -769,7 +769,7 @@ def bench_saves(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--gib", type=float, default=None, help="state size (default: from the GPU)")
     p.add_argument("--reps", type=int, default=5, help="interleaved save repetitions")
     p.add_argument("--steps", type=int, default=100, help="training steps a run")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tierpoint
 from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
 from tierpoint import dcp, fileformat
 from tierpoint.cli import main
@@ -216,6 +218,9 @@ def test_verify_a_dcp_base_checks_every_step(tmp_path: Path, capsys: pytest.Capt
         manifest.unlink()
     assert main(["verify", dcp.step_path(base, 1)]) == 0
     assert "unverified: no checksum manifest" in capsys.readouterr().out
+    assert main(["verify", "--strict", dcp.step_path(base, 1)]) == 1  # its line agrees
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"FAIL {dcp.step_path(base, 1)}: ") and "unverified" in line
     assert main(["verify", "--strict", "--json", dcp.step_path(base, 1)]) == 1
     assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "unverified"
 
@@ -300,6 +305,41 @@ def test_convert_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     assert main(["verify", dcp.step_path(tmp_path / "base", 2)]) == 0
     assert main(["convert", str(pt), str(pt)]) == 1
     _one_line_error(capsys.readouterr().err, "exists (--force to replace it)")
+
+
+def test_convert_into_missing_directories_then_ls_and_verify_the_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    pytest.importorskip("safetensors.torch")
+    part = tmp_path / "p.safetensors"
+    _part(part, 3, 0, 1)
+    plain, pt = tmp_path / "out" / "p.safetensors", tmp_path / "deep" / "er" / "l.pt"
+    for dst in (plain, pt):  # missing parents are made, as for a DCP destination
+        assert main(["convert", str(part), str(dst)]) == 0
+    assert torch.load(pt, weights_only=True)["step"] == 3
+    capsys.readouterr()
+
+    # A plain safetensors file has no checksums: unverified, not corrupt.
+    assert main(["verify", str(plain)]) == 0
+    out = capsys.readouterr().out
+    assert f"ok   {plain}: a plain safetensors file" in out and "1 unverified" in out
+    assert main(["verify", "--strict", "--json", str(plain)]) == 1
+    assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "unverified"
+    plain.write_bytes(plain.read_bytes()[:-4])  # truncated: a failure still
+    assert main(["verify", str(plain)]) == 1
+    assert capsys.readouterr().out.startswith(f"FAIL {plain}")
+
+    # A DCP checkpoint in a directory not named step-N has no step number.
+    back = tmp_path / "out" / "back"
+    assert main(["convert", str(pt), str(back)]) == 0
+    capsys.readouterr()
+    assert main(["ls", "--json", str(back)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in doc["checkpoints"]] == [None]
+    assert doc["newest_restorable"] == {str(back): str(back)}
+    assert main(["ls", str(back)]) == 0
+    out = capsys.readouterr().out
+    assert "-1" not in out and f"newest restorable ({back}): persistent step -: {back}" in out
 
 
 def test_convert_a_local_iteration_and_refuse_unsafe_files(
@@ -422,9 +462,23 @@ def test_bench(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     _one_line_error(capsys.readouterr().err, "no benchmark 'nope'")
 
 
+def test_bench_outside_a_checkout_says_where_the_benchmarks_are(tmp_path: Path) -> None:
+    site = tmp_path / "lib" / "site-packages"  # an installed package: no benchmarks/ beside it
+    shutil.copytree(Path(tierpoint.__file__).parent, site / "tierpoint",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    done = _cli("bench", env={"PYTHONPATH": str(site)})
+    assert done.returncode == 1
+    _one_line_error(done.stderr, str(tmp_path / "lib" / "benchmarks"), "source repository",
+                    "--dir <checkout>/benchmarks")  # fmt: skip
+
+
 def test_demo_is_still_reachable() -> None:
     done = _cli("demo", "--help")
     assert done.returncode == 0 and "--failures" in done.stdout
+    description = " ".join(done.stdout.split("\n\n")[1].split())  # after the usage
+    assert description.startswith("The demo: ") and description.endswith(
+        "ends bit for bit where an uninterrupted run ends."
+    )
 
 
 def test_bench_chart_draws_every_contender(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

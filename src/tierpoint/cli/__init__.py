@@ -13,11 +13,12 @@ Subcommands (``tierpoint <command> --help`` for each):
 - ``verify PATH|URL...``: every checksum of part files, of a directory of them, of a DCP step or of
   every step of a DCP base (an uncommitted step is skipped: it is never loaded); exit status 0
   only when everything verified (a DCP step without checksum manifests, written by plain torch, is
-  read completely and reported unverified; ``--strict`` fails it);
+  read completely and reported unverified, as is a plain safetensors file; ``--strict`` fails
+  them);
 - ``convert SRC DST``: a part file, a local-tier iteration or a DCP checkpoint to one
   ``.safetensors`` or ``torch.save`` ``.pt`` file, and such a file back to a DCP checkpoint;
-- ``bench [NAME]``: the benchmark suite (``benchmarks/*_bench.py``) at small sizes, one table,
-  JSON, and a PNG chart where matplotlib is installed;
+- ``bench [NAME]``: the benchmark suite (``benchmarks/*_bench.py`` of a source checkout, or
+  ``--dir``) at small sizes, one table, JSON, and a PNG chart where matplotlib is installed;
 - ``demo``: the fault-tolerant training demo (:mod:`tierpoint.demo`).
 
 The package: this module holds :func:`main` (the parser and the dispatch); each command is one

@@ -1,5 +1,6 @@
-"""``tierpoint bench``: run the benchmark suite (``benchmarks/*_bench.py``) at small sizes, then
-one table, ``bench.json`` and, where matplotlib is installed, ``bench.png``.
+"""``tierpoint bench``: run the benchmark suite (``benchmarks/*_bench.py`` of a source checkout,
+or ``--dir``: an installed package has none) at small sizes, then one table, ``bench.json`` and,
+where matplotlib is installed, ``bench.png``.
 
 Call order: :func:`cmd_bench` runs each script in a subprocess (quick sizes unless ``--full``),
 gathers the rows of its comparison tables from its output, writes JSON and the chart, prints the
@@ -37,6 +38,7 @@ _QUICK_ARGS = {
 
 
 def _bench_dir() -> Path:
+    """``benchmarks/`` of the source checkout this package runs from (absent when installed)."""
     return Path(__file__).resolve().parents[3] / "benchmarks"
 
 
@@ -44,6 +46,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``tierpoint bench``: run the benchmarks; 0 when each ran or was skipped."""
     directory = Path(args.dir) if args.dir else _bench_dir()
     available = {p.name.removesuffix("_bench.py"): p for p in directory.glob("*_bench.py")}
+    if not available and not args.dir:  # an installed package: the scripts are not in it
+        raise CommandError(
+            f"{directory}: no benchmarks there; they ship with the source repository, not the "
+            "package: pass --dir <checkout>/benchmarks"
+        )
     if not available:
         raise CommandError(f"{directory}: no benchmarks (*_bench.py) there")
     names = args.names or sorted(available)

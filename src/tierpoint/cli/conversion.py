@@ -6,8 +6,9 @@ Call order: :func:`cmd_convert` reads the source's state (its kind from
 ``DST``'s suffix (none: a DCP checkpoint) and prints one line.
 
 Invariants: nothing is replaced without ``--force``; ``.safetensors`` and ``.pt`` files are
-written locally only; a safetensors file written here keeps the state's structure in its
-metadata, so converting it back restores the same tree.
+written locally only; every kind of ``DST`` gets its missing parent directories; a safetensors
+file written here keeps the state's structure in its metadata, so converting it back restores the
+same tree.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointingError
-from .files import kind_of_file, load_pt, safetensors_metadata
+from .files import is_part_metadata, kind_of_file, load_pt, safetensors_metadata
 from .listing import local_rows
 from .locate import classify, find_dcp_dir, store_options
 from .output import CommandError
@@ -38,6 +39,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if out_kind != "dcp" and os.path.exists(dst) and not args.force:
         raise CommandError(f"{dst}: exists (--force to replace it)")
     state, source = _read_state(args, options)
+    if out_kind != "dcp":  # missing parent directories are made, as a DCP save makes them
+        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
     if out_kind == "safetensors":
         how = _write_safetensors(state, dst)
     elif out_kind == "pt":
@@ -82,7 +85,7 @@ def _read_safetensors(path: str) -> tuple[Any, str]:
     from .. import fileformat
 
     meta = safetensors_metadata(path)
-    if meta.get("format") == "tierpoint":
+    if is_part_metadata(meta):
         return fileformat.read(path), "part file"
     try:
         from safetensors.torch import load_file

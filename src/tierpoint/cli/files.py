@@ -2,8 +2,9 @@
 safetensors files.
 
 Call order: :func:`kind_of_file` by the name's suffix; then :func:`safetensors_header` /
-:func:`safetensors_metadata` (the JSON header, its length checked against the file first) or
-:func:`load_pt` (``torch.load(weights_only=True)``).
+:func:`safetensors_metadata` (the JSON header, its length checked against the file first;
+:func:`is_part_metadata` tells tierpoint's part files, :func:`is_plain_safetensors` other writers'
+intact ones) or :func:`load_pt` (``torch.load(weights_only=True)``).
 
 Invariants: no code in a file runs; a damaged file is a :class:`~tierpoint.cli.output.CommandError`
 naming it.
@@ -36,8 +37,36 @@ def safetensors_metadata(path: str) -> dict[str, Any]:
     return meta
 
 
+def is_part_metadata(meta: dict[str, Any]) -> bool:
+    """Whether a safetensors ``__metadata__`` is a tierpoint part file's (any of its keys: a damaged
+    one still counts)."""
+    return meta.get("format") == "tierpoint" or any(
+        k in meta for k in ("tierpoint", "tierpoint_header_xxh3")
+    )
+
+
+def is_plain_safetensors(path: str) -> bool:
+    """Whether ``path`` is another writer's safetensors file (``tierpoint convert``'s included) as
+    far as its layout shows: its header parses, is no part file's, and its tensors fill the file.
+    Such a file has no checksums to verify."""
+    try:
+        header, data_bytes = _header_and_data_bytes(path)
+        meta = header.get("__metadata__") or {}
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except (CommandError, OSError, TypeError, KeyError, IndexError):
+        return False
+    return (
+        isinstance(meta, dict) and not is_part_metadata(meta) and max(ends, default=0) == data_bytes
+    )
+
+
 def safetensors_header(path: str) -> dict[str, Any]:
     """A safetensors file's JSON header (its length checked against the file before reading)."""
+    return _header_and_data_bytes(path)[0]
+
+
+def _header_and_data_bytes(path: str) -> tuple[dict[str, Any], int]:
+    """The JSON header and how many bytes follow it."""
     from ..fileformat import MAX_HEADER_BYTES
 
     try:
@@ -50,7 +79,7 @@ def safetensors_header(path: str) -> dict[str, Any]:
             header = json.loads(f.read(n))
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
-        return header
+        return header, size - 8 - n
     except ValueError as e:
         raise CommandError(f"{path}: not a safetensors file: {e}") from e
 

@@ -41,7 +41,8 @@ class Row:
 
     tier: str
     where: str
-    step: int
+    step: int | None
+    """None: a DCP checkpoint directory not named after a step (shown as ``-``; JSON null)."""
     ranks: list[int]
     world_size: int | None
     replicas: int
@@ -63,7 +64,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     newest: dict[str, Row] = {}
     for row in rows:
         if row.status == "complete" and (
-            row.where not in newest or row.step > newest[row.where].step
+            row.where not in newest or _order(row) > _order(newest[row.where])
         ):
             newest[row.where] = row
     if args.json:
@@ -83,7 +84,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     table_rows = [
         (
             r.where,
-            r.step,
+            _step_text(r),
             r.tier,
             _ranks_text(r),
             r.replicas if r.tier == "local" else "-",
@@ -97,9 +98,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for where in dict.fromkeys(r.where for r in rows):
         found = newest.get(where)
         unit = "iteration" if found and found.tier == "local" else "step"
-        text = f"{found.tier} {unit} {found.step}: {found.path}" if found else "none"
+        text = f"{found.tier} {unit} {_step_text(found)}: {found.path}" if found else "none"
         console.print(f"newest restorable ({where}): {text}")
     return 0
+
+
+def _order(row: Row) -> int:
+    return -1 if row.step is None else row.step
+
+
+def _step_text(row: Row) -> str:
+    return "-" if row.step is None else str(row.step)
 
 
 def _ranks_text(row: Row) -> str:
@@ -234,7 +243,7 @@ def _step_row(
     return Row(
         tier="persistent",
         where=where,
-        step=-1 if step is None else step,
+        step=step,
         ranks=ranks,
         world_size=None,
         replicas=0,

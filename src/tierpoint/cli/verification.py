@@ -6,8 +6,9 @@ uncommitted step is skipped), runs them with a progress bar, prints one line per
 (``ok`` / ``skip`` / ``FAIL`` and why) and a summary, or JSON.
 
 Invariants: a path that cannot be checked is one line on stderr and the others go on; a DCP step
-without checksum manifests (plain torch) is read completely and reported unverified, which fails
-only with ``--strict``.
+without checksum manifests (plain torch) is read completely and reported unverified, as is another
+writer's intact safetensors file (no checksums); unverified fails only with ``--strict``, and then
+its line is marked ``FAIL``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointingError
+from .files import is_plain_safetensors
 from .listing import dcp_rows
 from .locate import classify, find_dcp_dir, store_options
 from .output import CommandError, make_console, print_json, progress_bar
@@ -46,6 +48,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except (CommandError, CheckpointingError, OSError) as e:
             print(f"tierpoint verify: {' '.join(str(e).split())}", file=sys.stderr)
             results.append({"target": path, "kind": "?", "status": "FAIL", "detail": str(e)})
+    passing = ("ok", "skipped") if args.strict else ("ok", "skipped", "unverified")
     console = make_console()
     with progress_bar(console, not args.json) as progress:
         task = progress.add_task("verifying", total=len(checks))
@@ -61,9 +64,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             results.append({"target": check.target, "kind": check.kind, "status": status,
                             "detail": detail})  # fmt: skip
             if not args.json:
-                console.print(f"{_MARKS[status]} {check.target}: {detail}", soft_wrap=True)
+                mark = _MARKS[status] if status in passing else _MARKS["FAIL"]
+                console.print(f"{mark} {check.target}: {detail}", soft_wrap=True)
             progress.update(task, advance=1)
-    passing = ("ok", "skipped") if args.strict else ("ok", "skipped", "unverified")
     ok = all(r["status"] in passing for r in results)
     if args.json:
         print_json({"ok": ok, "results": results})
@@ -74,7 +77,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 _MARKS = {"ok": "ok  ", "unverified": "ok  ", "skipped": "skip", "FAIL": "FAIL"}
-"""Each status's mark at the start of its line (an unverified checkpoint read fine)."""
+"""Each status's mark at the start of its line (an unverified checkpoint read fine; with
+``--strict`` it fails, and its line says so)."""
 
 
 def _checks(path: str, options: Mapping[str, Any]) -> list[_Check]:
@@ -117,7 +121,12 @@ def _verify_part(path: str) -> tuple[str, str]:
     from .. import fileformat
     from ..local.naming import parse_part_name, part_world_size
 
-    header = fileformat.verify(path)
+    try:
+        header = fileformat.verify(path)
+    except CheckpointingError:
+        if not is_plain_safetensors(path):
+            raise
+        return "unverified", "a plain safetensors file (no tierpoint checksums): nothing to verify"
     parsed = parse_part_name(os.path.basename(path))
     if parsed is not None:  # a part file's name must agree with its metadata, as the manager checks
         part_world_size(path, *parsed)

@@ -63,7 +63,7 @@ def kill_ranks(kind: str, cluster: Cluster) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m tierpoint.demo", description=__doc__.splitlines()[0]
+        prog="python -m tierpoint.demo", description=" ".join(__doc__.split("\n\n")[0].split())
     )
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes (>= 2; default 2)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="default 2")
