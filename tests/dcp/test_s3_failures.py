@@ -308,9 +308,11 @@ def test_a_server_killed_mid_upload_fails_the_save_and_the_upload_is_aborted_whe
 def test_a_metadata_upload_applied_after_the_client_gave_up_never_completes_the_step(
     first_step: Callable[..., FirstStep],
 ) -> None:
-    setup = first_step(1024, late_metadata=2.5)
+    setup = first_step(1024, late_metadata=6)
     base, direct, endpoint = setup.base, setup.direct, setup.endpoint
-    once = storage.UploadOptions(attempts=1, request_timeout=1)
+    # every request of the save gets 3 s (a loaded machine's listing may take more than 1 s); the
+    # held .metadata upload takes 6
+    once = storage.UploadOptions(attempts=1, request_timeout=3)
     outcome = _within(
         15,
         lambda: save(
