@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from tierpoint import TieredCheckpointManager
+from tierpoint.errors import CheckpointingError
 from tierpoint.testing import run_ranks
 
 from .helpers import as_node, assert_same, fingerprint, make_state, train_step, wipe
@@ -121,3 +123,49 @@ def test_a_persistent_step_damaged_inside_a_tensor_is_skipped_for_the_older_one(
     assert len(record.skipped) == 1 and "persistent step 8" in record.skipped[0]
     assert newest.name in record.skipped[0]  # the reason names the damaged file
     assert_same(fingerprint(restored), reference[4])
+
+
+def _damage_every_tensor_file(step_dir: Path) -> None:
+    for path in step_dir.glob("*.distcp"):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 3] ^= 0x01
+        path.write_bytes(bytes(data))
+
+
+def test_checkpoints_that_exist_but_cannot_be_restored_are_refused_not_overwritten(tmp_path):
+    """Every persistent step damaged: restore raises (on a "nothing here" answer the run would
+    start over and save over them), and leaves the files alone; with a local step older than the
+    damaged persistent ones, that step is restored instead."""
+    kwargs = {"local_every": 0, "persistent_every": 4, "keep_persistent": 2}
+    state = make_state(0, width=64)
+    with TieredCheckpointManager(None, str(tmp_path), "p", **kwargs) as manager:
+        for step in range(1, 9):
+            train_step(state, 1)
+            manager.maybe_save(step, state)
+    for step in (4, 8):
+        _damage_every_tensor_file(tmp_path / f"step-{step}")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with TieredCheckpointManager(None, str(tmp_path), "p", **kwargs) as manager:
+        with pytest.raises(CheckpointingError, match="none could be restored") as raised:
+            manager.restore(make_state(0, width=64))
+    assert "persistent step 8" in str(raised.value) and "persistent step 4" in str(raised.value)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+    # a local tier with an older step: restored from it once every newer persistent step failed
+    local, persistent = tmp_path / "local", tmp_path / "again"
+    kwargs = {"local_every": 2, "persistent_every": 4, "keep_persistent": 1, "keep_local": 1}
+    state, reference = make_state(0, width=64), {}
+    with TieredCheckpointManager(str(local), str(persistent), "p", **kwargs) as manager:
+        for step in range(1, 7):
+            train_step(state, 1)
+            manager.maybe_save(step, state)
+            reference[step] = fingerprint(state)
+        train_step(state, 1)
+        manager.save(8, state, tiers="persistent")
+    _damage_every_tensor_file(persistent / "step-8")
+    restored = make_state(0, width=64)
+    with TieredCheckpointManager(str(local), str(persistent), "p", **kwargs) as manager:
+        assert manager.restore(restored) == 6
+        assert manager.last_restore.tier == "local"
+        assert any("persistent step 8" in s for s in manager.last_restore.skipped)
+    assert_same(fingerprint(restored), reference[6])

@@ -304,6 +304,8 @@ class TieredCheckpointManager(SavePath):
     def restore(self, state: dict[str, Any]) -> int | None:
         """Load the newest checkpoint complete anywhere into ``state`` in place; return its step
         (``None``, state untouched, when there is none). Collective; the same answer on every rank.
+        Raises :class:`CheckpointingError` when checkpoints exist but none can be loaded (or a tier
+        cannot be listed): a run started over would save over them.
         """
         self._refuse_if_closed()
         self.wait()

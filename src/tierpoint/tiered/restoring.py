@@ -8,7 +8,10 @@ caller gives fresh optimizers their empty state back (:func:`reset`).
 
 Invariants: every rank gets the same answer (each decision is agreed); a step that cannot be loaded
 on every rank (missing everywhere, failing verification) is skipped with its reason (logged and
-kept in the record's ``skipped``); a different state structure raises
+kept in the record's ``skipped``); a local step older than the newest persistent one is tried
+after every persistent step failed; when checkpoints exist (or a tier cannot be listed) but none
+loads, :class:`CheckpointingError` says why on every rank, never "nothing to restore" (the run
+would start over and save over them); a different state structure raises
 :class:`StateMismatchError` on every rank before anything is copied, as does a coordination
 timeout, rather than being skipped.
 """
@@ -45,7 +48,8 @@ def restore_newest(
     skipped: list[str] = []
     persistent = _persistent_candidates(persistent_dir, storage_options, skipped)
     newest_persistent = persistent[0] if persistent else -1
-    if local is not None:
+    local_latest = -1 if local is None else local.find_latest()
+    if local is not None and local_latest != -1 and local_latest >= newest_persistent:
         record = _restore_local(local, state, tree, newest_persistent, skipped, start)
         if record is not None:
             return record
@@ -56,6 +60,17 @@ def restore_newest(
         )
         if record is not None:
             return record
+    if local is not None and -1 < local_latest < newest_persistent:
+        # every persistent step failed: the local tier's older step is the newest left
+        record = _restore_local(local, state, tree, -1, skipped, start)
+        if record is not None:
+            return record
+    if skipped:
+        raise CheckpointingError(
+            "checkpoints exist but none could be restored (starting over would save over them): "
+            + "; ".join(skipped)
+            + ". Mend or move them away to start from scratch"
+        )
     return RestoreRecord(None, None, time.perf_counter() - start, 0, skipped)
 
 
@@ -90,11 +105,6 @@ def _restore_local(
     start: float,
 ) -> RestoreRecord | None:
     latest = local.find_latest()
-    if latest == -1:
-        return None
-    if latest < newest_persistent:
-        skipped.append(f"local step {latest}: older than persistent step {newest_persistent}")
-        return None
     try:
         ta, _ = local.load()
     except CheckpointingError as e:
