@@ -45,8 +45,10 @@ def test_newest_committed_unmarked_step_wins(tmp_path):
     open(tmp_path / "step-abc" / ".metadata", "wb").close()
     (tmp_path / "step-9").write_bytes(b"a file, not a checkpoint")
     (tmp_path / "notes.txt").write_bytes(b"")
+    (tmp_path / "step-10").symlink_to(tmp_path / "nowhere")  # leads nowhere: no checkpoint
+    (tmp_path / "step-11_ckpt").symlink_to(tmp_path / "step-11_ckpt")  # a link loop: neither
     assert get_latest_complete_checkpoint(tmp_path) == step_path(tmp_path, 4)
-    assert [v[0] for v in local_view(tmp_path)] == [3, 4, 5, 6, 9]
+    assert [v[0] for v in local_view(tmp_path)] == [3, 4, 5, 6, 9, 10]  # tierpoint's names
 
 
 def test_nothing_complete(tmp_path):

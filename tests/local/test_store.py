@@ -1,9 +1,13 @@
-"""The local tier's files on one rank: spares made ahead of the first saves."""
+"""The local tier's files on one rank: spares made ahead of the first saves; entries that cannot
+be read are skipped, not fatal."""
 
 from __future__ import annotations
 
 import os
 
+import torch
+
+from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tierpoint.local.store import PartStore
 
 
@@ -19,3 +23,19 @@ def test_spares_made_ahead_have_their_space_and_stay_mapped(shm_dir):
     assert len(store.mappings) == 2
     assert store.make_spares(3 << 20, 2) == 0  # there already
     store.mappings.close()
+
+
+def test_a_dangling_link_or_link_loop_named_as_a_part_is_skipped_and_cleaned_up(tmp_path, caplog):
+    manager = LocalCheckpointManager(tmp_path, session_id="s")
+    manager.save(BasicTensorAwareStateDict({"w": torch.ones(2)}), 1)
+    directory = tmp_path / "s" / "0"
+    (directory / "iter_0000005_0_local.safetensors").symlink_to(tmp_path / "nowhere")
+    loop = directory / "iter_0000006_0_local.safetensors"
+    loop.symlink_to(loop)
+    again = LocalCheckpointManager(tmp_path, session_id="s")
+    assert again.find_latest() == 1
+    assert "iter_0000005_0_local.safetensors" in caplog.text and "symbolic links" in caplog.text
+    again.save(BasicTensorAwareStateDict({"w": torch.full((2,), 2.0)}), 7)
+    state, _ = again.load()
+    assert again.find_latest() == 7 and torch.equal(state.state_dict["w"], torch.full((2,), 2.0))
+    assert not any(p.is_symlink() for p in directory.iterdir())  # retired with iteration 1

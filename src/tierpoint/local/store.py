@@ -102,10 +102,18 @@ class PartStore:
             parsed = naming.parse_part_name(entry.name)
             if parsed is None:
                 continue
-            version = naming.file_version(entry.stat())
+            try:
+                version = naming.file_version(entry.stat())
+            except OSError as e:  # a dangling link, a link loop, removed since the listing
+                version, unreadable = (0, 0, 0), str(e)
+            else:
+                unreadable = None
             cached = self._scan_cache.get(entry.name)
             if cached is not None and cached[0] == version:
                 part = cached[1]
+            elif unreadable is not None:
+                logger.warning("ignoring unusable local part %s: %s", entry.path, unreadable)
+                part = None
             else:  # an unusable file is reported once per version, not on every scan
                 part = _validate_part(entry.path, *parsed)
             seen[entry.name] = (version, part)

@@ -108,6 +108,10 @@ class LocalStore(Store):
             return sorted(os.listdir(local_path(url)))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as e:  # a link loop leads nowhere, as a dangling link does
+            if e.errno == errno.ELOOP:
+                return []
+            raise
 
     def isdir(self, url: str) -> bool:
         return os.path.isdir(local_path(url))
