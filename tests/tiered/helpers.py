@@ -128,3 +128,16 @@ def fail_persistent_writes() -> None:
     from tierpoint.dcp import writer
 
     writer.write_staged = failing_write_staged
+
+
+def failing_local_write(*args: Any, **kwargs: Any) -> int:
+    """The local tier's worker job, failing as on a full RAM disk (imported by the worker)."""
+    raise OSError(28, "No space left on device")
+
+
+def fail_local_writes(monkeypatch: Any) -> None:
+    """Make this process's local async saves fail in the worker (until ``monkeypatch`` undoes it)."""
+    from tierpoint.local import saving
+
+    monkeypatch.setattr(saving, "write_staged_part", failing_local_write)
+    monkeypatch.setattr(saving, "seal_staged_part", failing_local_write)

@@ -6,6 +6,7 @@ step and a worker slowed down, so that its reads of a part come after the next s
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,15 @@ from tierpoint.dcp import snapshot as dcp_snapshot
 from tierpoint.dcp import step_path
 from tierpoint.testing import run_ranks
 
-from .helpers import fail_persistent_writes, make_state, slow_down_persistent_writes, train_step
+from .helpers import (
+    assert_same,
+    fail_local_writes,
+    fail_persistent_writes,
+    fingerprint,
+    make_state,
+    slow_down_persistent_writes,
+    train_step,
+)
 
 STEPS = 5
 
@@ -133,3 +142,36 @@ def test_a_persistent_copy_that_fails_in_the_worker_gives_the_local_part_back(sh
         ("persistent", s, False) for s in range(1, STEPS + 1)
     ]
     assert out["held"] == [(s, False) for s in range(1, STEPS + 1)]  # every hold released
+
+
+def test_a_local_tier_that_fails_does_not_leave_the_persistent_tier_empty(tmp_path, monkeypatch):
+    """The local tier fills up after step 2 (every later local save fails): the persistent copy
+    of step 4, which was to be made from its local part, is made up for at the next step the
+    manager sees the failure, from the state; step 8's is snapshotted from the state while the
+    local tier fails. Both restore bit for bit."""
+    events: list = []
+    kwargs = {"local_every": 2, "persistent_every": 4, "replication_factor": 1}
+    state = make_state(0)
+    reference = {}
+    local, persistent = tmp_path / "local", tmp_path / "persistent"
+    with TieredCheckpointManager(
+        str(local), str(persistent), "job", on_event=events.append, **kwargs
+    ) as manager:
+        for step in range(1, 10):
+            if step == 4:
+                manager.wait()  # step 2 is in the local tier
+                fail_local_writes(monkeypatch)
+            train_step(state, 1)
+            manager.maybe_save(step, state)
+            reference[step] = fingerprint(state)
+    saved = {(e["tier"], e["step"], e["ok"]) for e in events if e["kind"] == "save"}
+    assert {("local", 2, True), ("local", 4, False), ("local", 6, False)} <= saved
+    steps = sorted(int(p.name.removeprefix("step-")) for p in persistent.iterdir())
+    assert len(steps) == 2 and steps[0] in (5, 6, 7) and steps[1] == 8, steps
+    assert ("persistent", 4, True) not in saved
+    for step in reversed(steps):  # the newest, then (with it gone) the made-up one
+        restored = make_state(0)
+        with TieredCheckpointManager(None, str(persistent), "job", local_every=0) as manager:
+            assert manager.restore(restored) == step
+        assert_same(fingerprint(restored), reference[step])
+        shutil.rmtree(persistent / f"step-{step}")

@@ -180,6 +180,8 @@ class TieredCheckpointManager(SavePath):
         self._deferred: _Deferred | None = None
         self._in_flight: dict[str, int] = {}  # tier -> call id of its save not yet finalized
         self._retiring = None
+        self._local_failing = False
+        self._persistent_owed: int | None = None
         self._replica_check = ReplicaCheck()
         self._signalled = False
         self._watching_signal = False
@@ -222,6 +224,16 @@ class TieredCheckpointManager(SavePath):
         tiers = self.due(step)
         if step % self.poll_every == 0 or tiers:
             self.poll()
+        if self._persistent_owed is not None:  # agreed: a local failure is seen by every rank
+            if "persistent" not in tiers:
+                logger.warning(
+                    "saving step %d to the persistent tier (step %d's copy was lost with its "
+                    "local save)",
+                    step,
+                    self._persistent_owed,
+                )
+                tiers = (*tiers, "persistent")
+            self._persistent_owed = None
         if self._watching_signal and self._agree_on_signal():
             self.final_save(state, step)
             self.close()
@@ -284,7 +296,7 @@ class TieredCheckpointManager(SavePath):
             self._start_deferred()
             self._save_local(step, tree)
         if "persistent" in wanted:
-            if "local" in wanted and not sharded:
+            if "local" in wanted and not sharded and not self._local_failing:
                 self._deferred = _Deferred(step, rank_local)
             else:
                 self._save_persistent(step, st.persistent_form(tree, tpdist.get_rank()))

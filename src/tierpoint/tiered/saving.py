@@ -17,6 +17,9 @@ training thread the planning and no copy: the part is held
 those of its step) and the worker writes its bytes into the DCP files
 (:class:`~tierpoint.staging.SourceFile`), until the save is finalized or aborted, which releases
 the hold (explicitly: the order of the one worker's jobs would protect it too); the
+persistent copy lost with its local save is made up for: the manager's next step is saved to the
+persistent tier from the state, and while local saves fail, persistent saves snapshot the state
+(no tier is left without checkpoints because the other one is full); the
 persistent tier retires older steps (:mod:`.retention`) only after a newer one is committed, on a
 thread of rank 0 (listing and removing on an object store takes round trips the training thread
 need not wait for), and the next persistent save, :meth:`wait` (so ``restore``, ``final_save`` and
@@ -73,6 +76,8 @@ class SavePath:
     _deferred: _Deferred | None
     _in_flight: dict[str, int]  # tier -> call id of its save not yet finalized
     _retiring: threading.Thread | None  # rank 0: the persistent retention running
+    _local_failing: bool  # the last local save failed: persistent saves snapshot the state
+    _persistent_owed: int | None  # a step whose persistent copy was lost with its local save
     _replica_check: ReplicaCheck
 
     def _make_room(self, tier: str) -> None:
@@ -141,17 +146,22 @@ class SavePath:
 
         def committed() -> None:
             record.phases["durable"] = time.perf_counter() - start
+            self._local_failing = False
             if self._deferred is not None and self._deferred.step == step:
                 self._deferred.committed = True
             self._events.emit(record)
 
         def failed() -> None:
             record.ok, record.error = False, "the local save failed on some rank"
+            self._local_failing = True
             if self._deferred is not None and self._deferred.step == step:
                 logger.warning(
-                    "the persistent copy of step %d is not made: its local save failed", step
+                    "the persistent copy of step %d is not made from the local tier: its local "
+                    "save failed; the next step is saved to the persistent tier instead",
+                    step,
                 )
                 self._deferred = None
+                self._persistent_owed = step
             self._events.emit(record)
 
         self._schedule("local", request, record, committed, failed)
@@ -228,6 +238,7 @@ class SavePath:
             if held is not None:
                 held.release()
             logger.warning("the persistent copy of step %d is not made: %s", deferred.step, e)
+            self._persistent_owed = deferred.step
             record = SaveRecord("persistent", deferred.step, 0)
             record.ok, record.error = False, str(e)
             self._events.emit(record)
