@@ -158,15 +158,25 @@ def test_a_damaged_or_hostile_manifest_is_a_clear_error(tmp_path, capsys, conten
     assert reason in capsys.readouterr().out
 
 
-def test_a_lost_manifest_next_to_others_fails_verify(tmp_path, capsys):
+def test_a_lost_manifest_fails_verify_ls_and_load(tmp_path, capsys):
+    """A tierpoint data file (a save token in its name) always has its manifest: one that is gone,
+    even every one of the save, is damage, never "written without checksums" (which would let a
+    damaged data file load unchecked)."""
     path = step_path(str(tmp_path), 1)
     assert run_ranks(_save_two_ranks, 2, path, False) == [True, True]
     (lost,) = glob.glob(os.path.join(path, ".checksums-1.*.json"))
     os.unlink(lost)
     assert main(["verify", path]) == 1
-    assert "no checksum manifest, while other data files of the checkpoint have one" in (
-        capsys.readouterr().out
-    )
+    assert f"{os.path.basename(lost)}: missing" in capsys.readouterr().out
+    for manifest in glob.glob(os.path.join(path, ".checksums-*.json")):
+        os.unlink(manifest)
+    assert main(["verify", path]) == 1
+    assert "without it the data cannot be checked" in capsys.readouterr().out
+    assert main(["ls", "--json", str(tmp_path)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert row["status"] == "corrupt" and "checksum manifest" in row["detail"], row
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        load({"w": torch.zeros(256, 40), "step": 0}, path)
 
 
 def _dtensor_state(world: int, seed: int):

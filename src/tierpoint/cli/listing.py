@@ -273,7 +273,9 @@ def _check_step(dcp_dir: str, found: dict[str, Entry], options: Any) -> tuple[st
             return "corrupt", f"data file {name} missing"
         if found[name].size < end:
             return "corrupt", f"{name} truncated ({found[name].size} of {end} bytes)"
-    manifests = [manifest_name(n) in found for n in ends]
-    if any(manifests) and not all(manifests):
-        return "corrupt", "a checksum manifest is missing"
-    return "complete", "" if all(manifests) else "no checksum manifests (written by plain torch)"
+    manifests = {manifest_name(n) for n in ends}  # None: torch's own writer, no checksums
+    lost = sorted(m for m in manifests if m is not None and m not in found)
+    if lost:
+        return "corrupt", f"checksum manifest {lost[0]} missing"
+    plain = None in manifests
+    return "complete", "no checksum manifests (written by plain torch)" if plain else ""

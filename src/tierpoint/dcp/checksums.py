@@ -21,9 +21,10 @@ manifest of each data file read (bounded size, every type checked, no code run);
 :class:`~tierpoint.dcp.safe_pickle.CorruptDCPError` naming file and item.
 
 Invariants:
-- A data file whose manifest does not exist was written without checksums (plain torch, or an
-  earlier tierpoint): it loads unverified, and ``verify`` says so. A manifest that exists but is
-  unreadable, or lacks an item that ``.metadata`` names, is damage.
+- A data file without a save token in its name was written by torch's own writer, without
+  checksums: it loads unverified, and ``verify`` says so. A tierpoint data file (a token) always
+  has its manifest: one that is missing or unreadable, or lacks an item that ``.metadata`` names,
+  is damage.
 - Checksums are computed off the training thread for async saves (in the worker, from the staging
   memory or the file staged in place), by the saving thread for synchronous ones.
 """

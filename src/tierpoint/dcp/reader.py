@@ -234,8 +234,9 @@ class Reader(StorageReader):
         return {self._storage_info(req).relative_path for req in plan.items}
 
     def manifest(self, data_file: str) -> Manifest | None:
-        """The checksum manifest of ``data_file`` (read once per reader); None when it was written
-        without one (see :mod:`tierpoint.dcp.checksums`)."""
+        """The checksum manifest of ``data_file`` (read once per reader); None for a file torch's
+        own writer wrote (no save token in its name: no checksums). A tierpoint data file's
+        manifest that is missing is damage (see :mod:`tierpoint.dcp.checksums`)."""
         name = manifest_name(data_file)
         if name is None:
             return None
@@ -245,17 +246,20 @@ class Reader(StorageReader):
                 file = open_file(
                     location, "checksum manifest", self.storage_options, missing_ok=True
                 )
-                manifest = None
-                if file is not None:
-                    try:
-                        if file.size > MAX_MANIFEST_BYTES:
-                            raise CorruptDCPError(
-                                location, f"{file.size} bytes of checksums, over the limit"
-                            )
-                        manifest = parse_manifest(read_exact(file, 0, file.size), location)
-                    finally:
-                        file.close()
-                self._manifests[name] = manifest
+                if file is None:
+                    raise CorruptDCPError(
+                        location,
+                        f"missing: {data_file} was written by tierpoint (a save token in its name) "
+                        "with its checksums in this manifest; without it the data cannot be checked",
+                    )
+                try:
+                    if file.size > MAX_MANIFEST_BYTES:
+                        raise CorruptDCPError(
+                            location, f"{file.size} bytes of checksums, over the limit"
+                        )
+                    self._manifests[name] = parse_manifest(read_exact(file, 0, file.size), location)
+                finally:
+                    file.close()
             return self._manifests[name]
 
     def expected_checksum(self, item: Item) -> str | None:
