@@ -184,3 +184,38 @@ def test_a_local_part_gone_before_its_persistent_copy_skips_that_copy_on_every_r
         assert ("persistent", 4, False) in events and ("persistent", 4, True) not in events
         assert ("persistent", 8, True) in events  # the next copy is made
         assert [e for e in events if e[0] == "local"] == [("local", s, True) for s in (2, 4, 6, 8)]
+
+
+TIMEOUT_S = 8.0
+
+
+def _interrupted(rank: int, world: int, root: Path) -> tuple[str, float]:
+    """Rank 0 is interrupted (a Ctrl-C) before step 3's save, rank 1 only later: leaving the
+    ``with`` block by the exception aborts the saves in flight with no collective, so rank 0 is
+    out at once, and rank 1, left alone in step 3's, raises (within its timeout at most)."""
+    import time
+
+    state = make_state(rank)
+    start = None
+    try:
+        with _manager(root, local_every=1, persistent_every=2, timeout=TIMEOUT_S) as manager:
+            for step in range(1, 6):
+                train_step(state, world)
+                if rank == 0 and step == 3:
+                    start = time.monotonic()
+                    raise KeyboardInterrupt
+                if rank == 1 and step == 3:
+                    start = time.monotonic()
+                manager.maybe_save(step, state)
+    except KeyboardInterrupt:
+        return "interrupted", time.monotonic() - start
+    except CheckpointingError as e:
+        return type(e).__name__, time.monotonic() - start
+    return "finished", 0.0
+
+
+def test_leaving_the_with_block_by_an_exception_waits_for_no_other_rank(tmp_path):
+    (zero, zero_s), (one, one_s) = run_ranks(_interrupted, 2, tmp_path, timeout=120)
+    assert zero == "interrupted" and zero_s < TIMEOUT_S / 2, (zero, zero_s)
+    # rank 1 learns it is alone (rank 0's process gone, or the timeout) and raises: no hang
+    assert one in ("CheckpointingError", "CoordinationTimeoutError") and one_s < 2 * TIMEOUT_S

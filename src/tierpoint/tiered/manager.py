@@ -83,7 +83,10 @@ class TieredCheckpointManager(SavePath):
         keep_local / keep_persistent: newest complete checkpoints kept in each tier.
         storage_options: fsspec options for ``persistent_dir`` (endpoint, credentials).
         on_event: called with a dict for every save and restore (see :mod:`.events`).
-        timeout: seconds any wait may take (default ``TIERPOINT_TIMEOUT`` or 300).
+        timeout: seconds the manager's queue waits for a save to finish (default
+            ``TIERPOINT_TIMEOUT`` or 300). tierpoint's collectives (one gloo group every tierpoint
+            object of the process shares) wait up to ``TIERPOINT_TIMEOUT``: set that variable to
+            bound how long a rank waits for a stopped or departed peer.
         poll_every: ``maybe_save`` finalizes finished saves every N steps (and whenever a save is
             due). While a save is in flight each poll is one small all-gather, so polling every step
             costs training time; default: half the shortest save interval.
@@ -367,12 +370,20 @@ class TieredCheckpointManager(SavePath):
         """Counts, blocking time per save and time to durable per tier, and the restores."""
         return self._events.summary()
 
-    def close(self) -> None:
-        """Wait for what is in flight, then stop the worker. Idempotent."""
+    def close(self, abort: bool = False) -> None:
+        """Wait for what is in flight, then stop the worker. Idempotent.
+
+        ``abort=True`` (what leaving a ``with`` block by an exception does): no collective, no
+        waiting for other ranks, which after an exception or a Ctrl-C may be anywhere: the worker
+        is killed and the saves in flight are dropped (named in a WARNING; their files are never
+        taken for checkpoints)."""
         if self._closed:
             return
         try:
-            self.wait()
+            if abort:
+                self.queue.close(abort=True)
+            else:
+                self.wait()
         finally:
             self._closed = True
             try:
@@ -389,7 +400,7 @@ class TieredCheckpointManager(SavePath):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(abort=exc[0] is not None)
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
