@@ -1,5 +1,5 @@
-"""The persistent tier's retention: it runs on a thread of rank 0 while training goes on, the next
-persistent save starts only after it, and it leaves the newest ``keep_persistent`` steps."""
+"""The persistent tier's retention: it runs on a thread of rank 0 while training and the next
+persistent save go on, and it leaves the newest ``keep_persistent`` steps."""
 
 from __future__ import annotations
 
@@ -15,15 +15,14 @@ from .helpers import make_state, train_step
 GATE_S = 10.0  # how long a held removal waits for the training thread before giving up
 
 
-def test_retention_runs_beside_training_and_before_the_next_persistent_save(
+def test_retention_runs_beside_training_and_the_next_persistent_save(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ):
     """A removal of an old step is held until the training thread has gone on with later steps
-    (``maybe_save`` polling, not saving): if the removal ran on the training thread, the hold would
-    time out instead. The next persistent save then finds it finished."""
+    (``maybe_save`` polling, not saving) and scheduled the next persistent save: if either waited
+    for the removal, the hold would time out instead."""
     removal_running, training_went_on = threading.Event(), threading.Event()
     removals: list[tuple[str, bool]] = []
-    existing_when_removing: list[list[str]] = []
     remove_files = storage.remove_files
 
     def held_removal(path, names, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -32,7 +31,6 @@ def test_retention_runs_beside_training_and_before_the_next_persistent_save(
         removal_running.set()
         released = training_went_on.wait(GATE_S)
         removals.append((threading.current_thread().name, released))
-        existing_when_removing.append(sorted(p.name for p in tmp_path.iterdir()))
         return remove_files(path, names, *args, **kwargs)
 
     monkeypatch.setattr(storage, "remove_files", held_removal)
@@ -50,12 +48,24 @@ def test_retention_runs_beside_training_and_before_the_next_persistent_save(
             step += 1
             time.sleep(0.02)
         went_on_while_removing = removal_running.is_set()
-        training_went_on.set()
         train_step(state, 1)
-        manager.save(step, state, tiers="persistent")  # waits for the retirement of step 1
-        assert [name for name, _ in removals] == ["tierpoint-retention"]
+        manager.save(step, state, tiers="persistent")  # beside the retirement of step 1
+        training_went_on.set()
     assert went_on_while_removing
+    # step 1 went while step `step` was saved, step 2 after its commit (close waits for that)
     assert removals == [("tierpoint-retention", True), ("tierpoint-retention", True)]
-    # step 1 was removed before the save of the next step began: that step did not exist yet
-    assert existing_when_removing[0] == ["step-1", "step-2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{step}"]
+
+
+def test_retention_below_the_committed_step_leaves_newer_ones_alone(tmp_path):
+    """Steps at or above ``below`` (the one just committed, and the saves after it: one in flight
+    here, step 7 without its ``.metadata``) are never touched, even under a newer complete step."""
+    from tierpoint.tiered.retention import retire_persistent_steps
+
+    for step in (2, 4, 6, 7, 8):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / "__0_0.x.distcp").write_bytes(b"data")
+        if step != 7:
+            (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"m")
+    assert retire_persistent_steps(str(tmp_path), 1, below=6) == [2, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-6", "step-7", "step-8"]

@@ -2,14 +2,16 @@
 
 Call order: the tiered manager calls :func:`retire_persistent_steps` on one rank (the coordinator)
 right after a persistent save was committed on every rank, so the newest step is complete before
-anything older goes.
+anything older goes; on a thread, with ``below`` the step just committed, while the manager's next
+saves (newer steps) go on.
 
 Invariants:
 - A step is un-committed before it is emptied: its ``.metadata`` goes first, so a crash in between
   leaves a step that is not complete (skipped by discovery), never a half-removed one that looks
   complete.
-- Only steps older than the newest complete one are touched; a step newer than it (a save in
-  flight, or an interrupted one the next save into it will clean up) is left alone.
+- Only steps older than the newest complete one (and than ``below``) are touched; a step newer
+  than it (a save in flight, or an interrupted one the next save into it will clean up) is left
+  alone.
 - A failure to remove is a WARNING, not a failed save: the new checkpoint is committed.
 """
 
@@ -26,15 +28,19 @@ logger = logging.getLogger("tierpoint")
 
 
 def retire_persistent_steps(
-    base: str, keep: int, storage_options: Mapping[str, Any] | None = None
+    base: str,
+    keep: int,
+    storage_options: Mapping[str, Any] | None = None,
+    below: int | None = None,
 ) -> list[int]:
     """Remove the complete steps under ``base`` beyond the ``keep`` newest, and incomplete steps
-    older than the newest complete one. Returns the steps removed."""
+    older than the newest complete one; with ``below``, only steps older than it (the step just
+    committed: the saves still to come are newer). Returns the steps removed."""
     view = local_view(base, storage_options)
     complete = complete_steps([view])
     if not complete:
         return []
-    newest = complete[0]
+    newest = complete[0] if below is None else min(complete[0], below)
     kept = set(complete[:keep])
     doomed = [step for step, _, _ in view if step < newest and step not in kept]
     removed = []

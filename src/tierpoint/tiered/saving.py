@@ -22,8 +22,8 @@ persistent tier from the state, and while local saves fail, persistent saves sna
 (no tier is left without checkpoints because the other one is full); the
 persistent tier retires older steps (:mod:`.retention`) only after a newer one is committed, on a
 thread of rank 0 (listing and removing on an object store takes round trips the training thread
-need not wait for), and the next persistent save, :meth:`wait` (so ``restore``, ``final_save`` and
-``close``) wait for that thread first, so a retirement never overlaps another persistent save; a
+need not wait for), only steps older than the one just committed (the saves that follow are newer:
+they run beside it), and :meth:`wait` (so ``restore``, ``final_save`` and ``close``) waits for it; a
 failed persistent save is a WARNING and a failed record, training goes on.
 
 :class:`SavePath` is a mixin of the manager: it holds no state of its own, it uses the manager's
@@ -180,7 +180,7 @@ class SavePath:
         def committed() -> None:
             record.phases["durable"] = time.perf_counter() - start
             if tpdist.get_rank() == 0:
-                self._retire_in_background()
+                self._retire_in_background(step)
             self._events.emit(record)
 
         def failed() -> None:
@@ -189,8 +189,7 @@ class SavePath:
             self._events.emit(record)
 
         try:
-            self._make_room("persistent")  # may commit the previous save: its retirement starts
-            self._wait_for_retirement()
+            self._make_room("persistent")
             self._replica_check.check(tree, step)
             request = dcp.async_save_request(
                 tree,
@@ -265,7 +264,7 @@ class SavePath:
             self._finalize(blocking=True)
         self._wait_for_retirement()
 
-    def _retire_in_background(self) -> None:
+    def _retire_in_background(self, committed: int) -> None:
         """Rank 0, after a persistent commit: retire older steps on a thread (see the module
         docstring). One runs at a time; while an earlier one is stuck past the timeout, this
         commit's retention is skipped (the next commit's covers it)."""
@@ -275,7 +274,7 @@ class SavePath:
         def run() -> None:
             try:
                 retire_persistent_steps(
-                    self.persistent_dir, self.keep_persistent, self.storage_options
+                    self.persistent_dir, self.keep_persistent, self.storage_options, committed
                 )
             except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; retried next time
                 logger.warning("the persistent tier's old steps were not retired: %s", e)
