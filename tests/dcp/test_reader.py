@@ -495,36 +495,3 @@ def test_damaged_files_fail_every_rank_alike(tmp_path: Path) -> None:
     assert meta_kind == "CorruptCheckpointError"
     assert "forbidden global posix.system" in meta_message
     assert not marker.exists()
-
-
-def test_numpy_values_load_and_nothing_else_is_let_in_with_them(tmp_path: Path) -> None:
-    """A data loader's ``np.random.get_state()``, arrays and scalars load without pickled code;
-    an object array holding a hostile item is refused and nothing runs; torch's process-wide
-    allow-list is left as it was."""
-    import numpy as np
-
-    path, marker = tmp_path / "ckpt", tmp_path / "pwned"
-    state = {
-        "rng": np.random.RandomState(3).get_state(),
-        "array": np.arange(6, dtype=np.float32).reshape(2, 3),
-        "scalar": np.float64(2.5),
-        "strings": np.array(["ab", "c"]),
-        "dtype": np.dtype("int16"),
-    }
-    dcp.save({"w": torch.ones(3), **state}, checkpoint_id=path, no_dist=True)
-    allowed = set(torch.serialization.get_safe_globals())
-    target = {"w": torch.zeros(3), **dict.fromkeys(state)}
-    load(target, path)
-    assert target["rng"][0] == "MT19937" and np.array_equal(target["rng"][1], state["rng"][1])
-    assert target["rng"][2:] == state["rng"][2:]
-    assert np.array_equal(target["array"], state["array"]) and target["array"].dtype == np.float32
-    assert type(target["scalar"]) is np.float64 and target["scalar"] == 2.5
-    assert list(target["strings"]) == ["ab", "c"] and target["dtype"] == np.dtype("int16")
-    assert set(torch.serialization.get_safe_globals()) == allowed
-
-    hostile = tmp_path / "hostile"
-    items = np.array([RunsCommand(f"touch {marker}")], dtype=object)
-    dcp.save({"w": torch.ones(3), "x": items}, checkpoint_id=hostile, no_dist=True)
-    with pytest.raises(UnsupportedStateError, match="x: this non-tensor value needs code"):
-        load({"w": torch.zeros(3), "x": None}, hostile)
-    assert not marker.exists()

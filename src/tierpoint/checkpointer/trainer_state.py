@@ -14,10 +14,9 @@ Invariants:
   stores: one upload of the finished file).
 - OLMo-core's ``rank<r>.pt`` pickles are read only when the caller opts in
   (``allow_pickle=True``), and then through ``torch.load(weights_only=True)``: torch's allow-list
-  unpickler with numpy's values added (:mod:`tierpoint.dcp.numpy_values`), the one
-  :class:`tierpoint.dcp.SafeLoadPlanner` uses for a DCP checkpoint's non-tensor values
-  (containers, scalars, strings, tensors and numpy arrays load; a global outside the list stops
-  the load before it is called). Without the opt-in such a file is refused with an error saying how to opt in.
+  unpickler, the one :class:`tierpoint.dcp.SafeLoadPlanner` uses for a DCP checkpoint's non-tensor
+  values (containers, scalars, strings and tensors load; a global outside the list stops the load
+  before it is called). Without the opt-in such a file is refused with an error saying how to opt in.
 - Each file records the step directory and rank it was written for (header ``extra``), checked on
   read: a file copied or swapped between ranks or steps is refused, not loaded as another's.
 - Every failure names the file.
@@ -32,8 +31,9 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from .. import fileformat, storage
-from ..dcp.numpy_values import weights_only_load
 from ..errors import CheckpointingError, CorruptCheckpointError, UnsupportedStateError
 from ..tree import FlatState, flatten
 
@@ -139,7 +139,7 @@ def _read_part(
 def _read_pickle(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     data = storage.read_bytes(url, storage_options)
     try:
-        state = weights_only_load(io.BytesIO(data))
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever the allow-list refuses, we refuse
         reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise CorruptCheckpointError(

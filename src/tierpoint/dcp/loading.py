@@ -15,8 +15,8 @@ DTensor / ShardedTensor states saved with another number of ranks), with these d
   read (see :class:`Reader`);
 - non-tensor values (stored as ``torch.save`` bytes) are loaded with ``torch.load(weights_only=True)``
   by :class:`SafeLoadPlanner`, where torch's default planner uses ``weights_only=False`` (runs any
-  pickled code). Plain Python values, containers, tensors and numpy arrays, dtypes and scalars
-  load; a value that needs arbitrary classes is refused with an error naming it. Pass ``planner=DefaultLoadPlanner()`` to trust a
+  pickled code). Plain Python values, containers and tensors load; a value that needs arbitrary
+  classes is refused with an error naming it. Pass ``planner=DefaultLoadPlanner()`` to trust a
   checkpoint that holds such values;
 - a failure on any rank is raised on every rank as one tierpoint error naming each failing rank
   (a :class:`CorruptCheckpointError` when every failing rank found a damaged file), instead of
@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
@@ -53,7 +54,6 @@ from ..errors import (
     error_text,
     failed_on_ranks,
 )
-from .numpy_values import weights_only_load
 from .reader import DEFAULT_THREAD_COUNT, PreparedRead, Reader
 from .state_dict_saver import require_state_dict
 from .step_dirs import checkpoint_id_or_path
@@ -85,7 +85,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     @staticmethod
     def _decode(read_item: ReadItem, value: io.BytesIO) -> Any:
         try:
-            return weights_only_load(value)
+            return torch.load(value, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - whatever torch refuses, we refuse
             refusal = _ANSI.sub("", str(e)).splitlines()[0][:200]
             raise UnsupportedStateError(
