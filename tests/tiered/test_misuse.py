@@ -219,3 +219,17 @@ def test_leaving_the_with_block_by_an_exception_waits_for_no_other_rank(tmp_path
     assert zero == "interrupted" and zero_s < TIMEOUT_S / 2, (zero, zero_s)
     # rank 1 learns it is alone (rank 0's process gone, or the timeout) and raises: no hang
     assert one in ("CheckpointingError", "CoordinationTimeoutError") and one_s < 2 * TIMEOUT_S
+
+
+def test_sys_exit_inside_the_with_block_keeps_the_saves_in_flight(tmp_path):
+    """``sys.exit(0)`` ends the block as its end does: the save just scheduled is committed."""
+    import sys
+
+    state = make_state(0)
+    with pytest.raises(SystemExit):
+        with _manager(tmp_path, local_every=0, persistent_every=2) as manager:
+            for step in (1, 2):
+                train_step(state, 1)
+                manager.maybe_save(step, state)
+            sys.exit(0)
+    assert (tmp_path / "persistent" / "step-2" / ".metadata").exists()

@@ -72,3 +72,22 @@ def _stages(rank: int, world: int, root: Path) -> list[str]:
 
 def test_ranks_holding_other_keys_are_not_compared(tmp_path):
     assert run_ranks(_stages, 2, tmp_path, timeout=120) == [[], []]
+
+
+def _batch_norm(rank: int, world: int, root: Path) -> list[str]:
+    """Batch-norm statistics differ between data-parallel ranks by design (torch DCP keeps one
+    copy): not a warning; neither are tensors whose bytes torch will not show (a conjugate view)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank)))  # per-rank statistics
+    state = {"model": model, "phase": torch.randn(3, dtype=torch.complex64).conj()}
+
+    def run() -> None:
+        with TieredCheckpointManager(None, str(root), "b", **KWARGS) as manager:
+            for step in range(1, 5):
+                manager.maybe_save(step, state)
+
+    return _warnings_while(run)
+
+
+def test_batch_norm_statistics_are_not_taken_for_a_mistake(tmp_path):
+    assert run_ranks(_batch_norm, 2, tmp_path, timeout=120) == [[], []]

@@ -303,6 +303,7 @@ class TieredCheckpointManager(SavePath):
                 self._deferred = _Deferred(step, rank_local)
             else:
                 self._save_persistent(step, st.persistent_form(tree, tpdist.get_rank()))
+            self._persistent_owed = None  # a copy lost meanwhile is made up for by this one
 
     def final_save(self, state: Mapping[str, Any], step: int) -> None:
         """Write a synchronous checkpoint of ``step``: to the persistent tier (the local tier
@@ -373,7 +374,8 @@ class TieredCheckpointManager(SavePath):
     def close(self, abort: bool = False) -> None:
         """Wait for what is in flight, then stop the worker. Idempotent.
 
-        ``abort=True`` (what leaving a ``with`` block by an exception does): no collective, no
+        ``abort=True`` (what leaving a ``with`` block by an exception other than ``sys.exit(0)``
+        does): no collective, no
         waiting for other ranks, which after an exception or a Ctrl-C may be anywhere: the worker
         is killed and the saves in flight are dropped (named in a WARNING; their files are never
         taken for checkpoints)."""
@@ -399,8 +401,11 @@ class TieredCheckpointManager(SavePath):
     def __enter__(self) -> TieredCheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close(abort=exc[0] is not None)
+    def __exit__(self, kind: type[BaseException] | None, error: object, trace: object) -> None:
+        # sys.exit(0) ends the block as cleanly as its end does: the saves in flight are kept
+        code = getattr(error, "code", None)
+        clean = kind is None or (issubclass(kind, SystemExit) and code in (None, 0))
+        self.close(abort=not clean)
 
     def _refuse_if_closed(self) -> None:
         if self._closed:

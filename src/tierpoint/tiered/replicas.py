@@ -4,20 +4,22 @@ names the ones that are not.
 torch DCP (and so the persistent tier) takes a tensor or plain value that is not a DTensor and not
 :class:`~tierpoint.RankLocal` to be replicated: one rank's copy is written, and every rank restores
 it. A value that in fact differs between ranks (a data position, an RNG state) would come back the
-same on every rank, each key from whichever rank wrote it, without a word. So before each persistent
-save, each rank hashes every top-level value's plain data and small CPU tensors (and, apart, the layout:
-keys, types, dtypes and shapes), and one all-reduce tells whether the ranks agree; only when the
-layouts agree and the data does not are the per-key hashes gathered, and rank 0 logs a WARNING
-naming the keys (once per key and manager). Ranks whose layouts differ (pipeline stages, each with
-its own keys) are not compared.
+same on every rank, each key from whichever rank wrote it, without a word. So before each
+persistent save, each rank hashes every top-level value's plain data and small integer CPU tensors
+(and, apart, the layout: keys, types, dtypes and shapes), and one all-reduce tells whether the ranks
+agree; only when the layouts agree and the data does not are the per-key hashes gathered, and rank
+0 logs a WARNING naming the keys (once per key and manager). Ranks whose layouts differ (pipeline
+stages, each with its own keys) are not compared.
 
 Call order: :meth:`ReplicaCheck.check` on every rank with the persistent form of the state, before
 the save is planned (collective).
 
-Invariants: one small all-reduce per save when the ranks agree; large tensors and tensors on
-devices are described by dtype and shape only (hashing them would cost a pass over the model, and
-a device copy, per save): the check finds the small, per-rank values that are the usual mistake.
-DTensors and the rank-local key are left out: they are stored per rank already.
+Invariants: one small all-reduce per save when the ranks agree; floating-point, large or device
+tensors are described by dtype and shape only (batch-norm statistics drift apart between
+data-parallel ranks by design; hashing the model would cost a pass over it, and a device copy, per
+save): the check finds the small per-rank values that are the usual mistake (positions, counters,
+RNG states). Nothing here raises before the collective (a tensor whose bytes cannot be read counts
+by its layout). DTensors and the rank-local key are left out: they are stored per rank already.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .state import RANK_LOCAL_KEY
 logger = logging.getLogger("tierpoint")
 
 HASHED_TENSOR_BYTES = 64 * 1024
-"""CPU tensors up to this size are hashed by value; larger ones by dtype and shape."""
+"""Integer CPU tensors up to this size are hashed by value; others by dtype and shape."""
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 _MASK = 2**62 - 1  # a hash that reduce_ints carries as a signed 64-bit value, negated too
@@ -62,14 +64,31 @@ def _feed(layout: Any, data: Any, value: Any, depth: int = 0) -> None:
         if is_dtensor(value):
             return
         layout.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        small = value.numel() * value.element_size() <= HASHED_TENSOR_BYTES
-        if small and value.device.type == "cpu":
-            data.update(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        if _compared(value):
+            try:
+                data.update(
+                    value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                )
+            except (RuntimeError, TypeError, ValueError):  # a tensor whose bytes torch won't show
+                data.update(b"?")
     elif isinstance(value, _PLAIN):
         layout.update(type(value).__name__.encode())
         data.update(repr(value).encode())
     else:  # an object torch DCP pickles: its repr may hold an address, so its type stands for it
         layout.update(type(value).__qualname__.encode())
+
+
+def _compared(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's bytes are compared: small, dense, on the CPU and not floating point (an
+    RNG state, a counter, a position; floating-point buffers such as batch-norm statistics
+    legitimately drift apart between data-parallel ranks, and torch DCP keeps one copy of them)."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_nested
+        and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex)
+        and tensor.numel() * tensor.element_size() <= HASHED_TENSOR_BYTES
+    )
 
 
 def digests(tree: Mapping[str, Any]) -> tuple[int, dict[str, int]]:

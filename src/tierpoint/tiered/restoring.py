@@ -49,10 +49,18 @@ def restore_newest(
     persistent = _persistent_candidates(persistent_dir, storage_options, skipped)
     newest_persistent = persistent[0] if persistent else -1
     local_latest = -1 if local is None else local.find_latest()
+    older_local = None  # a local checkpoint loaded, but older than the newest persistent step
     if local is not None and local_latest != -1 and local_latest >= newest_persistent:
-        record = _restore_local(local, state, tree, newest_persistent, skipped, start)
-        if record is not None:
-            return record
+        loaded = _load_local(local, skipped)
+        if loaded is not None and loaded[1].iteration >= newest_persistent:
+            return _apply_local(
+                loaded, tree, state, latest=local_latest, skipped=skipped, start=start
+            )
+        if loaded is not None:
+            skipped.append(
+                f"local steps newer than {loaded[1].iteration}: cannot be loaded on every rank"
+            )
+            older_local = loaded
     for step in persistent:
         assert persistent_dir is not None
         record = _restore_persistent(
@@ -60,11 +68,12 @@ def restore_newest(
         )
         if record is not None:
             return record
-    if local is not None and -1 < local_latest < newest_persistent:
-        # every persistent step failed: the local tier's older step is the newest left
-        record = _restore_local(local, state, tree, -1, skipped, start)
-        if record is not None:
-            return record
+    if local is not None and older_local is None and -1 < local_latest < newest_persistent:
+        older_local = _load_local(local, skipped)
+    if older_local is not None:  # every persistent step failed: the newest left is local
+        return _apply_local(
+            older_local, tree, state, latest=local_latest, skipped=skipped, start=start
+        )
     if skipped:
         raise CheckpointingError(
             "checkpoints exist but none could be restored (starting over would save over them): "
@@ -96,34 +105,37 @@ def _persistent_candidates(
     return steps
 
 
-def _restore_local(
-    local: LocalCheckpointManager,
-    state: dict[str, Any],
-    tree: dict[str, Any],
-    newest_persistent: int,
-    skipped: list[str],
-    start: float,
-) -> RestoreRecord | None:
-    latest = local.find_latest()
+def _load_local(local: LocalCheckpointManager, skipped: list[str]) -> tuple[Any, Any] | None:
+    """The local tier's newest checkpoint loadable on every rank and its load record, or None."""
     try:
         ta, _ = local.load()
     except CheckpointingError as e:
         skipped.append(f"local tier: {e}")
         logger.warning("restore: no local checkpoint could be loaded: %s", e)
         return None
-    record = local.last_load
-    assert record is not None
-    if record.iteration < newest_persistent:
-        skipped.append(f"local steps newer than {record.iteration}: cannot be loaded on every rank")
-        return None
-    loaded = ta.state_dict
+    assert local.last_load is not None
+    return ta, local.last_load
+
+
+def _apply_local(
+    loaded: tuple[Any, Any],
+    tree: dict[str, Any],
+    state: dict[str, Any],
+    *,
+    latest: int,
+    skipped: list[str],
+    start: float,
+) -> RestoreRecord:
+    """Check a loaded local checkpoint against the state (collective), then put it in place."""
+    ta, record = loaded
+    checkpoint = ta.state_dict
     live = st.local_form(tree)
     with tpdist.agree(f"checking the state against local checkpoint step {record.iteration}"):
-        problems = st.check_loaded(live, loaded)
+        problems = st.check_loaded(live, checkpoint)
         if problems:
             raise StateMismatchError(_mismatch(record.iteration, problems))
-    loaded.pop(st.SHARDING_KEY, None)  # checked above; not part of the state
-    st.copy_into(tree, loaded)
+    checkpoint.pop(st.SHARDING_KEY, None)  # checked above; not part of the state
+    st.copy_into(tree, checkpoint)
     st.apply(state, tree)
     tier = "peers" if record.from_peers else "local"
     if record.iteration != latest:  # (find_latest again would wait for the replicas)

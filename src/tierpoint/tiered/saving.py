@@ -266,9 +266,11 @@ class SavePath:
 
     def _retire_in_background(self, committed: int) -> None:
         """Rank 0, after a persistent commit: retire older steps on a thread (see the module
-        docstring). One runs at a time; while an earlier one is stuck past the timeout, this
-        commit's retention is skipped (the next commit's covers it)."""
-        if not self._wait_for_retirement():
+        docstring). One runs at a time, and this rank never waits for it here (the other ranks
+        would be waiting for it in the next collective): while an earlier one still runs, this
+        commit's retention is left to the next commit's."""
+        if self._retiring is not None and self._retiring.is_alive():
+            logger.debug("retention of step %d left to a later commit: one still runs", committed)
             return
 
         def run() -> None:
@@ -282,19 +284,20 @@ class SavePath:
         self._retiring = threading.Thread(target=run, name="tierpoint-retention", daemon=True)
         self._retiring.start()
 
-    def _wait_for_retirement(self) -> bool:
-        """Join the retention thread (bounded by the queue's timeout); False if it still runs."""
-        thread = self._retiring
-        if thread is not None:
-            thread.join(self.queue.timeout)
-            if thread.is_alive():
-                logger.warning(
-                    "the persistent tier's retention has run for over %.0f s; going on without it",
-                    self.queue.timeout,
-                )
-                return False
-            self._retiring = None
-        return True
+    def _wait_for_retirement(self) -> None:
+        """Join the retention thread, for at most half the collectives' timeout (the other ranks
+        wait for this one meanwhile); a thread still running then is left behind with a WARNING
+        (a daemon: it removes ``.metadata`` first, so whatever it leaves is never complete)."""
+        thread, self._retiring = self._retiring, None
+        if thread is None:
+            return
+        bound = min(self.queue.timeout, tpdist.default_timeout().total_seconds() / 2)
+        thread.join(bound)
+        if thread.is_alive():
+            logger.warning(
+                "the persistent tier's retention has run for over %.0f s; going on without it",
+                bound,
+            )
 
     def _save_final(self, step: int, tree: dict[str, Any]) -> None:
         """A synchronous save of ``step`` (nothing in flight): to the persistent tier, the local
