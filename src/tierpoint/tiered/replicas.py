@@ -11,6 +11,9 @@ agree; only when the layouts agree and the data does not are the per-key hashes 
 0 logs a WARNING naming the keys (once per key and manager). Ranks whose layouts differ (pipeline
 stages, each with its own keys) are not compared.
 
+The same all-reduce refuses, on every rank, a state holding numpy values: torch DCP would store
+them pickled, and a checkpoint no restore can load is worse than none.
+
 Call order: :meth:`ReplicaCheck.check` on every rank with the persistent form of the state, before
 the save is planned (collective).
 
@@ -33,7 +36,8 @@ import xxhash
 
 from .. import dist as tpdist
 from ..dtensors import is_dtensor
-from .state import RANK_LOCAL_KEY
+from ..errors import CheckpointingError
+from .state import RANK_LOCAL_KEY, numpy_paths
 
 logger = logging.getLogger("tierpoint")
 
@@ -113,13 +117,21 @@ class ReplicaCheck:
 
     def check(self, tree: Mapping[str, Any], step: int) -> list[str]:
         """Collective: the keys of ``tree`` whose values differ between ranks (the same list on
-        every rank); rank 0 warns about the ones not named before."""
+        every rank); rank 0 warns about the ones not named before. Raises
+        :class:`CheckpointingError` on every rank when any rank's ``tree`` holds numpy values
+        (:func:`~tierpoint.tiered.state.numpy_paths`: they would make a checkpoint no restore
+        loads), in the same all-reduce."""
+        refused = numpy_paths(tree)
         if not tpdist.is_distributed() or tpdist.get_world_size() < 2:
+            if refused:
+                raise CheckpointingError(_refusal(step, refused))
             return []
         layout, mine = digests(tree)
         data = xxhash.xxh3_64(repr(sorted(mine.items())).encode()).intdigest() & _MASK
         what = f"comparing the replicated values of step {step}"
-        low = tpdist.reduce_ints([layout, -layout, data, -data], "min", what)
+        low = tpdist.reduce_ints([layout, -layout, data, -data, -len(refused)], "min", what)
+        if low[4] < 0:
+            raise CheckpointingError(_refusal(step, refused))
         if low[0] != -low[1] or low[2] == -low[3]:
             return []  # other keys per rank (pipeline stages: nothing to compare), or all alike
         every = tpdist.all_gather_json(mine, what)
@@ -135,3 +147,12 @@ class ReplicaCheck:
                 ", ".join(repr(k) for k in new),
             )
         return differ
+
+
+def _refusal(step: int, paths: list[str]) -> str:
+    where = ", ".join(paths) if paths else "on another rank"
+    return (
+        f"step {step} is not saved to the persistent tier: it holds numpy values ({where}), which "
+        "torch DCP stores pickled and tierpoint's restore, loading no pickles, would refuse; hold "
+        "them as tensors (torch.from_numpy) or lists (the local tier stores numpy as it is)"
+    )

@@ -150,6 +150,23 @@ def _sharding_of(t: Any) -> str:
     return f"mesh {tuple(mesh.mesh.shape)} ranks {mesh.mesh.flatten().tolist()} placements {t.placements}"
 
 
+def numpy_paths(tree: Any, path: str = "", found: list[str] | None = None) -> list[str]:
+    """Where ``tree`` holds numpy arrays or scalars (at most a few): torch DCP stores them
+    pickled, and the persistent tier's restore loads no pickles, so they cannot go there."""
+    found = [] if found is None else found
+    if len(found) >= 5:
+        return found
+    if type(value := tree).__module__ == "numpy":
+        found.append(path or "(the state)")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            numpy_paths(item, f"{path}.{key}" if path else str(key), found)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            numpy_paths(item, f"{path}[{i}]", found)
+    return found
+
+
 def persistent_form(tree: dict[str, Any], rank: int) -> dict[str, Any]:
     """What the persistent tier stores: rank-local values under ``__rank_local__.<rank>``."""
     out = {k: v for k, v in tree.items() if not isinstance(v, RankLocal)}
