@@ -319,6 +319,9 @@ def test_convert_into_missing_directories_then_ls_and_verify_the_results(
     for dst in (plain, pt):  # missing parents are made, as for a DCP destination
         assert main(["convert", str(part), str(dst)]) == 0
     assert torch.load(pt, weights_only=True)["step"] == 3
+    url = tmp_path / "url" / "u.pt"  # a file:// URL names the same file, nothing else is made
+    assert main(["convert", str(part), f"file://{url}"]) == 0 and url.exists()
+    assert not Path("file:").exists()
     capsys.readouterr()
 
     # A plain safetensors file has no checksums: unverified, not corrupt.

@@ -36,6 +36,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     out_kind = kind_of_file(dst) or "dcp"
     if out_kind != "dcp" and not storage.is_local(dst):
         raise CommandError(f"{dst}: a .safetensors or .pt file is written locally only")
+    if out_kind != "dcp":
+        dst = storage.local_path(dst)  # a file:// URL names the same file
     if out_kind != "dcp" and os.path.exists(dst) and not args.force:
         raise CommandError(f"{dst}: exists (--force to replace it)")
     state, source = _read_state(args, options)

@@ -53,10 +53,8 @@ from typing import Any
 from .. import dcp, storage
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue
-from ..dcp.step_dirs import step_path
 from ..errors import CheckpointingError
 from ..local import CliqueReplicationStrategy, LocalCheckpointManager
-from ..tensor_aware import BasicTensorAwareStateDict
 from . import state as st
 from .events import EventLog, RestoreRecord
 from .replicas import ReplicaCheck
@@ -227,16 +225,7 @@ class TieredCheckpointManager(SavePath):
         tiers = self.due(step)
         if step % self.poll_every == 0 or tiers:
             self.poll()
-        if self._persistent_owed is not None:  # agreed: a local failure is seen by every rank
-            if "persistent" not in tiers:
-                logger.warning(
-                    "saving step %d to the persistent tier (step %d's copy was lost with its "
-                    "local save)",
-                    step,
-                    self._persistent_owed,
-                )
-                tiers = (*tiers, "persistent")
-            self._persistent_owed = None
+        tiers = self._with_owed_copy(step, tiers)
         if self._watching_signal and self._agree_on_signal():
             self.final_save(state, step)
             self.close()
@@ -250,23 +239,6 @@ class TieredCheckpointManager(SavePath):
             self._warmed_up = True
             self._warm_up(step, state)
         return tiers
-
-    def _warm_up(self, step: int, state: Mapping[str, Any]) -> None:
-        """Prepare the first saves' staging memory in the background (not collective): the local
-        tier's (and its spare files), and the persistent tier's where its saves snapshot the state
-        (no local tier, or a DTensor state); see :meth:`LocalCheckpointManager.warm_up`."""
-        try:
-            tree = st.template(state)
-            if self.local is not None:
-                self.local.warm_up(BasicTensorAwareStateDict(st.local_form(tree)))
-            if self.persistent_dir is not None and (self.local is None or st.has_dtensor(tree)):
-                dcp.warm_up(
-                    st.persistent_form(tree, tpdist.get_rank()),
-                    step_path(self.persistent_dir, step),
-                    staging_pool=self._staging_pool,
-                )
-        except CheckpointingError as e:  # the save says so, on every rank
-            logger.debug("no warm-up: %s", e)
 
     def save(self, step: int, state: Mapping[str, Any], tiers: str | Iterable[str] = TIERS) -> None:
         """Save ``step`` to ``tiers`` now, asynchronously (returns after the snapshot)."""

@@ -1,7 +1,8 @@
 """The save path of :class:`~tierpoint.TieredCheckpointManager`: each tier's save scheduled and timed,
 the persistent copy made from the local part, finalizing, and the synchronous final save.
 
-Call order (the manager's :meth:`save` validates and agrees on the step, then)::
+Call order (the manager's :meth:`save` validates and agrees on the step, then; ``_warm_up`` at
+the first step not saved, ``_with_owed_copy`` at every step)::
 
     _make_room("local"); _start_deferred(); _save_local(step, tree)   # a step due locally
     _deferred = _Deferred(step, ...)       # its persistent copy, once the local save is committed
@@ -35,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,6 +217,36 @@ class SavePath:
             raise
         phase = "snapshot" if held is None else "copy_from_local"
         record.phases[phase] = time.perf_counter() - start
+
+    def _warm_up(self, step: int, state: Mapping[str, Any]) -> None:
+        """Prepare the first saves' staging memory in the background (not collective): the local
+        tier's (and its spare files), and the persistent tier's where its saves snapshot the state
+        (no local tier, or a DTensor state); see :meth:`LocalCheckpointManager.warm_up`."""
+        try:
+            tree = st.template(state)
+            if self.local is not None:
+                self.local.warm_up(BasicTensorAwareStateDict(st.local_form(tree)))
+            if self.persistent_dir is not None and (self.local is None or st.has_dtensor(tree)):
+                dcp.warm_up(
+                    st.persistent_form(tree, tpdist.get_rank()),
+                    step_path(self.persistent_dir, step),
+                    staging_pool=self._staging_pool,
+                )
+        except CheckpointingError as e:  # the save says so, on every rank
+            logger.debug("no warm-up: %s", e)
+
+    def _with_owed_copy(self, step: int, tiers: tuple[str, ...]) -> tuple[str, ...]:
+        """``tiers`` for ``step``, the persistent tier added when a copy was lost with its local
+        save (agreed: a local failure is seen by every rank)."""
+        owed, self._persistent_owed = self._persistent_owed, None
+        if owed is None or "persistent" in tiers:
+            return tiers
+        logger.warning(
+            "saving step %d to the persistent tier (step %d's copy was lost with its local save)",
+            step,
+            owed,
+        )
+        return (*tiers, "persistent")
 
     def poll(self) -> None:
         """Finalize what finished on every rank (no collective when nothing is in flight) and start
