@@ -70,7 +70,11 @@ def run_collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
             silent = silent_ranks(what, group)
             if silent:
                 names = "rank " if len(silent) == 1 else "ranks "
-                who = f"; no word from {names}{', '.join(map(str, silent))} (stopped or too slow)"
+                ranks = ", ".join(map(str, silent))
+                who = (
+                    f"; no word from {names}{ranks} (stopped, too slow, or in another call: "
+                    "every rank makes the same collective calls, polls included)"
+                )
         if group is not None:  # a later call on the group names the silent ranks too
             _broken[id(group)] = (group, f"{what}{who}: {_first_line(text)}"[:300])
         if timed_out:
