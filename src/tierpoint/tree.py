@@ -73,7 +73,7 @@ class FlatState:
     """Indices of tensors that were numpy arrays in the original state."""
 
 
-def _child_path(path: str, key: object) -> str:
+def child_path(path: str, key: object) -> str:
     if isinstance(key, str):
         return f"{path}.{key}" if path else key
     return f"{path}[{key!r}]"
@@ -103,13 +103,11 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
             keys = [
                 k
                 if type(k) is str or (type(k) is int and -_JSON_SAFE_INT < k < _JSON_SAFE_INT)
-                else enc(k, _child_path(path, f"<key {k!r}>"), depth + 1)
+                else enc(k, child_path(path, f"<key {k!r}>"), depth + 1)
                 for k in obj
             ]
             values = [
-                v
-                if v is None or type(v) in (bool, str)
-                else enc(v, _child_path(path, k), depth + 1)
+                v if v is None or type(v) in (bool, str) else enc(v, child_path(path, k), depth + 1)
                 for k, v in obj.items()
             ]
             return {_TAG: "odict" if type(obj) is OrderedDict else "dict", "k": keys, "v": values}
@@ -129,11 +127,11 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
         if type(obj) is float:
             return obj if math.isfinite(obj) else {_TAG: "float", "v": repr(obj)}
         if type(obj) is list:
-            return [enc(v, _child_path(path, i), depth + 1) for i, v in enumerate(obj)]
+            return [enc(v, child_path(path, i), depth + 1) for i, v in enumerate(obj)]
         if type(obj) is tuple:
             return {
                 _TAG: "tuple",
-                "v": [enc(v, _child_path(path, i), depth + 1) for i, v in enumerate(obj)],
+                "v": [enc(v, child_path(path, i), depth + 1) for i, v in enumerate(obj)],
             }
         if type(obj) is bytes:
             return {_TAG: "bytes", "v": base64.b64encode(obj).decode("ascii")}

@@ -30,10 +30,12 @@ def _warnings_while(run: Any) -> list[str]:
     return [m for m in warned if "differ between ranks" in m]
 
 
-def _save(state: dict[str, Any], root: Path, world: int, steps: int = 6) -> None:
+def _save(state: dict[str, Any], root: Path, world: int | None = None, steps: int = 6) -> None:
+    """Six steps saved by schedule (trained first when ``world`` is given)."""
     with TieredCheckpointManager(None, str(root), "r", **KWARGS) as manager:
         for step in range(1, steps + 1):
-            train_step(state, world)
+            if world is not None:
+                train_step(state, world)
             manager.maybe_save(step, state)
 
 
@@ -61,13 +63,7 @@ def _stages(rank: int, world: int, root: Path) -> list[str]:
     """Each rank holds another stage of a model (other keys and shapes): nothing to compare."""
     stage = torch.nn.Linear(4 + rank, 3)
     state = {f"stage{rank}": stage, "position": {"samples": 8}}
-
-    def run() -> None:
-        with TieredCheckpointManager(None, str(root), "p", **KWARGS) as manager:
-            for step in range(1, 5):
-                manager.maybe_save(step, state)
-
-    return _warnings_while(run)
+    return _warnings_while(lambda: _save(state, root))
 
 
 def test_ranks_holding_other_keys_are_not_compared(tmp_path):
@@ -80,13 +76,7 @@ def _batch_norm(rank: int, world: int, root: Path) -> list[str]:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank)))  # per-rank statistics
     state = {"model": model, "phase": torch.randn(3, dtype=torch.complex64).conj()}
-
-    def run() -> None:
-        with TieredCheckpointManager(None, str(root), "b", **KWARGS) as manager:
-            for step in range(1, 5):
-                manager.maybe_save(step, state)
-
-    return _warnings_while(run)
+    return _warnings_while(lambda: _save(state, root))
 
 
 def test_batch_norm_statistics_are_not_taken_for_a_mistake(tmp_path):

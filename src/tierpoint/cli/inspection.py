@@ -131,21 +131,21 @@ def _inspect_part(path: str) -> dict[str, Any]:
 
 def _skeleton_values(node: Any, path: str, out: dict[str, Any]) -> None:
     """The non-tensor leaves of a part file's skeleton, by key path, as JSON (never unpickled)."""
-    from ..tree import _child_path
+    from ..tree import child_path
 
     if isinstance(node, list):
         for i, v in enumerate(node):
-            _skeleton_values(v, _child_path(path, i), out)
+            _skeleton_values(v, child_path(path, i), out)
     elif isinstance(node, dict):
         tag = node.get("~")
         if tag in ("dict", "odict"):
             for k, v in zip(node.get("k", []), node.get("v", [])):
                 _skeleton_values(
-                    v, _child_path(path, k if isinstance(k, (str, int)) else str(k)), out
+                    v, child_path(path, k if isinstance(k, (str, int)) else str(k)), out
                 )
         elif tag == "tuple":
             for i, v in enumerate(node.get("v", [])):
-                _skeleton_values(v, _child_path(path, i), out)
+                _skeleton_values(v, child_path(path, i), out)
         elif tag in ("tensor", "dtensor", "ndarray"):
             return
         elif tag == "pickle":

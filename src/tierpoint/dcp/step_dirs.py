@@ -193,8 +193,8 @@ def gather_views(
     base: str | os.PathLike, storage_options: Mapping[str, Any] | None, group: Any
 ) -> list[dict]:
     """Listings of ``base`` (``{"view": [...], "base": <the lister's base>}`` each; the listings
-    are merged, so an empty one is neutral). Collective; raises the same :class:`CheckpointingError` on every rank when a rank
-    could not list.
+    are merged, so an empty one is neutral). Collective; raises the same
+    :class:`CheckpointingError` on every rank when a rank could not list.
 
     Without a ``group`` of the caller's, the listings travel merged per node
     (:func:`tierpoint.dist.gather_by_node`; a node's identical listings count once): O(nodes)

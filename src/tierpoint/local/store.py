@@ -51,7 +51,7 @@ class PartStore:
         self.mappings = peers.MappingCache()
         self.latest: int | None = None
         self.unloadable: set[int] = set()
-        self._scan_cache: dict[str, tuple[tuple[int, int, int], list[int] | None]] = {}
+        self._scan_cache: dict[str, tuple[tuple[int, int, int] | None, list[int] | None]] = {}
         self._held: Counter[tuple[int, int]] = Counter()  # (device, inode) -> holds
 
     # ------------------------------------------------------------------------------ places
@@ -97,23 +97,18 @@ class PartStore:
         if not self.directory.is_dir():
             return []
         found = []
-        seen: dict[str, tuple[tuple[int, int, int], list[int] | None]] = {}
+        seen: dict[str, tuple[tuple[int, int, int] | None, list[int] | None]] = {}
         for entry in os.scandir(self.directory):
             parsed = naming.parse_part_name(entry.name)
             if parsed is None:
                 continue
             try:
                 version = naming.file_version(entry.stat())
-            except OSError as e:  # a dangling link, a link loop, removed since the listing
-                version, unreadable = (0, 0, 0), str(e)
-            else:
-                unreadable = None
+            except OSError:  # a dangling link, a link loop: its validation says why, once
+                version = None
             cached = self._scan_cache.get(entry.name)
             if cached is not None and cached[0] == version:
                 part = cached[1]
-            elif unreadable is not None:
-                logger.warning("ignoring unusable local part %s: %s", entry.path, unreadable)
-                part = None
             else:  # an unusable file is reported once per version, not on every scan
                 part = _validate_part(entry.path, *parsed)
             seen[entry.name] = (version, part)

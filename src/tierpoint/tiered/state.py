@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointingError
-from ..tree import tensors_in
+from ..tree import child_path, tensors_in
 
 RANK_LOCAL_KEY = "__rank_local__"
 """Where the persistent tier keeps each rank's :class:`RankLocal` values: ``<key>.<rank>.<name>``."""
@@ -156,14 +156,12 @@ def numpy_paths(tree: Any, path: str = "", found: list[str] | None = None) -> li
     found = [] if found is None else found
     if len(found) >= 5:
         return found
-    if type(value := tree).__module__ == "numpy":
+    if type(tree).__module__ == "numpy":
         found.append(path or "(the state)")
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            numpy_paths(item, f"{path}.{key}" if path else str(key), found)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            numpy_paths(item, f"{path}[{i}]", found)
+    elif isinstance(tree, (Mapping, list, tuple)):
+        items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
+        for key, item in items:
+            numpy_paths(item, child_path(path, key), found)
     return found
 
 
