@@ -169,22 +169,32 @@ def _enc_ndarray(arr: np.ndarray, path: str, add_tensor: Any, flat: FlatState) -
         raise UnsupportedStateError(
             path, "numpy arrays of Python objects cannot be stored without pickle"
         )
-    # reshape: ascontiguousarray turns a 0-d array into a 1-d one
-    contiguous = np.ascontiguousarray(arr).reshape(arr.shape)
-    try:
-        t = torch.from_numpy(contiguous)
-    except (TypeError, ValueError):  # ValueError: non-native byte order
-        t = None
+    t = numpy_tensor(arr)
     if t is None or arr.dtype.byteorder == ">":
         return {
             _TAG: "ndbytes",
             "dtype": arr.dtype.str,
             "shape": list(arr.shape),
-            "v": _b64(contiguous.tobytes()),
+            "v": _b64(np.ascontiguousarray(arr).tobytes()),
         }
     index = add_tensor(t, path)
     flat.numpy_indices.add(index)
     return {_TAG: "ndarray", "i": index}
+
+
+def numpy_tensor(arr: np.ndarray) -> torch.Tensor | None:
+    """A CPU tensor of ``arr``'s values, dtype and shape, sharing its memory when it is contiguous;
+    None where torch has no such dtype (strings, long double) or the byte order is not native."""
+    if arr.dtype.hasobject:
+        return None
+    # reshape: ascontiguousarray turns a 0-d array into a 1-d one
+    contiguous = np.ascontiguousarray(arr).reshape(arr.shape)
+    if not contiguous.flags.writeable:  # torch would warn: its tensors are writable
+        contiguous = contiguous.copy()
+    try:
+        return torch.from_numpy(contiguous)
+    except (TypeError, ValueError):  # ValueError: non-native byte order
+        return None
 
 
 def unflatten(

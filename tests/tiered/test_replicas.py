@@ -81,33 +81,3 @@ def _batch_norm(rank: int, world: int, root: Path) -> list[str]:
 
 def test_batch_norm_statistics_are_not_taken_for_a_mistake(tmp_path):
     assert run_ranks(_batch_norm, 2, tmp_path, timeout=120) == [[], []]
-
-
-def test_numpy_values_are_refused_by_the_persistent_tier_and_kept_by_the_local_one(tmp_path):
-    """torch DCP would pickle them and no restore would load the checkpoint: the persistent save
-    fails with the value's path named (training goes on), the local tier keeps them as they are."""
-    import numpy as np
-
-    events: list = []
-    state = make_state(0)
-    state["loader"] = RankLocal({"rng": np.random.RandomState(7).get_state()})
-    kwargs = {"local_every": 1, "persistent_every": 2, "replication_factor": 1}
-    local, persistent = tmp_path / "local", tmp_path / "persistent"
-    with TieredCheckpointManager(
-        str(local), str(persistent), "n", on_event=events.append, **kwargs
-    ) as manager:
-        for step in (1, 2, 3):
-            train_step(state, 1)
-            manager.maybe_save(step, state)
-    failed = [e for e in events if e["tier"] == "persistent"]
-    assert failed and not any(e["ok"] for e in failed)
-    assert "numpy values (__rank_local__.0.loader.rng[1])" in failed[0]["error"]
-    assert not any((persistent / "step-2").glob(".metadata"))
-    restored = make_state(0)
-    restored["loader"] = RankLocal({"rng": np.random.RandomState(0).get_state()})
-    with TieredCheckpointManager(str(local), None, "n", **kwargs) as manager:
-        assert manager.restore(restored) == 3
-    again = np.random.RandomState()
-    again.set_state(restored["loader"].value["rng"])
-    expected = np.random.RandomState(7)
-    assert again.randint(1 << 30) == expected.randint(1 << 30)

@@ -11,8 +11,9 @@ agree; only when the layouts agree and the data does not are the per-key hashes 
 0 logs a WARNING naming the keys (once per key and manager). Ranks whose layouts differ (pipeline
 stages, each with its own keys) are not compared.
 
-The same all-reduce refuses, on every rank, a state holding numpy values: torch DCP would store
-them pickled, and a checkpoint no restore can load is worse than none.
+The same all-reduce refuses, on every rank, a state holding numpy values that are not numbers
+(numeric ones are stored as tensors: :mod:`~tierpoint.tiered.numpy_values`): torch DCP would
+store them pickled, and a checkpoint no restore can load is worse than none.
 
 Call order: :meth:`ReplicaCheck.check` on every rank with the persistent form of the state, before
 the save is planned (collective).
@@ -37,7 +38,8 @@ import xxhash
 from .. import dist as tpdist
 from ..dtensors import is_dtensor
 from ..errors import CheckpointingError
-from .state import RANK_LOCAL_KEY, numpy_paths
+from .numpy_values import unstorable_paths
+from .state import RANK_LOCAL_KEY
 
 logger = logging.getLogger("tierpoint")
 
@@ -118,10 +120,10 @@ class ReplicaCheck:
     def check(self, tree: Mapping[str, Any], step: int) -> list[str]:
         """Collective: the keys of ``tree`` whose values differ between ranks (the same list on
         every rank); rank 0 warns about the ones not named before. Raises
-        :class:`CheckpointingError` on every rank when any rank's ``tree`` holds numpy values
-        (:func:`~tierpoint.tiered.state.numpy_paths`: they would make a checkpoint no restore
-        loads), in the same all-reduce."""
-        refused = numpy_paths(tree)
+        :class:`CheckpointingError` on every rank when any rank's ``tree`` holds numpy values that
+        are not numbers (:func:`~tierpoint.tiered.numpy_values.unstorable_paths`: torch DCP would
+        pickle them, making a checkpoint no restore loads), in the same all-reduce."""
+        refused = unstorable_paths(tree)
         if not tpdist.is_distributed() or tpdist.get_world_size() < 2:
             if refused:
                 raise CheckpointingError(_refusal(step, refused))
@@ -152,7 +154,8 @@ class ReplicaCheck:
 def _refusal(step: int, paths: list[str]) -> str:
     where = ", ".join(paths) if paths else "on another rank"
     return (
-        f"step {step} is not saved to the persistent tier: it holds numpy values ({where}), which "
-        "torch DCP stores pickled and tierpoint's restore, loading no pickles, would refuse; hold "
-        "them as tensors (torch.from_numpy) or lists (the local tier stores numpy as it is)"
+        f"step {step} is not saved to the persistent tier: it holds numpy values that are not "
+        f"numbers ({where}), which torch DCP stores pickled and tierpoint's restore, loading no "
+        "pickles, would refuse; hold them as lists or strings (the local tier stores them as "
+        "they are)"
     )

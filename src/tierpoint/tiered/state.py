@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointingError
-from ..tree import child_path, tensors_in
+from ..tree import tensors_in
+from .numpy_values import as_numpy, as_tensors
 
 RANK_LOCAL_KEY = "__rank_local__"
 """Where the persistent tier keeps each rank's :class:`RankLocal` values: ``<key>.<rank>.<name>``."""
@@ -150,38 +151,25 @@ def _sharding_of(t: Any) -> str:
     return f"mesh {tuple(mesh.mesh.shape)} ranks {mesh.mesh.flatten().tolist()} placements {t.placements}"
 
 
-def numpy_paths(tree: Any, path: str = "", found: list[str] | None = None) -> list[str]:
-    """Where ``tree`` holds numpy arrays or scalars (at most a few): torch DCP stores them
-    pickled, and the persistent tier's restore loads no pickles, so they cannot go there."""
-    found = [] if found is None else found
-    if len(found) >= 5:
-        return found
-    if type(tree).__module__ == "numpy":
-        found.append(path or "(the state)")
-    elif isinstance(tree, (Mapping, list, tuple)):
-        items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
-        for key, item in items:
-            numpy_paths(item, child_path(path, key), found)
-    return found
-
-
 def persistent_form(tree: dict[str, Any], rank: int) -> dict[str, Any]:
-    """What the persistent tier stores: rank-local values under ``__rank_local__.<rank>``."""
+    """What the persistent tier stores: rank-local values under ``__rank_local__.<rank>``, numpy
+    values as tensors (:mod:`~tierpoint.tiered.numpy_values`)."""
     out = {k: v for k, v in tree.items() if not isinstance(v, RankLocal)}
     mine = {k: v.value for k, v in tree.items() if isinstance(v, RankLocal)}
     if mine:
         out[RANK_LOCAL_KEY] = {str(rank): mine}
-    return out
+    return as_tensors(out)
 
 
 def from_persistent_form(tree: dict[str, Any], loaded: dict[str, Any], rank: int) -> None:
     """Put the rank-local values of a loaded :func:`persistent_form` back into ``tree``."""
     mine = loaded.get(RANK_LOCAL_KEY, {}).get(str(rank), {})
     for key, value in mine.items():
-        tree[key] = RankLocal(value)
+        live = tree.get(key)
+        tree[key] = RankLocal(as_numpy(value, live.value if isinstance(live, RankLocal) else None))
     for key, value in loaded.items():
         if key != RANK_LOCAL_KEY:
-            tree[key] = value
+            tree[key] = as_numpy(value, tree.get(key))
 
 
 def check_loaded(live: dict[str, Any], loaded: dict[str, Any]) -> list[str]:

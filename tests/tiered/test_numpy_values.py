@@ -1,0 +1,120 @@
+"""numpy values in a state (``np.random.get_state()``, counters) go to the persistent tier as
+tensors and come back as numpy of their dtype and shape, on every rank its own; numpy values that
+are not numbers are refused there, naming where they are, and kept by the local tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as torch_dcp
+
+from tierpoint import RankLocal, TieredCheckpointManager
+from tierpoint.testing import run_ranks
+
+from .helpers import make_state, train_step
+
+
+def _numpy_state(rank: int, seed: int) -> dict[str, Any]:
+    state = make_state(rank)
+    state["loader"] = RankLocal({"rng": np.random.RandomState(seed + rank).get_state()})
+    state["stats"] = {
+        "mean": np.arange(6, dtype=np.float32).reshape(2, 3) * (seed + 1),
+        "big_endian": (np.arange(3) * (seed + 1)).astype(">i4"),
+        "count": np.int64(seed),
+        "scale": np.float64(seed / 4),
+    }
+    return state
+
+
+def _next_random(state: dict[str, Any]) -> int:
+    generator = np.random.RandomState()
+    generator.set_state(state["loader"].value["rng"])
+    return int(generator.randint(1 << 30))
+
+
+def _save_then_restore(rank: int, world: int, root: Path, local_every: int) -> dict[str, Any]:
+    """Steps 1-4 saved (persistent every 2: step 4 is the newest there), then a fresh state of
+    other values restored from the persistent tier alone."""
+    state = _numpy_state(rank, 7)
+    kwargs = {"local_every": local_every, "persistent_every": 2, "replication_factor": 1}
+    with TieredCheckpointManager(str(root / "local"), str(root / "persistent"), "n", **kwargs) as m:
+        for step in range(1, 5):
+            train_step(state, world)
+            m.maybe_save(step, state)
+    restored = _numpy_state(rank, 0)
+    with TieredCheckpointManager(None, str(root / "persistent"), "n", **kwargs) as m:
+        step = m.restore(restored)
+    stats = restored["stats"]
+    return {
+        "step": step,
+        "next_random": _next_random(restored),
+        "expected_random": int(np.random.RandomState(7 + rank).randint(1 << 30)),
+        "mean": stats["mean"].tolist(),
+        "types": [type(stats[k]).__name__ for k in ("mean", "big_endian", "count", "scale")],
+        "dtypes": [stats[k].dtype.str for k in ("mean", "big_endian", "count", "scale")],
+        "values": [stats["big_endian"].tolist(), int(stats["count"]), float(stats["scale"])],
+    }
+
+
+def _expected(rank: int) -> dict[str, Any]:
+    return {
+        "step": 4,
+        "next_random": int(np.random.RandomState(7 + rank).randint(1 << 30)),
+        "expected_random": int(np.random.RandomState(7 + rank).randint(1 << 30)),
+        "mean": (np.arange(6, dtype=np.float32).reshape(2, 3) * 8).tolist(),
+        "types": ["ndarray", "ndarray", "int64", "float64"],
+        "dtypes": ["<f4", ">i4", "<i8", "<f8"],
+        "values": [[0, 8, 16], 7, 1.75],
+    }
+
+
+def test_numpy_values_round_trip_through_the_persistent_tier(tmp_path):
+    """Saved from the state (no local tier) and restored as numpy, equal, of their dtypes."""
+    assert _save_then_restore(0, 1, tmp_path, local_every=0) == _expected(0)
+
+
+def test_numpy_values_round_trip_when_copied_from_the_local_part(tmp_path):
+    """A step due for both tiers: its persistent copy is made from the local part's bytes."""
+    assert _save_then_restore(0, 1, tmp_path, local_every=1) == _expected(0)
+
+
+def test_each_rank_restores_its_own_numpy_random_state(tmp_path):
+    results = run_ranks(_save_then_restore, 2, tmp_path, 1, timeout=120)
+    assert results == [_expected(0), _expected(1)]
+
+
+def test_a_plain_dcp_reader_sees_numpy_values_as_tensors(tmp_path):
+    state = _numpy_state(0, 3)
+    with TieredCheckpointManager(None, str(tmp_path), "n", persistent_every=1) as manager:
+        manager.maybe_save(1, state)
+    metadata = torch_dcp.FileSystemReader(str(tmp_path / "step-1")).read_metadata()
+    entry = metadata.state_dict_metadata["stats.mean"]
+    assert entry.properties.dtype == torch.float32 and list(entry.size) == [2, 3]
+
+
+def test_numpy_values_that_are_not_numbers_are_refused_by_the_persistent_tier_only(tmp_path):
+    """torch DCP would pickle them and no restore would load the checkpoint: the persistent save
+    fails naming the value's path (training goes on); the local tier keeps them as they are."""
+    events: list = []
+    state = make_state(0)
+    state["labels"] = RankLocal({"names": np.array(["cat", "dog"])})
+    kwargs = {"local_every": 1, "persistent_every": 2, "replication_factor": 1}
+    local, persistent = tmp_path / "local", tmp_path / "persistent"
+    with TieredCheckpointManager(
+        str(local), str(persistent), "n", on_event=events.append, **kwargs
+    ) as manager:
+        for step in (1, 2, 3):
+            train_step(state, 1)
+            manager.maybe_save(step, state)
+    failed = [e for e in events if e["tier"] == "persistent"]
+    assert failed and not any(e["ok"] for e in failed)
+    assert "not numbers (__rank_local__.0.labels.names)" in failed[0]["error"]
+    assert not any((persistent / "step-2").glob(".metadata"))
+    restored = make_state(0)
+    restored["labels"] = RankLocal({"names": np.array(["", ""])})
+    with TieredCheckpointManager(str(local), None, "n", **kwargs) as manager:
+        assert manager.restore(restored) == 3
+    assert restored["labels"].value["names"].tolist() == ["cat", "dog"]
