@@ -372,6 +372,29 @@ def test_more_part_failures_than_attempts_fail_the_save_and_abort_the_upload(
     assert endpoint.counts()["upload_part"] == 3 * tries
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_failed_save_over_a_committed_step_leaves_it_uncommitted(
+    first_step: Callable[..., FirstStep], kind: str
+) -> None:
+    """overwrite=True un-commits the step before new data is written (on an object store the
+    worker does it, after its marker): when the new save fails, the step is not complete, so no
+    restore takes the old values for the new step's."""
+    setup = first_step(1024, fail_parts=1_000_000)
+    path, options = step_path(setup.base, 1), _through(setup.endpoint)
+    two = storage.UploadOptions(part_size=5 << 20, attempts=1, backoff=0.05)
+    kwargs = {"storage_options": options, "thread_count": 1, "upload": two, "overwrite": True}
+    if kind == "sync":
+        outcome = _within(20, lambda: save(_state(2, 3 << 20), path, **kwargs))
+    else:
+        with AsyncCallsQueue() as queue:
+            future = async_save(_state(2, 3 << 20), path, queue=queue, **kwargs)
+            outcome = _within(20, lambda: future.result(timeout=20))
+    assert isinstance(outcome.error, CheckpointingError), outcome
+    names = storage.listdir(path, setup.direct)
+    assert ".metadata" not in names and not [n for n in names if n.startswith(".unfinished")]
+    assert get_latest_complete_checkpoint(setup.base, storage_options=setup.direct) is None
+
+
 def test_retries_the_user_configures_for_the_client_win(
     s3_bucket: tuple[str, dict],
     faulty_endpoint: Callable[..., FaultyEndpoint],

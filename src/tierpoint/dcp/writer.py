@@ -28,8 +28,9 @@ Invariants:
 - A rank's write succeeds only once its data files and its checksum manifest are written (and
   fsynced), so every committed step has every rank's manifest.
 - A complete directory is never written into unless ``overwrite=True`` (see
-  :mod:`~tierpoint.dcp.metadata_file`); then the old ``.metadata`` is removed first (the directory
-  is uncommitted while the new save runs).
+  :mod:`~tierpoint.dcp.metadata_file`); then the old ``.metadata`` is removed before any data is
+  written (the directory is uncommitted while the new save runs; on object stores the
+  coordinator's writing job removes it, after its marker; a failed save removes it too).
 - No data file of this save has the name of a file an earlier save wrote (the token differs), so
   ``.metadata`` never refers to an earlier save's bytes, wherever they were left.
 - Saving into a directory again leaves none of the earlier save's files, and at most one async
@@ -135,6 +136,7 @@ class Writer(StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self._marker_made = False
+        self._uncommit = False  # the writing job removes .metadata (see set_up_storage_writer)
         self._markers_seen: list[str] | None = None  # by the coordinator's commit (its listing)
         self._plan: SavePlan | None = None
         self._planner: SavePlanner | None = None
@@ -161,7 +163,7 @@ class Writer(StorageWriter):
         if checkpoint_id:
             self.path = directory.absolute(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex
-        self._marker_made = False
+        self._marker_made = self._uncommit = False
         self.earlier_files = []
         self._forget_plan()
         self._results = None
@@ -183,7 +185,10 @@ class Writer(StorageWriter):
         if storage.is_local(self.path):  # on object stores the job that writes makes it first
             directory.make_marker(self.path, self.rank, self.storage_options, self.upload)
         self._marker_made = True  # (or soon: removing a marker that is not there is fine)
-        if is_coordinator and committed:  # re-saving into a committed directory un-commits it
+        # Re-saving into a committed directory un-commits it: here, or on an object store in the
+        # job that writes, after its marker (a request less on the training thread).
+        self._uncommit = is_coordinator and committed and not storage.is_local(self.path)
+        if is_coordinator and committed and not self._uncommit:
             self._remove(METADATA_NAME)
         if storage.is_local(self.path):  # on object stores they go after the commit
             self.earlier_files = directory.earlier_save_files(storage.local_path(self.path))
@@ -348,6 +353,8 @@ class Writer(StorageWriter):
         self._leave()
         if self._files is not None:
             self._remove_all(directory.with_manifest(self._files.names))
+        if self._uncommit and not keep_marker:  # its job may not have run: the save un-commits
+            self._remove(METADATA_NAME)
         if self._marker_made and not keep_marker:
             self._remove(marker_name(self.rank))
             storage.remove_dir_if_empty(self.path, self.storage_options)
@@ -382,10 +389,11 @@ class Writer(StorageWriter):
 
     def _io(self) -> tuple:
         """The arguments every writing job takes after its files (:mod:`tierpoint.dcp.jobs`); the
-        last: the rank whose marker the job makes first (object stores), or None (set-up did)."""
+        last two: the rank whose marker the job makes first (object stores), or None (set-up did),
+        and whether the job then removes ``.metadata`` (``uncommit``)."""
         marker = None if storage.is_local(self.path) else self.rank
         options, threads, sync = self.storage_options, self.thread_count, self.sync_files
-        return (options, threads, sync, self.upload, self.timeout, marker)
+        return (options, threads, sync, self.upload, self.timeout, marker, self._uncommit)
 
     def _require_planner(self) -> tuple[SavePlan, SavePlanner]:
         if self._plan is None or self._planner is None:
