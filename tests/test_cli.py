@@ -279,6 +279,24 @@ def test_inspect(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     _one_line_error(done.stderr, str(part))
 
 
+def test_inspect_shows_a_step_whose_manifest_is_lost_and_names_the_damage(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    step = dcp.step_path(tmp_path / "base", 3)
+    dcp.save({"w": torch.arange(4.0), "lr": 0.25}, step)
+    (manifest,) = Path(step).glob(".checksums-*")
+    manifest.unlink()
+    assert main(["inspect", "--json", step]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [(t["name"], t["shape"], t["checksum"]) for t in doc["tensors"]] == [
+        ("w", [4], "DAMAGED")
+    ]
+    assert doc["problems"] and all(manifest.name in p for p in doc["problems"])
+    assert main(["inspect", step]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and manifest.name in out and "w" in out
+
+
 def test_convert_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     safetensors = pytest.importorskip("safetensors.torch")
     part = tmp_path / "p.safetensors"

@@ -5,7 +5,8 @@ Call order: :func:`cmd_inspect` classifies the path, builds one document (a dict
 output) for the file or step, then prints it as tables.
 
 Invariants: skeleton pickles are never loaded (shown as such); DCP values are decoded with
-``weights_only=True``; nothing is written.
+``weights_only=True``; nothing is written. A DCP step with damage (a lost checksum manifest, values
+that do not load) is still shown, the damage named, and the command exits with 1.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import CheckpointingError
 from .files import kind_of_file, load_pt, safetensors_header
 from .locate import classify, find_dcp_dir, store_options
 from .output import CommandError, human_size, make_console, make_table, print_json
@@ -38,7 +40,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     if args.json:
         print_json(doc)
-        return 0
+        return 1 if doc.get("problems") else 0
     console = make_console()
     columns = ["name", "dtype", "shape", "bytes", "checksum"]
     rows = [(t["name"], t["dtype"], t["shape"], t["bytes"], t["checksum"]) for t in doc["tensors"]]
@@ -52,7 +54,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         console.print(make_table(f"{len(values)} other values", ["name", "value"], values))
     if doc.get("skeleton") is not None:
         console.print("skeleton: " + json.dumps(_skeleton_view(doc), default=str), soft_wrap=True)
-    return 0
+    for problem in doc.get("problems", []):
+        console.print(f"[red]DAMAGED[/red] {problem}", soft_wrap=True, highlight=False)
+    return 1 if doc.get("problems") else 0
 
 
 def _inspect_file(path: str) -> dict[str, Any]:
@@ -186,7 +190,7 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
     reader = Reader(path, storage_options=options)
     metadata = reader.read_metadata()
     storage = metadata.storage_data or {}
-    tensors, value_names, size = [], [], 0
+    tensors, value_names, size, problems = [], [], 0, set()
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
         if not isinstance(md, TensorStorageMetadata):
             value_names.append(fqn)
@@ -194,7 +198,7 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
         dtype = md.properties.dtype
         nbytes = math.prod(md.size) * dtype.itemsize
         size += nbytes
-        sums = [_item_checksum(reader, index, info) for index, info in storage.items()
+        sums = [_item_checksum(reader, info, problems) for index, info in storage.items()
                 if index.fqn == fqn]  # fmt: skip
         tensors.append(
             {
@@ -208,8 +212,12 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
         )
     values: dict[str, Any] = {name: None for name in value_names}
     if values:
-        load(values, path, storage_options=options)  # decoded with weights_only=True
-    return {
+        try:
+            load(values, path, storage_options=options)  # decoded with weights_only=True
+        except CheckpointingError as e:
+            problems.add(str(e))
+            values = {name: "<not loaded: the checkpoint is damaged>" for name in value_names}
+    doc = {
         "path": path,
         "kind": "DCP checkpoint",
         "size": size,
@@ -217,10 +225,17 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
         "values": {k: _json_value(v) for k, v in values.items()},
         "skeleton": None,
     }
+    return doc | ({"problems": sorted(problems)} if problems else {})
 
 
-def _item_checksum(reader: Any, index: Any, info: Any) -> str:
-    manifest = reader.manifest(info.relative_path)
+def _item_checksum(reader: Any, info: Any, problems: set[str]) -> str:
+    """The checksum an item's manifest records; damage (a lost manifest) is added to
+    ``problems`` and shown in its place, so that the rest of the step is still shown."""
+    try:
+        manifest = reader.manifest(info.relative_path)
+    except CheckpointingError as e:
+        problems.add(str(e))
+        return "DAMAGED"
     if manifest is None:
         return "-"
     return manifest.files.get(info.relative_path, {}).get((info.offset, info.length), "-")

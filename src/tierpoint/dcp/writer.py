@@ -185,8 +185,7 @@ class Writer(StorageWriter):
         if storage.is_local(self.path):  # on object stores the job that writes makes it first
             directory.make_marker(self.path, self.rank, self.storage_options, self.upload)
         self._marker_made = True  # (or soon: removing a marker that is not there is fine)
-        # Re-saving into a committed directory un-commits it: here, or on an object store in the
-        # job that writes, after its marker (a request less on the training thread).
+        # Saving again un-commits: here, or (object stores) in the writing job, after its marker
         self._uncommit = is_coordinator and committed and not storage.is_local(self.path)
         if is_coordinator and committed and not self._uncommit:
             self._remove(METADATA_NAME)
