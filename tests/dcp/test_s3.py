@@ -163,8 +163,8 @@ class CountingCalls:
 
 def test_a_step_a_larger_world_left_uncommitted_is_saved_into_cleanly(s3_bucket):  # noqa: F811
     """A save killed after its commit, by 4 ranks: its .metadata, data files and markers stay. One
-    rank saves into the step again: every stale marker and file goes, with one listing at the
-    commit, and the step is complete and holds the new values."""
+    rank saves into the step again: every stale marker and file goes (its worker clears them, with
+    one listing), and the step is complete and holds the new values."""
     base, options = s3_bucket
     path = step_path(base, 1)
     for name in [".metadata", ".unfinished-2", ".unfinished-3", "__3_0.old.distcp"]:
@@ -188,16 +188,17 @@ def test_a_step_a_larger_world_left_uncommitted_is_saved_into_cleanly(s3_bucket)
     out = {"a": torch.zeros(5)}
     dcp.load(out, storage_reader=_fsspec_reader(path, options))
     assert torch.equal(out["a"], torch.arange(5.0))
-    # Listed twice: at set-up (a .metadata with markers: not complete) and by the commit, whose
-    # listing also names the markers to remove; the stale .metadata is removed by the worker,
-    # after its marker (no single deletion in this process).
-    assert counting.counts.get("list_objects_v2", 0) == 2, counting.counts
+    # Listed once in this process, at set-up (a .metadata with markers: not complete). The worker
+    # clears the stale .metadata, markers and data files (after its own marker), so the commit
+    # lists nothing and removes only this rank's marker.
+    assert counting.counts.get("list_objects_v2", 0) == 1, counting.counts
     assert counting.counts.get("delete_object", 0) == 0, counting.counts
 
 
 def test_an_async_save_to_s3_leaves_the_marker_to_the_worker(s3_bucket):  # noqa: F811
     """The training thread lists the step (one request) and writes nothing: the worker makes the
-    rank's marker before the data, and the commit removes it."""
+    rank's marker before the data and clears the directory, so the commit lists nothing: it writes
+    .metadata and removes the marker (two requests)."""
     base, options = s3_bucket
     path = step_path(base, 1)
     fs, _ = storage.filesystem(base, options)
@@ -207,10 +208,12 @@ def test_an_async_save_to_s3_leaves_the_marker_to_the_worker(s3_bucket):  # noqa
             future = async_save(
                 {"a": torch.arange(5.0)}, path, queue=queue, storage_options=options
             )
+            assert counting.counts == {"list_objects_v2": 1}, counting.counts
+            counting.counts.clear()
+            future.result(timeout=120)
         finally:
             del fs._call_s3
-        assert counting.counts == {"list_objects_v2": 1}, counting.counts
-        future.result(timeout=120)
+        assert counting.counts == {"put_object": 1, "delete_objects": 1}, counting.counts
     names = untokened(storage.listdir(path, options))
     assert names == [".checksums-0.json", ".metadata", "__0_0.distcp"]
     assert get_latest_complete_checkpoint(base, storage_options=options) == path

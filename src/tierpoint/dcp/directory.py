@@ -9,6 +9,9 @@ agreed); an async save then holds its :func:`claim` until :func:`release` (final
 after the commit, :func:`remove_unreferenced_files` removes the data files ``.metadata`` does not
 name and returns the markers its listing saw, which the coordinator removes (one listing, one bulk
 removal on an object store; :func:`visible_markers` lists them where that listing was not made).
+In tierpoint's own flow on an object store the coordinator's writing job does that instead, in the
+worker, before any data of its own is written (:func:`clear_for_new_save`): the commit then lists
+nothing, and each rank removes its own marker.
 
 Invariants:
 - At most one async save of this process is in flight per directory (``_claimed``, under
@@ -104,6 +107,36 @@ def remove_earlier_files(
         logger.info("%s: removed %d file(s) of an earlier save", path, len(names))
 
 
+def clear_for_new_save(
+    path: str,
+    rank: int,
+    token: str,
+    storage_options: Mapping[str, Any],
+    upload: storage.UploadOptions,
+) -> None:
+    """The coordinator's writing job on an object store, once its marker is made: one listing, then
+    the step's ``.metadata`` and every other marker go (what keeps the new save from counting as
+    complete is this rank's marker; the other ranks of this save remove their own at the commit,
+    so the commit needs no listing), then, best effort, the data files and manifests of other
+    saves (names without ``token``). Raises :class:`CheckpointingError` when the first removal
+    fails: a stale marker left would keep the step from ever counting as complete."""
+    names = storage.listdir(path, storage_options, upload)
+    stale = [n for n in markers_in(names) if n != marker_name(rank)]
+    stale += [METADATA_NAME] if METADATA_NAME in names else []
+    try:
+        storage.remove_files(path, stale, storage_options=storage_options, upload=upload)
+    except CheckpointingError as e:
+        raise CheckpointingError(
+            f"{path}: the unfinished markers or .metadata an earlier save left ({', '.join(stale)}) "
+            f"could not be removed, so this save could never complete: {e}"
+        ) from e
+    earlier = [n for n in names if is_data_file(n) and f".{token}." not in n]
+    try:
+        remove_earlier_files(path, earlier, storage_options, upload)
+    except CheckpointingError as e:
+        _warn_left(path, earlier, e)
+
+
 def visible_markers(
     path: str, storage_options: Mapping[str, Any], upload: storage.UploadOptions
 ) -> list[str]:
@@ -160,6 +193,10 @@ def remove_unreferenced_files(
         earlier = [name for name in names if is_data_file(name) and name not in keep]
         storage.remove_files(path, earlier, storage_options=storage_options, upload=upload)
     except CheckpointingError as e:
-        left = f" ({', '.join(earlier)})" if earlier else ""
-        logger.warning("%s: data files of an earlier save left%s, unreferenced: %s", path, left, e)
+        _warn_left(path, earlier, e)
     return markers
+
+
+def _warn_left(path: str, earlier: list[str], error: CheckpointingError) -> None:
+    left = f" ({', '.join(earlier)})" if earlier else ""
+    logger.warning("%s: data files of an earlier save left%s, unreferenced: %s", path, left, error)

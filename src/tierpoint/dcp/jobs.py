@@ -27,7 +27,6 @@ from .. import storage
 from ..asyncsave.worker import resolve_buffer
 from . import directory
 from .checksums import manifest_bytes, manifest_name, range_checksums
-from .names import METADATA_NAME
 
 
 def write_staged(
@@ -39,7 +38,7 @@ def write_staged(
     upload: storage.UploadOptions,
     timeout: float,
     marker: int | None = None,
-    uncommit: bool = False,
+    clear: str | None = None,
     *,
     buffer: Any,
     byte_records: list[list[bytes]],
@@ -53,8 +52,8 @@ def write_staged(
     no ``buffer`` the snapshot staged the files in place: they are hashed and made durable; or,
     given a ``source`` file, it staged nothing: file ``k``'s tensor section is ``pieces[k]``, record
     bytes and ``(offset, length)`` ranges of the source (see :func:`~tierpoint.dcp.snapshot.
-    source_pieces`), read from the source's pages as they are written. ``marker``, ``uncommit``:
-    see :func:`write_with_manifest`."""
+    source_pieces`), read from the source's pages as they are written. ``marker``, ``clear``: see
+    :func:`write_with_manifest`."""
     if source is not None and pieces is not None:
         data = resolve_buffer(source)
         sections = [[_piece(data, p) for p in file_pieces] for file_pieces in pieces]
@@ -69,7 +68,7 @@ def write_staged(
     ]
     return write_with_manifest(
         path, contents, items, storage_options, thread_count, sync_files, upload, timeout, marker,
-        uncommit,
+        clear,
     )  # fmt: skip
 
 
@@ -83,19 +82,18 @@ def write_with_manifest(
     upload: storage.UploadOptions,
     timeout: float,
     marker: int | None = None,
-    uncommit: bool = False,
+    clear: str | None = None,
 ) -> int:
     """Hash every item of each ``(name, views)`` file (:mod:`tierpoint.dcp.checksums`), then write
     the files and the rank's manifest together; returns the data bytes written. ``marker``: make
     that rank's unfinished marker first (on object stores, where the set-up leaves it to the job
-    that writes); ``uncommit``: then remove the directory's ``.metadata`` (the coordinator saving
-    again into a committed directory on an object store)."""
+    that writes); ``clear``: the save's file token, given to the coordinator's job on an object
+    store: then clear what other saves left in the directory
+    (:func:`~tierpoint.dcp.directory.clear_for_new_save`)."""
     if marker is not None:
         directory.make_marker(path, marker, storage_options, upload)
-    if uncommit:
-        storage.remove(
-            storage.join(path, METADATA_NAME), storage_options=storage_options, upload=upload
-        )
+        if clear is not None:
+            directory.clear_for_new_save(path, marker, clear, storage_options, upload)
     sums = {name: _entries(items.get(name, []), views) for name, views in contents}
     jobs = [(storage.join(path, name), views) for name, views in contents]
     manifest = manifest_name(contents[0][0])

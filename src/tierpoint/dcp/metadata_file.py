@@ -12,7 +12,8 @@ Invariants:
 - ``.metadata`` is torch's pickled ``Metadata`` (:mod:`tierpoint.dcp.metadata_bytes`), written
   atomically (tmp + fsync + rename, or one
   PUT on object stores); after it, the files of an earlier save that it does not name are removed
-  (the markers still keep the step from counting as complete meanwhile).
+  (the markers still keep the step from counting as complete meanwhile), unless the writing job
+  cleared them before (tierpoint's saves to object stores: ``tidy=False``).
 """
 
 from __future__ import annotations
@@ -79,11 +80,13 @@ def publish_rows(
     storage_meta: StorageMeta | None,
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
+    tidy: bool = True,
 ) -> list[str] | None:
     """:func:`publish_metadata` for every rank's write results ``rows`` (tierpoint's commit; see
-    :mod:`tierpoint.dcp.write_results`), the data files named for the save ``token``."""
+    :mod:`tierpoint.dcp.write_results`), the data files named for the save ``token``; without
+    ``tidy`` (the writing job cleared the directory already) nothing is listed or removed."""
     data = metadata_bytes(metadata, rows, token, storage_meta)
-    referenced = {add_token(name, token) for name in file_names(rows)}
+    referenced = {add_token(name, token) for name in file_names(rows)} if tidy else None
     return publish_metadata(path, data, referenced, storage_options, upload)
 
 

@@ -22,15 +22,13 @@ then ``.metadata`` written by the coordinator (:mod:`tierpoint.dcp.metadata_file
 
 Invariants:
 - Every rank creates its unfinished marker (``.unfinished-<rank>``) before any of its data is
-  written: on local paths in ``set_up_storage_writer``, on object stores as the first step of the
-  job that writes (the worker's, for an async save: one request less on the training thread);
-  markers are removed only after ``.metadata`` is written.
+  written (local paths: at set-up; object stores: first in the writing job, off the training
+  thread); markers are removed only after ``.metadata`` is written.
 - A rank's write succeeds only once its data files and its checksum manifest are written (and
   fsynced), so every committed step has every rank's manifest.
-- A complete directory is never written into unless ``overwrite=True`` (see
-  :mod:`~tierpoint.dcp.metadata_file`); then the old ``.metadata`` is removed before any data is
-  written (the directory is uncommitted while the new save runs; on object stores the
-  coordinator's writing job removes it, after its marker; a failed save removes it too).
+- A complete directory is written into only with ``overwrite=True`` (see
+  :mod:`~tierpoint.dcp.metadata_file`); its ``.metadata`` goes before any data is written (on
+  object stores in the coordinator's writing job, after its marker; a failed save removes it too).
 - No data file of this save has the name of a file an earlier save wrote (the token differs), so
   ``.metadata`` never refers to an earlier save's bytes, wherever they were left.
 - Saving into a directory again leaves none of the earlier save's files, and at most one async
@@ -92,10 +90,8 @@ class Writer(StorageWriter):
         sync_files: fsync files and directories (turn off only for throw-away checkpoints).
         storage_options: fsspec options for URLs (e.g. ``{"endpoint_url": ...}`` for s3fs).
         upload: multipart/retry settings for object stores.
-        staging_pool: where async saves keep their reusable staging buffers (default: one per
-            process).
-        timeout: seconds a synchronous write may take before it fails (default
-            ``TIERPOINT_TIMEOUT``).
+        staging_pool: where async saves keep their reused staging buffers (default: the process's).
+        timeout: seconds a synchronous write may take (default ``TIERPOINT_TIMEOUT``).
         overwrite: allow saving into a directory that holds a committed checkpoint (it is
             uncommitted first). By default that is refused (with torch's words, "Checkpoint
             already exists"): the old checkpoint stays intact.
@@ -135,8 +131,9 @@ class Writer(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
-        self._marker_made = False
-        self._uncommit = False  # the writing job removes .metadata (see set_up_storage_writer)
+        # object stores: the coordinator's writing job clears the directory (_clears), and a
+        # failed save removes a .metadata found at set-up (_uncommit)
+        self._marker_made = self._uncommit = self._clears = False
         self._markers_seen: list[str] | None = None  # by the coordinator's commit (its listing)
         self._plan: SavePlan | None = None
         self._planner: SavePlanner | None = None
@@ -163,7 +160,7 @@ class Writer(StorageWriter):
         if checkpoint_id:
             self.path = directory.absolute(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex
-        self._marker_made = self._uncommit = False
+        self._marker_made = self._uncommit = self._clears = False
         self.earlier_files = []
         self._forget_plan()
         self._results = None
@@ -185,11 +182,11 @@ class Writer(StorageWriter):
         if storage.is_local(self.path):  # on object stores the job that writes makes it first
             directory.make_marker(self.path, self.rank, self.storage_options, self.upload)
         self._marker_made = True  # (or soon: removing a marker that is not there is fine)
-        # Saving again un-commits: here, or (object stores) in the writing job, after its marker
-        self._uncommit = is_coordinator and committed and not storage.is_local(self.path)
-        if is_coordinator and committed and not self._uncommit:
-            self._remove(METADATA_NAME)
-        if storage.is_local(self.path):  # on object stores they go after the commit
+        self._clears = is_coordinator and not storage.is_local(self.path)
+        self._uncommit = self._clears and committed
+        if storage.is_local(self.path):  # saving again un-commits (object stores: in the job)
+            if is_coordinator and committed:
+                self._remove(METADATA_NAME)
             self.earlier_files = directory.earlier_save_files(storage.local_path(self.path))
 
     def refuse_if_in_flight(self) -> None:
@@ -333,7 +330,9 @@ class Writer(StorageWriter):
         :mod:`tierpoint.dcp.write_results`) under this save's token: the checkpoint becomes
         complete once the markers go."""
         where = (self.storage_meta(), self.storage_options, self.upload)
-        self._markers_seen = publish_rows(self.path, metadata, rows, self.results_token, *where)
+        tidy = not self._clears  # else the writing job cleared the directory: no listing
+        seen = publish_rows(self.path, metadata, rows, self.results_token, *where, tidy=tidy)
+        self._markers_seen = seen if tidy else []
 
     def remove_markers(self, every_visible: bool = False) -> None:
         """Remove this rank's marker (and, with ``every_visible``, every marker in the directory:
@@ -387,12 +386,13 @@ class Writer(StorageWriter):
         )
 
     def _io(self) -> tuple:
-        """The arguments every writing job takes after its files (:mod:`tierpoint.dcp.jobs`); the
-        last two: the rank whose marker the job makes first (object stores), or None (set-up did),
-        and whether the job then removes ``.metadata`` (``uncommit``)."""
+        """The arguments every writing job takes after its files, ``marker`` and ``clear`` last
+        (:func:`~tierpoint.dcp.jobs.write_with_manifest`; object stores only, ``clear`` for the
+        coordinator's: the commit then lists nothing)."""
         marker = None if storage.is_local(self.path) else self.rank
+        clear = self.file_token if self._clears else None
         options, threads, sync = self.storage_options, self.thread_count, self.sync_files
-        return (options, threads, sync, self.upload, self.timeout, marker, self._uncommit)
+        return (options, threads, sync, self.upload, self.timeout, marker, clear)
 
     def _require_planner(self) -> tuple[SavePlan, SavePlanner]:
         if self._plan is None or self._planner is None:
