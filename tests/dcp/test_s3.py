@@ -5,6 +5,7 @@ saves from several ranks, get_latest_complete_checkpoint on URLs, torch's fsspec
 from __future__ import annotations
 
 import asyncio
+import os
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixt
 from tierpoint import storage
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import async_save, get_latest_complete_checkpoint, save, step_path
+from tierpoint.dcp.writer import Writer
 from tierpoint.errors import CheckpointingError
 from tierpoint.testing import run_ranks
 
@@ -217,6 +219,68 @@ def test_an_async_save_to_s3_leaves_the_marker_to_the_worker(s3_bucket):  # noqa
     names = untokened(storage.listdir(path, options))
     assert names == [".checksums-0.json", ".metadata", "__0_0.distcp"]
     assert get_latest_complete_checkpoint(base, storage_options=options) == path
+
+
+def _late_coordinator(rank: int, base: str, options: dict, flow: str) -> None:
+    """Rank 0 pickles a large value first, so rank 1 writes its files (and its marker) before the
+    coordinator's job lists the step."""
+    state: dict = {f"t{rank}": torch.arange(1000.0) + rank}
+    if rank == 0:
+        state["extra"] = list(range(2_000_000))
+    path = step_path(base, 1)
+    if flow == "torch":
+        dcp.save(state, storage_writer=Writer(path, storage_options=options, thread_count=1))
+    elif flow == "sync":
+        save(state, path, storage_options=options, thread_count=1)
+    else:
+        with AsyncCallsQueue() as queue:
+            async_save(state, path, queue=queue, storage_options=options).result(timeout=60)
+
+
+def _torch_flow(rank: int, world: int, base: str, options: dict) -> None:
+    _late_coordinator(rank, base, options, "torch")
+
+
+def test_torch_s_own_flow_keeps_every_rank_s_files(s3_bucket):  # noqa: F811
+    """In torch's flow every rank draws its own file token: the coordinator must not take the
+    other ranks' files of the same save for an earlier save's."""
+    base, options = s3_bucket
+    run_ranks(_torch_flow, 2, base, options, timeout=200)
+    out = {"t0": torch.zeros(1000), "t1": torch.zeros(1000), "extra": None}
+    dcp.load(out, storage_reader=_fsspec_reader(step_path(base, 1), options), no_dist=True)
+    assert torch.equal(out["t1"], torch.arange(1000.0) + 1)
+
+
+def _lost_during_commit(rank: int, world: int, base: str, options: dict, flow: str) -> str:
+    if rank == 1:
+        from tierpoint.dcp import commit
+
+        agree = commit.agree
+
+        def die(group: object, use_dist: bool, what: str, error: object) -> None:
+            if what.startswith("committing"):
+                os._exit(17)  # this rank's node is lost while the coordinator commits
+            agree(group, use_dist, what, error)
+
+        commit.agree = die
+    try:
+        _late_coordinator(rank, base, options, flow)
+        return "saved"
+    except CheckpointingError as e:
+        return f"failed: {e}"
+
+
+@pytest.mark.parametrize("flow", ["sync", "async"])
+def test_a_rank_lost_during_the_commit_leaves_the_step_unfinished(s3_bucket, flow):  # noqa: F811
+    """The coordinator's job clears only markers of ranks this save does not have: rank 1's stays
+    until its commit, so with rank 1 lost the written .metadata never makes the step complete."""
+    base, options = s3_bucket
+    outcome = run_ranks(
+        _lost_during_commit, 2, base, options, flow, timeout=200, pg_timeout=20, allow_crash={1}
+    )
+    assert outcome[0].startswith("failed"), outcome
+    assert ".unfinished-1" in storage.listdir(step_path(base, 1), options)
+    assert get_latest_complete_checkpoint(base, storage_options=options) is None
 
 
 def test_listing_a_prefix_names_what_is_directly_under_it_page_after_page(s3_bucket):  # noqa: F811

@@ -34,7 +34,7 @@ from .. import storage
 from ..errors import CheckpointingError
 from .checksums import is_manifest, manifest_name
 from .file_plan import SUFFIX
-from .names import METADATA_NAME, marker_name, markers_in
+from .names import METADATA_NAME, marker_name, marker_rank, markers_in
 
 logger = logging.getLogger("tierpoint")
 
@@ -109,19 +109,22 @@ def remove_earlier_files(
 
 def clear_for_new_save(
     path: str,
-    rank: int,
     token: str,
+    world_size: int,
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
 ) -> None:
-    """The coordinator's writing job on an object store, once its marker is made: one listing, then
-    the step's ``.metadata`` and every other marker go (what keeps the new save from counting as
-    complete is this rank's marker; the other ranks of this save remove their own at the commit,
-    so the commit needs no listing), then, best effort, the data files and manifests of other
-    saves (names without ``token``). Raises :class:`CheckpointingError` when the first removal
-    fails: a stale marker left would keep the step from ever counting as complete."""
+    """The coordinator's writing job on an object store, once its marker is made (so that the step
+    stays unfinished meanwhile): one listing, then the step's ``.metadata`` and the markers of
+    ranks this save of ``world_size`` ranks does not have go (a marker of one of its ranks is that
+    rank's to remove after the commit, even one an earlier save left: it has the same name), so
+    that the commit needs no listing; then, best effort, the data files and manifests of other
+    saves (names without ``token``, the save's agreed file token). Raises
+    :class:`CheckpointingError` when the first removal fails: a stale marker left would keep the
+    step from ever counting as complete."""
     names = storage.listdir(path, storage_options, upload)
-    stale = [n for n in markers_in(names) if n != marker_name(rank)]
+    ranks = {n: marker_rank(n) for n in markers_in(names)}
+    stale = [n for n, r in ranks.items() if r is None or r >= world_size]
     stale += [METADATA_NAME] if METADATA_NAME in names else []
     try:
         storage.remove_files(path, stale, storage_options=storage_options, upload=upload)

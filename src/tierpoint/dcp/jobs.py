@@ -38,7 +38,7 @@ def write_staged(
     upload: storage.UploadOptions,
     timeout: float,
     marker: int | None = None,
-    clear: str | None = None,
+    clear: tuple[str, int] | None = None,
     *,
     buffer: Any,
     byte_records: list[list[bytes]],
@@ -82,18 +82,18 @@ def write_with_manifest(
     upload: storage.UploadOptions,
     timeout: float,
     marker: int | None = None,
-    clear: str | None = None,
+    clear: tuple[str, int] | None = None,
 ) -> int:
     """Hash every item of each ``(name, views)`` file (:mod:`tierpoint.dcp.checksums`), then write
     the files and the rank's manifest together; returns the data bytes written. ``marker``: make
     that rank's unfinished marker first (on object stores, where the set-up leaves it to the job
-    that writes); ``clear``: the save's file token, given to the coordinator's job on an object
-    store: then clear what other saves left in the directory
+    that writes); ``clear``: the save's agreed file token and number of ranks, given to the
+    coordinator's job on an object store: then clear what other saves left in the directory
     (:func:`~tierpoint.dcp.directory.clear_for_new_save`)."""
     if marker is not None:
         directory.make_marker(path, marker, storage_options, upload)
         if clear is not None:
-            directory.clear_for_new_save(path, marker, clear, storage_options, upload)
+            directory.clear_for_new_save(path, *clear, storage_options, upload)
     sums = {name: _entries(items.get(name, []), views) for name, views in contents}
     jobs = [(storage.join(path, name), views) for name, views in contents]
     manifest = manifest_name(contents[0][0])

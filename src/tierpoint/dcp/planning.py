@@ -109,7 +109,8 @@ def save_state_dict_async_plan(
             storage_meta=storage_writer.storage_meta(),
             is_coordinator=is_coordinator,
         )
-        storage_writer.set_up_storage_writer(is_coordinator, rank=rank)
+        world_size = dist_wrapper.get_world_size()  # the file token is agreed below
+        storage_writer.set_up_storage_writer(is_coordinator, rank=rank, world_size=world_size)
         if reusable and _same_local_layout(planner, is_coordinator, cache.local_layout):
             local_plan, layout = cache.cached_local_plan, cache.local_layout
         else:

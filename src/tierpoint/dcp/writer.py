@@ -131,9 +131,8 @@ class Writer(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
-        # object stores: the coordinator's writing job clears the directory (_clears), and a
-        # failed save removes a .metadata found at set-up (_uncommit)
-        self._marker_made = self._uncommit = self._clears = False
+        self._marker_made = self._uncommit = self._clears = False  # see set_up_storage_writer
+        self._world_size: int | None = None
         self._markers_seen: list[str] | None = None  # by the coordinator's commit (its listing)
         self._plan: SavePlan | None = None
         self._planner: SavePlanner | None = None
@@ -182,11 +181,14 @@ class Writer(StorageWriter):
         if storage.is_local(self.path):  # on object stores the job that writes makes it first
             directory.make_marker(self.path, self.rank, self.storage_options, self.upload)
         self._marker_made = True  # (or soon: removing a marker that is not there is fine)
-        self._clears = is_coordinator and not storage.is_local(self.path)
+        # Object stores, tierpoint's planning (it gives world_size, agrees one file token): the
+        # coordinator's job clears the step; a failed save removes a .metadata found here.
+        self._world_size = kwargs.get("world_size")
+        self._clears = is_coordinator and not storage.is_local(self.path) and bool(self._world_size)
         self._uncommit = self._clears and committed
-        if storage.is_local(self.path):  # saving again un-commits (object stores: in the job)
-            if is_coordinator and committed:
-                self._remove(METADATA_NAME)
+        if is_coordinator and committed and not self._clears:  # else the coordinator's job does
+            self._remove(METADATA_NAME)  # saving again un-commits
+        if storage.is_local(self.path):
             self.earlier_files = directory.earlier_save_files(storage.local_path(self.path))
 
     def refuse_if_in_flight(self) -> None:
@@ -199,9 +201,8 @@ class Writer(StorageWriter):
             )
 
     def remove_earlier_save(self) -> None:
-        """Remove the data files and ``.metadata`` an earlier save left in this rank's view of the
-        directory (listed in ``set_up_storage_writer``). Only while no rank of this save can have
-        written yet: :mod:`~tierpoint.dcp.state_dict_saver` calls it between two collectives."""
+        """Remove the data files and ``.metadata`` an earlier save left in this rank's view (listed
+        at set-up); only between two collectives, before any rank of this save writes."""
         earlier, self.earlier_files = self.earlier_files, []
         directory.remove_earlier_files(self.path, earlier, self.storage_options, self.upload)
 
@@ -345,9 +346,8 @@ class Writer(StorageWriter):
         self._remove_all(sorted(names))
 
     def discard(self, keep_marker: bool = False) -> None:
-        """Remove what this rank wrote for a failed save: data files, then its marker (unless
-        ``keep_marker``: a commit whose outcome is unknown may still land, and the marker keeps
-        the step from ever counting as complete)."""
+        """Remove what this rank wrote for a failed save: data files, then its marker (kept with
+        ``keep_marker``: a commit of unknown outcome may still land; the marker keeps it unfinished)."""
         self._leave()
         if self._files is not None:
             self._remove_all(directory.with_manifest(self._files.names))
@@ -390,7 +390,7 @@ class Writer(StorageWriter):
         (:func:`~tierpoint.dcp.jobs.write_with_manifest`; object stores only, ``clear`` for the
         coordinator's: the commit then lists nothing)."""
         marker = None if storage.is_local(self.path) else self.rank
-        clear = self.file_token if self._clears else None
+        clear = (self.file_token, self._world_size) if self._clears else None
         options, threads, sync = self.storage_options, self.thread_count, self.sync_files
         return (options, threads, sync, self.upload, self.timeout, marker, clear)
 
