@@ -190,11 +190,11 @@ def test_a_step_a_larger_world_left_uncommitted_is_saved_into_cleanly(s3_bucket)
     out = {"a": torch.zeros(5)}
     dcp.load(out, storage_reader=_fsspec_reader(path, options))
     assert torch.equal(out["a"], torch.arange(5.0))
-    # Listed once in this process, at set-up (a .metadata with markers: not complete). The worker
-    # clears the stale .metadata, markers and data files (after its own marker), so the commit
-    # lists nothing and removes only this rank's marker.
+    # Listed once in this process, at set-up (a .metadata with markers: not complete), which
+    # removes the stale .metadata; the worker clears the stale markers and data files (after its
+    # own marker), so the commit lists nothing and removes only this rank's marker.
     assert counting.counts.get("list_objects_v2", 0) == 1, counting.counts
-    assert counting.counts.get("delete_object", 0) == 0, counting.counts
+    assert counting.counts.get("delete_object", 0) == 1, counting.counts
 
 
 def test_an_async_save_to_s3_leaves_the_marker_to_the_worker(s3_bucket):  # noqa: F811
@@ -280,6 +280,36 @@ def test_a_rank_lost_during_the_commit_leaves_the_step_unfinished(s3_bucket, flo
     )
     assert outcome[0].startswith("failed"), outcome
     assert ".unfinished-1" in storage.listdir(step_path(base, 1), options)
+    assert get_latest_complete_checkpoint(base, storage_options=options) is None
+
+
+def _resave_with_the_coordinator_lost(rank: int, world: int, base: str, options: dict) -> str:
+    state = {f"t{rank}": torch.arange(1000.0) + rank}
+    path = step_path(base, 1)
+    save(state, path, storage_options=options, thread_count=1)
+    if rank == 0:
+        from tierpoint.dcp import directory
+
+        def lost(*args: object, **kwargs: object) -> None:
+            os._exit(17)  # the coordinator's node is lost before its job makes its marker
+
+        directory.make_marker = lost
+    try:
+        save(state, path, storage_options=options, thread_count=1, overwrite=True)
+        return "saved"
+    except CheckpointingError as e:
+        return f"failed: {e}"
+
+
+def test_a_resave_whose_coordinator_is_lost_leaves_no_checkpoint_there(s3_bucket):  # noqa: F811
+    """overwrite=True un-commits the step at set-up, before any rank can write: with the
+    coordinator lost, the other rank's failed save leaves no step that counts as complete."""
+    base, options = s3_bucket
+    outcome = run_ranks(
+        _resave_with_the_coordinator_lost, 2, base, options, timeout=200, pg_timeout=20,
+        allow_crash={0},
+    )  # fmt: skip
+    assert outcome[1].startswith("failed"), outcome
     assert get_latest_complete_checkpoint(base, storage_options=options) is None
 
 

@@ -115,8 +115,8 @@ def clear_for_new_save(
     upload: storage.UploadOptions,
 ) -> None:
     """The coordinator's writing job on an object store, once its marker is made (so that the step
-    stays unfinished meanwhile): one listing, then the step's ``.metadata`` and the markers of
-    ranks this save of ``world_size`` ranks does not have go (a marker of one of its ranks is that
+    stays unfinished meanwhile): one listing, then the markers of ranks this save of
+    ``world_size`` ranks does not have go, and a ``.metadata`` (the set-up removed the one it saw) (a marker of one of its ranks is that
     rank's to remove after the commit, even one an earlier save left: it has the same name), so
     that the commit needs no listing; then, best effort, the data files and manifests of other
     saves (names without ``token``, the save's agreed file token). Raises

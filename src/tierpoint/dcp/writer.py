@@ -27,8 +27,8 @@ Invariants:
 - A rank's write succeeds only once its data files and its checksum manifest are written (and
   fsynced), so every committed step has every rank's manifest.
 - A complete directory is written into only with ``overwrite=True`` (see
-  :mod:`~tierpoint.dcp.metadata_file`); its ``.metadata`` goes before any data is written (on
-  object stores in the coordinator's writing job, after its marker; a failed save removes it too).
+  :mod:`~tierpoint.dcp.metadata_file`); its ``.metadata`` goes at set-up, before any rank can
+  write (the directory is uncommitted while the new save runs).
 - No data file of this save has the name of a file an earlier save wrote (the token differs), so
   ``.metadata`` never refers to an earlier save's bytes, wherever they were left.
 - Saving into a directory again leaves none of the earlier save's files, and at most one async
@@ -131,7 +131,7 @@ class Writer(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
-        self._marker_made = self._uncommit = self._clears = False  # see set_up_storage_writer
+        self._marker_made = self._clears = False  # see set_up_storage_writer
         self._world_size: int | None = None
         self._markers_seen: list[str] | None = None  # by the coordinator's commit (its listing)
         self._plan: SavePlan | None = None
@@ -159,7 +159,7 @@ class Writer(StorageWriter):
         if checkpoint_id:
             self.path = directory.absolute(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex
-        self._marker_made = self._uncommit = self._clears = False
+        self._marker_made = self._clears = False
         self.earlier_files = []
         self._forget_plan()
         self._results = None
@@ -182,12 +182,11 @@ class Writer(StorageWriter):
             directory.make_marker(self.path, self.rank, self.storage_options, self.upload)
         self._marker_made = True  # (or soon: removing a marker that is not there is fine)
         # Object stores, tierpoint's planning (it gives world_size, agrees one file token): the
-        # coordinator's job clears the step; a failed save removes a .metadata found here.
+        # coordinator's job clears what an earlier save left, so that the commit lists nothing.
         self._world_size = kwargs.get("world_size")
         self._clears = is_coordinator and not storage.is_local(self.path) and bool(self._world_size)
-        self._uncommit = self._clears and committed
-        if is_coordinator and committed and not self._clears:  # else the coordinator's job does
-            self._remove(METADATA_NAME)  # saving again un-commits
+        if is_coordinator and committed:  # saving again un-commits, before any rank can write
+            self._remove(METADATA_NAME)
         if storage.is_local(self.path):
             self.earlier_files = directory.earlier_save_files(storage.local_path(self.path))
 
@@ -351,8 +350,6 @@ class Writer(StorageWriter):
         self._leave()
         if self._files is not None:
             self._remove_all(directory.with_manifest(self._files.names))
-        if self._uncommit and not keep_marker:  # its job may not have run: the save un-commits
-            self._remove(METADATA_NAME)
         if self._marker_made and not keep_marker:
             self._remove(marker_name(self.rank))
             storage.remove_dir_if_empty(self.path, self.storage_options)
