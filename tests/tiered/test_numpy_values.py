@@ -4,14 +4,17 @@ are not numbers are refused there, naming where they are, and kept by the local 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
 
 from tierpoint import RankLocal, TieredCheckpointManager
+from tierpoint.errors import StateMismatchError
 from tierpoint.testing import run_ranks
 
 from .helpers import make_state, train_step
@@ -118,3 +121,71 @@ def test_numpy_values_that_are_not_numbers_are_refused_by_the_persistent_tier_on
     with TieredCheckpointManager(str(local), None, "n", **kwargs) as manager:
         assert manager.restore(restored) == 3
     assert restored["labels"].value["names"].tolist() == ["cat", "dog"]
+
+
+def _save_one(root: Path, state: dict[str, Any]) -> None:
+    with TieredCheckpointManager(None, str(root), "n", persistent_every=1) as manager:
+        manager.maybe_save(1, state)
+
+
+def _restore_one(root: Path, state: dict[str, Any]) -> int | None:
+    with TieredCheckpointManager(None, str(root), "n", persistent_every=1) as manager:
+        return manager.restore(state)
+
+
+class _Loader:
+    """A data position that starts as an int and becomes np.int64 once numpy sizes are added."""
+
+    def __init__(self) -> None:
+        self.position: Any = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+
+
+def test_a_counter_that_became_numpy_restores_into_a_fresh_state_and_back(tmp_path):
+    """numpy numbers are stored as Python numbers: a fresh job's int takes a saved np.int64, and
+    a live np.int64 takes a saved int (as its own type)."""
+    loader = _Loader()
+    loader.position += np.array([4, 4])[0]
+    _save_one(tmp_path / "a", {"w": torch.ones(2), "loader": loader})
+    fresh = {"w": torch.zeros(2), "loader": _Loader()}
+    assert _restore_one(tmp_path / "a", fresh) == 1 and fresh["loader"].position == 4
+    _save_one(tmp_path / "b", {"w": torch.ones(2), "loader": _Loader()})
+    assert _restore_one(tmp_path / "b", {"w": torch.zeros(2), "loader": loader}) == 1
+    assert type(loader.position) is np.int64 and loader.position == 0
+
+
+def test_numpy_in_a_tuple_is_checked_like_any_tensor_and_nothing_is_loaded_on_a_mismatch(tmp_path):
+    """torch DCP stores a tuple as one pickled value: one holding numpy arrays is stored as a list,
+    so its arrays are checked (dtype, shape) before anything is loaded, not cast afterwards."""
+    _save_one(tmp_path, {"w": torch.ones(2), "t": ("name", np.arange(3.0) + 0.5)})
+    for other in (np.zeros(3, np.int32), np.zeros(4)):
+        w = torch.zeros(2)
+        with pytest.raises(StateMismatchError):
+            _restore_one(tmp_path, {"w": w, "t": ("name", other)})
+        assert w.tolist() == [0.0, 0.0]
+    live = {"w": torch.zeros(2), "t": ("", np.zeros(3))}
+    assert _restore_one(tmp_path, live) == 1
+    assert type(live["t"]) is tuple and live["t"][0] == "name"
+    assert live["t"][1].tolist() == [0.5, 1.5, 2.5]
+
+
+def _numpy_float_per_rank(rank: int, world: int, root: Path) -> list[str]:
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tierpoint").addHandler(handler)
+    try:
+        _save_one(root, {"w": torch.ones(2), "ema": np.float64(rank + 0.5)})
+    finally:
+        logging.getLogger("tierpoint").removeHandler(handler)
+    return [m for m in warned if "differ between ranks" in m]
+
+
+def test_a_numpy_number_that_differs_between_ranks_is_named(tmp_path):
+    warned = run_ranks(_numpy_float_per_rank, 2, tmp_path, timeout=120)
+    assert len(warned[0]) == 1 and "'ema'" in warned[0][0] and warned[1] == []
