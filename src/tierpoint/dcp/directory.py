@@ -115,13 +115,13 @@ def clear_for_new_save(
     upload: storage.UploadOptions,
 ) -> None:
     """The coordinator's writing job on an object store, once its marker is made (so that the step
-    stays unfinished meanwhile): one listing, then the markers of ranks this save of
-    ``world_size`` ranks does not have go, and a ``.metadata`` (the set-up removed the one it saw) (a marker of one of its ranks is that
-    rank's to remove after the commit, even one an earlier save left: it has the same name), so
-    that the commit needs no listing; then, best effort, the data files and manifests of other
-    saves (names without ``token``, the save's agreed file token). Raises
-    :class:`CheckpointingError` when the first removal fails: a stale marker left would keep the
-    step from ever counting as complete."""
+    stays unfinished meanwhile): one listing, then the markers of ranks that this save of
+    ``world_size`` ranks does not have go, and a ``.metadata`` that landed after the set-up removed
+    the one it saw. A marker named for one of its ranks, even one an earlier save left, is that
+    rank's to remove after the commit, so the commit needs no listing. Then, best effort, the data
+    files and manifests of other saves go (names without ``token``, the save's agreed file token).
+    Raises :class:`CheckpointingError` when the first removal fails: a stale marker left would keep
+    the step from ever counting as complete."""
     names = storage.listdir(path, storage_options, upload)
     ranks = {n: marker_rank(n) for n in markers_in(names)}
     stale = [n for n, r in ranks.items() if r is None or r >= world_size]
