@@ -19,8 +19,8 @@ local shards, rank-local values unwrapped) or :func:`persistent_form` (the persi
 kept for resharding, rank-local values under a per-rank key).
 
 Invariants: :func:`check_loaded` and :func:`check_against_metadata` report every difference between
-the live state and a checkpoint (missing or extra keys, other shapes or dtypes of tensors and numpy
-arrays, other shardings) before anything is copied, so a refused restore leaves the state as it was.
+the live state and a checkpoint (missing or extra keys, other shapes or dtypes, other shardings)
+before anything is copied, so a refused restore leaves the state as it was.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import CheckpointingError
@@ -199,14 +198,6 @@ def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
                 f"{path}: {live.dtype} {tuple(live.shape)} in the state, "
                 f"{loaded.dtype} {tuple(loaded.shape)} in the checkpoint"
             )
-    elif isinstance(live, np.ndarray):  # the local tier keeps numpy as it is
-        if not isinstance(loaded, np.ndarray):
-            problems.append(f"{path}: a numpy array in the state, {type(loaded).__name__} there")
-        elif live.shape != loaded.shape or _numpy_kind(live) != _numpy_kind(loaded):
-            problems.append(
-                f"{path}: {live.dtype} {live.shape} in the state, "
-                f"{loaded.dtype} {loaded.shape} in the checkpoint"
-            )
     elif isinstance(live, Mapping):
         if not isinstance(loaded, Mapping):
             problems.append(
@@ -222,19 +213,12 @@ def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
         for k in live:
             if k in loaded:
                 _compare(live[k], loaded[k], f"{path}.{k}" if path else str(k), problems)
-    elif isinstance(live, (list, tuple)) and (
-        _holds_tensors(live) or any(isinstance(v, np.ndarray) for v in live)
-    ):
+    elif isinstance(live, (list, tuple)) and _holds_tensors(live):
         if not isinstance(loaded, (list, tuple)) or len(loaded) != len(live):
             problems.append(f"{path}: {len(live)} entries in the state, other in the checkpoint")
             return
         for i, (a, b) in enumerate(zip(live, loaded)):
             _compare(a, b, f"{path}[{i}]", problems)
-
-
-def _numpy_kind(arr: np.ndarray) -> Any:
-    """An array's dtype as a restore must match it: strings of any length are alike."""
-    return arr.dtype.kind if arr.dtype.kind in "SU" else arr.dtype
 
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
