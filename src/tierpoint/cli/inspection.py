@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CheckpointingError
+from ..errors import CorruptCheckpointError
 from .files import kind_of_file, load_pt, safetensors_header
 from .locate import classify, find_dcp_dir, store_options
 from .output import CommandError, human_size, make_console, make_table, print_json
@@ -214,7 +214,7 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
     if values:
         try:
             load(values, path, storage_options=options)  # decoded with weights_only=True
-        except CheckpointingError as e:
+        except CorruptCheckpointError as e:  # damage; an outage still fails the command
             problems.add(str(e))
             values = {name: "<not loaded: the checkpoint is damaged>" for name in value_names}
     doc = {
@@ -233,7 +233,7 @@ def _item_checksum(reader: Any, info: Any, problems: set[str]) -> str:
     ``problems`` and shown in its place, so that the rest of the step is still shown."""
     try:
         manifest = reader.manifest(info.relative_path)
-    except CheckpointingError as e:
+    except CorruptCheckpointError as e:  # damage; an outage still fails the command
         problems.add(str(e))
         return "DAMAGED"
     if manifest is None:
