@@ -3,6 +3,7 @@ schedule, a per-rank RNG state and a data position, trained data-parallel over g
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -141,3 +142,16 @@ def fail_local_writes(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(saving, "write_staged_part", failing_local_write)
     monkeypatch.setattr(saving, "seal_staged_part", failing_local_write)
+
+
+def replica_warnings(run: Any) -> list[str]:
+    """The WARNINGs naming values that differ between ranks, logged while ``run()`` runs."""
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tierpoint").addHandler(handler)
+    try:
+        run()
+    finally:
+        logging.getLogger("tierpoint").removeHandler(handler)
+    return [m for m in warned if "differ between ranks" in m]

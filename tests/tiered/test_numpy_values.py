@@ -4,7 +4,6 @@ are not numbers are refused there, naming where they are, and kept by the local 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from tierpoint import RankLocal, TieredCheckpointManager
 from tierpoint.errors import StateMismatchError
 from tierpoint.testing import run_ranks
 
-from .helpers import make_state, train_step
+from .helpers import make_state, replica_warnings, train_step
 
 
 def _numpy_state(rank: int, seed: int) -> dict[str, Any]:
@@ -175,15 +174,9 @@ def test_numpy_in_a_tuple_is_checked_like_any_tensor_and_nothing_is_loaded_on_a_
 
 
 def _numpy_float_per_rank(rank: int, world: int, root: Path) -> list[str]:
-    warned: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("tierpoint").addHandler(handler)
-    try:
-        _save_one(root, {"w": torch.ones(2), "ema": np.float64(rank + 0.5)})
-    finally:
-        logging.getLogger("tierpoint").removeHandler(handler)
-    return [m for m in warned if "differ between ranks" in m]
+    return replica_warnings(
+        lambda: _save_one(root, {"w": torch.ones(2), "ema": np.float64(rank + 0.5)})
+    )
 
 
 def test_a_numpy_number_that_differs_between_ranks_is_named(tmp_path):

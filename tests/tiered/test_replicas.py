@@ -4,7 +4,6 @@ ranks agree, or whose ranks hold other keys (pipeline stages), are not warned ab
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +12,9 @@ import torch
 from tierpoint import RankLocal, TieredCheckpointManager
 from tierpoint.testing import run_ranks
 
-from .helpers import make_state, train_step
+from .helpers import make_state, replica_warnings, train_step
 
 KWARGS = {"local_every": 0, "persistent_every": 2, "keep_persistent": 1}
-
-
-def _warnings_while(run: Any) -> list[str]:
-    warned: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("tierpoint").addHandler(handler)
-    try:
-        run()
-    finally:
-        logging.getLogger("tierpoint").removeHandler(handler)
-    return [m for m in warned if "differ between ranks" in m]
 
 
 def _save(state: dict[str, Any], root: Path, world: int | None = None, steps: int = 6) -> None:
@@ -42,10 +29,10 @@ def _save(state: dict[str, Any], root: Path, world: int | None = None, steps: in
 def _unwrapped(rank: int, world: int, root: Path) -> list:
     state = make_state(rank)
     state["cursor"] = {"shard": rank, "seed": torch.tensor([rank, 7])}  # per rank, not wrapped
-    warned = _warnings_while(lambda: _save(state, root / "unwrapped", world))
+    warned = replica_warnings(lambda: _save(state, root / "unwrapped", world))
     state = make_state(rank)  # the same per-rank value, wrapped: nothing to say
     state["cursor"] = RankLocal({"shard": rank, "seed": torch.tensor([rank, 7])})
-    wrapped = _warnings_while(lambda: _save(state, root / "wrapped", world))
+    wrapped = replica_warnings(lambda: _save(state, root / "wrapped", world))
     return [warned, wrapped]
 
 
@@ -63,7 +50,7 @@ def _stages(rank: int, world: int, root: Path) -> list[str]:
     """Each rank holds another stage of a model (other keys and shapes): nothing to compare."""
     stage = torch.nn.Linear(4 + rank, 3)
     state = {f"stage{rank}": stage, "position": {"samples": 8}}
-    return _warnings_while(lambda: _save(state, root))
+    return replica_warnings(lambda: _save(state, root))
 
 
 def test_ranks_holding_other_keys_are_not_compared(tmp_path):
@@ -76,7 +63,7 @@ def _batch_norm(rank: int, world: int, root: Path) -> list[str]:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank)))  # per-rank statistics
     state = {"model": model, "phase": torch.randn(3, dtype=torch.complex64).conj()}
-    return _warnings_while(lambda: _save(state, root))
+    return replica_warnings(lambda: _save(state, root))
 
 
 def test_batch_norm_statistics_are_not_taken_for_a_mistake(tmp_path):

@@ -12,7 +12,7 @@ agree; only when the layouts agree and the data does not are the per-key hashes 
 stages, each with its own keys) are not compared.
 
 The same all-reduce refuses, on every rank, a state holding numpy values that are not numbers
-(numeric ones are stored as tensors: :mod:`~tierpoint.tiered.numpy_values`): torch DCP would
+(numeric ones are stored as tensors and numbers: :mod:`~tierpoint.tiered.numpy_values`): torch DCP would
 store them pickled, and a checkpoint no restore can load is worse than none.
 
 Call order: :meth:`ReplicaCheck.check` on every rank with the persistent form of the state, before

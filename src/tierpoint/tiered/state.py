@@ -153,7 +153,7 @@ def _sharding_of(t: Any) -> str:
 
 def persistent_form(tree: dict[str, Any], rank: int) -> dict[str, Any]:
     """What the persistent tier stores: rank-local values under ``__rank_local__.<rank>``, numpy
-    values as tensors (:mod:`~tierpoint.tiered.numpy_values`)."""
+    values as tensors and Python numbers (:mod:`~tierpoint.tiered.numpy_values`)."""
     out = {k: v for k, v in tree.items() if not isinstance(v, RankLocal)}
     mine = {k: v.value for k, v in tree.items() if isinstance(v, RankLocal)}
     if mine:
