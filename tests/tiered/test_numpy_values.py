@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as torch_dcp
 
 from tierpoint import RankLocal, TieredCheckpointManager
-from tierpoint.errors import StateMismatchError
+from tierpoint.errors import CheckpointingError
 from tierpoint.testing import run_ranks
 
 from .helpers import make_state, replica_warnings, train_step
@@ -158,19 +158,48 @@ def test_a_counter_that_became_numpy_restores_into_a_fresh_state_and_back(tmp_pa
     assert type(loader.position) is np.int64 and loader.position == 0
 
 
-def test_numpy_in_a_tuple_is_checked_like_any_tensor_and_nothing_is_loaded_on_a_mismatch(tmp_path):
-    """torch DCP stores a tuple as one pickled value: one holding numpy arrays is stored as a list,
-    so its arrays are checked (dtype, shape) before anything is loaded, not cast afterwards."""
-    _save_one(tmp_path, {"w": torch.ones(2), "t": ("name", np.arange(3.0) + 0.5)})
-    for other in (np.zeros(3, np.int32), np.zeros(4)):
-        w = torch.zeros(2)
-        with pytest.raises(StateMismatchError):
-            _restore_one(tmp_path, {"w": w, "t": ("name", other)})
-        assert w.tolist() == [0.0, 0.0]
-    live = {"w": torch.zeros(2), "t": ("", np.zeros(3))}
-    assert _restore_one(tmp_path, live) == 1
-    assert type(live["t"]) is tuple and live["t"][0] == "name"
-    assert live["t"][1].tolist() == [0.5, 1.5, 2.5]
+def test_numpy_values_are_replaced_by_the_saved_ones_whatever_their_shape_and_dtype(tmp_path):
+    """Both tiers replace numpy values rather than copy into them: an array whose length or dtype
+    changed since the save (a loader's index over a grown dataset), also inside a tuple, takes the
+    saved one whole, as a plain torch DCP restore would; the same from either tier."""
+    saved = {"w": torch.ones(2), "order": np.arange(5) * 2, "t": ("name", np.arange(3.0) + 0.5)}
+    kwargs = {"local_every": 1, "persistent_every": 1, "replication_factor": 1}
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "persistent")
+    with TieredCheckpointManager(local, persistent, "n", **kwargs) as manager:
+        manager.maybe_save(1, saved)
+    for local_dir, tier in ((local, "local"), (None, "persistent")):
+        live = {
+            "w": torch.zeros(2),
+            "order": np.zeros(7, np.int32),
+            "t": ("", np.zeros(4, np.float32)),
+        }
+        with TieredCheckpointManager(local_dir, persistent, "n", **kwargs) as manager:
+            assert manager.restore(live) == 1 and manager.last_restore.tier == tier
+        assert live["w"].tolist() == [1.0, 1.0]
+        assert live["order"].dtype == np.int64 and live["order"].tolist() == [0, 2, 4, 6, 8]
+        assert type(live["t"]) is tuple and live["t"][0] == "name"
+        assert live["t"][1].dtype == np.float64 and live["t"][1].tolist() == [0.5, 1.5, 2.5]
+
+
+def test_a_hostile_numpy_size_in_the_metadata_skips_the_step_with_its_reason(tmp_path):
+    """The saved shape of a numpy value comes from ``.metadata``: one no memory can hold makes the
+    step unloadable, named as such, not a crash."""
+    import dataclasses
+    import pickle
+
+    _save_one(tmp_path, {"w": torch.ones(2), "order": np.arange(5)})
+    path = tmp_path / "step-1" / ".metadata"
+    metadata = torch_dcp.FileSystemReader(str(path.parent)).read_metadata()
+    item, size = metadata.state_dict_metadata["order"], torch.Size([1 << 62])
+    item.size, item.chunks = size, [dataclasses.replace(item.chunks[0], sizes=size)]
+    del metadata.all_local_plans  # (its copy of the size would give the lie away first)
+    path.write_bytes(pickle.dumps(metadata))
+    live = {"w": torch.zeros(2), "order": np.zeros(5, np.int64)}
+    with pytest.raises(
+        CheckpointingError, match="allocating the numpy values of persistent step 1"
+    ):
+        _restore_one(tmp_path, live)
+    assert live["w"].tolist() == [0.0, 0.0] and live["order"].tolist() == [0] * 5
 
 
 def _numpy_float_per_rank(rank: int, world: int, root: Path) -> list[str]:

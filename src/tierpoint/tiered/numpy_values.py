@@ -7,18 +7,24 @@ therefore stores each numeric numpy array as a tensor of its dtype and shape, an
 number as the Python number of the same value (a counter that became ``np.int64`` restores into a
 fresh state where it is still an ``int``, and the reverse); restore turns them back into numpy of
 the live state's type. A tuple holding numpy values is stored as a list: torch DCP stores a tuple
-as one pickled value, a list item by item, so that every tensor in it is checked against the
-checkpoint (dtype, shape) with the rest of the state, on every rank, before anything is loaded.
+as one pickled value, a list item by item, so that its tensors are read like any other.
+
+A restore replaces numpy values, as the local tier does, rather than copying into them: an array
+whose shape or dtype changed since the save (a data loader's index over a grown dataset, a buffer
+that became float32) takes the saved one, as it would from plain torch DCP (which pickles them).
 
 Call order: :func:`as_tensors` on the persistent form of the state before saving it, and on the
-restore template before loading into it; :func:`as_numpy` with the loaded tree and that template
-(its numpy values and tuples say what to give back); :func:`unstorable_paths` names the numpy
-values that stay as they are (strings, objects, long double, array subclasses such as masked
-arrays or memory maps), which the persistent tier refuses.
+restore template before loading into it (``made`` collects the tensors it made from arrays);
+:func:`sized_as_saved` gives those the checkpoint's shape and dtype; :func:`as_numpy` with the
+loaded tree and the live template (its numpy values and tuples say what to give back);
+:func:`unstorable_paths` names the numpy values that stay as they are (strings, objects, long
+double, array subclasses such as masked arrays or memory maps), which the persistent tier refuses.
 
 Invariants: containers without numpy values are returned as they are (the same objects, so tensors
 keep sharing memory with the live state); a converted array shares the array's memory when it is
-contiguous, writable and of this machine's byte order, so a restore loads into it in place.
+contiguous, writable and of this machine's byte order, so a restore of the same shape and dtype
+loads into it in place; containers holding converted values are new, so :func:`sized_as_saved`
+changes nothing of the live state.
 """
 
 from __future__ import annotations
@@ -50,30 +56,64 @@ def _stored(value: np.ndarray | np.generic) -> torch.Tensor | bool | int | float
     return numpy_tensor(arr)  # restore swaps the bytes back
 
 
-def as_tensors(tree: Any) -> Any:
+def as_tensors(tree: Any, made: list[torch.Tensor] | None = None) -> Any:
     """``tree`` with each numpy value it can store as a tensor or a Python number (see the module
-    docstring); a tuple holding any becomes a list."""
+    docstring); a tuple holding any becomes a list. The tensors made from arrays are appended to
+    ``made`` when given."""
     if _is_numpy(tree):
         stored = _stored(tree)
+        if isinstance(stored, torch.Tensor) and made is not None:
+            made.append(stored)
         return tree if stored is None else stored
     if isinstance(tree, Mapping):
-        out = {k: as_tensors(v) for k, v in tree.items()}
+        out = {k: as_tensors(v, made) for k, v in tree.items()}
         return tree if all(out[k] is tree[k] for k in out) else out
     if isinstance(tree, (list, tuple)):
-        items = [as_tensors(v) for v in tree]
+        items = [as_tensors(v, made) for v in tree]
         return tree if all(a is b for a, b in zip(items, tree)) else items
     return tree
 
 
+def sized_as_saved(tree: dict[str, Any], made: list[torch.Tensor], metadata: Any) -> None:
+    """Replace, in ``tree`` (a restore template from :func:`as_tensors`), each tensor of ``made``
+    whose shape or dtype differs from the checkpoint's at its place by an empty one of the
+    checkpoint's, so that the saved array loads whole. Left as they are: places the checkpoint
+    lacks or holds as a plain value, and dtypes numpy has no type for (bfloat16), which the check
+    against the checkpoint then names."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    ids = {id(t) for t in made}
+    flat, places = flatten_state_dict(tree)
+    for name, value in flat.items():
+        stored = metadata.state_dict_metadata.get(name)
+        size = getattr(stored, "size", None)
+        if id(value) not in ids or size is None:
+            continue
+        dtype = stored.properties.dtype
+        if tuple(size) == tuple(value.shape) and dtype == value.dtype:
+            continue
+        try:
+            torch.empty(0, dtype=dtype).numpy()
+        except TypeError:
+            continue
+        *parents, last = places[name]
+        holder = tree
+        for key in parents:
+            holder = holder[key]
+        holder[last] = torch.empty(tuple(size), dtype=dtype)
+
+
 def as_numpy(loaded: Any, template: Any) -> Any:
-    """``loaded`` with what stands where ``template`` holds a numpy value turned back into numpy of
-    that value's type (a tensor into an array of its dtype and shape, a number into a numpy
-    scalar), and lists where it holds a tuple back into tuples of its type."""
+    """``loaded`` with what stands where ``template`` holds a numpy value turned back into numpy (a
+    tensor into an array, in the template's byte order where the dtypes agree; a number into a
+    numpy scalar of the template's type), and lists where it holds a tuple back into tuples of its
+    type."""
     if _is_numpy(template):
         if isinstance(loaded, torch.Tensor):
-            arr = loaded.detach().cpu().numpy().astype(template.dtype, copy=False)
-            arr = arr.reshape(np.shape(template))
-            return arr[()] if isinstance(template, np.generic) else arr
+            arr = loaded.detach().cpu().numpy()
+            if arr.dtype == template.dtype.newbyteorder("="):  # back to the live byte order
+                arr = arr.astype(template.dtype, copy=False)
+            return arr[()] if isinstance(template, np.generic) and arr.ndim == 0 else arr
         if isinstance(template, np.generic) and isinstance(loaded, _NUMBERS):
             return template.dtype.type(loaded)
         return loaded

@@ -31,6 +31,7 @@ from ..errors import CheckpointingError, CoordinationTimeoutError, StateMismatch
 from ..local import LocalCheckpointManager
 from . import state as st
 from .events import RestoreRecord
+from .numpy_values import sized_as_saved
 
 logger = logging.getLogger("tierpoint")
 
@@ -170,7 +171,15 @@ def _restore_persistent(
     prefix = f"{st.RANK_LOCAL_KEY}.{rank}."
     if not any(k.startswith(prefix) for k in metadata.state_dict_metadata):
         source = 0  # saved with fewer ranks: rank 0's values, as after any resharding
-    ptree = st.persistent_form(tree, source)
+    from_arrays: list[torch.Tensor] = []
+    ptree = st.persistent_form(tree, source, from_arrays)
+    try:  # numpy values are replaced, not copied into: they take the saved shapes and dtypes
+        with tpdist.agree(f"allocating the numpy values of persistent step {step}"):
+            sized_as_saved(ptree, from_arrays, metadata)
+    except CoordinationTimeoutError:
+        raise
+    except CheckpointingError as e:
+        return _skip(skipped, step, e)
     with tpdist.agree(f"checking the state against persistent step {step}"):
         flat, _ = flatten_state_dict(ptree)
         problems = st.check_against_metadata(flat, metadata)

@@ -151,14 +151,17 @@ def _sharding_of(t: Any) -> str:
     return f"mesh {tuple(mesh.mesh.shape)} ranks {mesh.mesh.flatten().tolist()} placements {t.placements}"
 
 
-def persistent_form(tree: dict[str, Any], rank: int) -> dict[str, Any]:
+def persistent_form(
+    tree: dict[str, Any], rank: int, made: list[torch.Tensor] | None = None
+) -> dict[str, Any]:
     """What the persistent tier stores: rank-local values under ``__rank_local__.<rank>``, numpy
-    values as tensors and Python numbers (:mod:`~tierpoint.tiered.numpy_values`)."""
+    values as tensors and Python numbers (:mod:`~tierpoint.tiered.numpy_values`; the tensors
+    made from arrays are appended to ``made``)."""
     out = {k: v for k, v in tree.items() if not isinstance(v, RankLocal)}
     mine = {k: v.value for k, v in tree.items() if isinstance(v, RankLocal)}
     if mine:
         out[RANK_LOCAL_KEY] = {str(rank): mine}
-    return as_tensors(out)
+    return as_tensors(out, made)
 
 
 def from_persistent_form(tree: dict[str, Any], loaded: dict[str, Any], rank: int) -> None:
