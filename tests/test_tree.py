@@ -175,6 +175,12 @@ def test_roundtrip_is_exact(state: Any) -> None:
                 np.arange(3, dtype="<u8"),
             ]
         },
+        {
+            "records": np.array([(1, 0.5), (2, 1.5)], dtype=[("id", "<i4"), ("w", ">f8")]),
+            "aligned": np.ones(2, dtype=np.dtype([("a", "u1"), ("b", "<f4", (2,))], align=True)),
+            "nested": np.zeros(1, dtype=[("p", [("x", "<f2"), ("tag", "<U2")])])[0],
+            "when": np.array(["2026-11-27"], dtype="<M8[D]"),
+        },
         torch.arange(6.0).reshape(2, 3).t(),
     ],
     ids=[
@@ -186,6 +192,7 @@ def test_roundtrip_is_exact(state: Any) -> None:
         "np_scalars",
         "np_arrays",
         "np_layout",
+        "np_structured",
         "root_tensor",
     ],
 )
@@ -370,6 +377,7 @@ def deep(levels: int, wrap: Any) -> Any:
 
 
 ONE_TENSOR = [torch.zeros(2)]
+STRUCT = {"names": ["a"], "formats": ["<i4"], "offsets": [0], "itemsize": 4}
 TAGS = ["int", "float", "tuple", "dict", "odict", "bytes", "tensor", "dtype", "size", "device",
         "ndarray", "ndbytes", "npscalar", "pickle", "nope"]  # fmt: skip
 HOSTILE = {
@@ -414,6 +422,17 @@ HOSTILE = {
     "ndbytes_zero_itemsize": {"~": "ndbytes", "dtype": "<U0", "shape": [1], "v": ""},
     "npscalar_wrong_size": {"~": "npscalar", "dtype": "<f8", "v": b64(bytes(4))},
     "npscalar_dtype_int": {"~": "npscalar", "dtype": 4, "v": ""},
+    "struct_object_field": {"~": "npscalar", "dtype": STRUCT | {"formats": ["|O"]}, "v": ""},
+    "struct_lengths_differ": {"~": "npscalar", "dtype": STRUCT | {"offsets": [0, 4]}, "v": ""},
+    "struct_name_int": {"~": "npscalar", "dtype": STRUCT | {"names": [1]}, "v": b64(bytes(4))},
+    "struct_overflowing": {"~": "npscalar", "dtype": STRUCT | {"offsets": [8]}, "v": ""},
+    "struct_deep": {"~": "npscalar", "dtype": deep(50, lambda n: STRUCT | {"formats": [n]})},
+    "struct_many_fields": {
+        "~": "npscalar",
+        "dtype": {"names": ["a"] * 2000, "formats": ["u1"] * 2000, "offsets": [0] * 2000},
+    },
+    "subarray_absurd": {"~": "npscalar", "dtype": {"base": "<f8", "shape": [2**40]}, "v": ""},
+    "subarray_no_shape": {"~": "npscalar", "dtype": {"base": "<f8"}, "v": ""},
     "not_json_type": {1, 2},
     "not_json_bytes": b"abc",
 }
