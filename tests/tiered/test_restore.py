@@ -5,9 +5,11 @@ bit for bit, on 4 ranks simulating 2 nodes."""
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tierpoint import TieredCheckpointManager
@@ -169,3 +171,46 @@ def test_checkpoints_that_exist_but_cannot_be_restored_are_refused_not_overwritt
         assert manager.last_restore.tier == "local"
         assert any("persistent step 8" in s for s in manager.last_restore.skipped)
     assert_same(fingerprint(restored), reference[6])
+
+
+Pair = collections.namedtuple("Pair", "generator discriminator")
+
+
+def _two_models(seed: int) -> dict:
+    """A GAN-like state: modules in a list, optimizers in a named tuple, a plain tuple."""
+    torch.manual_seed(seed)
+    models = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
+    optimizers = Pair(*(torch.optim.AdamW(m.parameters(), lr=0.1 * (seed + 1)) for m in models))
+    return {"models": models, "optimizers": optimizers, "shape": (4, "x")}
+
+
+def test_modules_and_optimizers_in_lists_and_tuples_are_restored_in_place_from_each_tier(
+    tmp_path, shm_dir
+):
+    """A list of modules and a named tuple of optimizers stay the user's objects: each gets its
+    state loaded (optimizer moments and learning rates too), nothing is replaced by a state dict,
+    and the named tuple stays one; the same from either tier."""
+    saved = _two_models(1)
+    for model, optimizer in zip(saved["models"], saved["optimizers"]):
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+    kwargs = {"local_every": 1, "persistent_every": 1, "replication_factor": 1}
+    local, persistent = str(shm_dir / "local"), str(tmp_path / "persistent")
+    with TieredCheckpointManager(local, persistent, "p", **kwargs) as manager:
+        manager.maybe_save(1, saved)
+    for local_dir, tier in ((local, "local"), (None, "persistent")):
+        live = _two_models(0)
+        models, optimizers = list(live["models"]), live["optimizers"]
+        with TieredCheckpointManager(local_dir, persistent, "p", **kwargs) as manager:
+            assert manager.restore(live) == 1 and manager.last_restore.tier == tier
+        assert live["models"] == models and all(a is b for a, b in zip(live["models"], models))
+        assert type(live["optimizers"]) is Pair and live["optimizers"] == optimizers
+        assert live["shape"] == (4, "x")
+        for model, optimizer, reference in zip(models, optimizers, saved["optimizers"]):
+            assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+            assert len(optimizer.state) == 2
+            for param, ref in zip(model.parameters(), reference.param_groups[0]["params"]):
+                assert torch.equal(param, ref)
+                assert torch.equal(
+                    optimizer.state[param]["exp_avg"], reference.state[ref]["exp_avg"]
+                )

@@ -87,11 +87,13 @@ def optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
     return [v for v in _members(state) if isinstance(v, torch.optim.Optimizer)]
 
 
-def _members(state: Mapping[str, Any]) -> list[Any]:
+def _members(state: Any) -> list[Any]:
+    """The values of ``state``'s dicts, lists and tuples, those of stateful members not opened."""
     out = []
-    for value in state.values():
+    values = state.values() if isinstance(state, Mapping) else state
+    for value in values:
         value = value.value if isinstance(value, RankLocal) else value
-        if isinstance(value, Mapping) and not is_stateful(value):
+        if isinstance(value, (Mapping, list, tuple)) and not is_stateful(value):
             out += _members(value)
         else:
             out.append(value)
@@ -299,8 +301,10 @@ def copy_into(live: Any, loaded: Any) -> Any:
 
 
 def apply(state: dict[str, Any], tree: Mapping[str, Any]) -> None:
-    """Put a filled :func:`template` back into ``state``: ``load_state_dict`` on stateful members,
-    plain values replaced, tensors (already filled in place) left as they are."""
+    """Put a filled :func:`template` back into ``state``: ``load_state_dict`` on stateful members
+    (also in lists and tuples), plain values replaced, tensors (already filled in place) left as
+    they are; dicts and lists are filled in place, tuples rebuilt as the live one's type (a
+    named tuple stays one: both tiers store it as a plain tuple)."""
     for key in list(state):
         state[key] = _apply(state[key], tree[key])
 
@@ -324,6 +328,13 @@ def _apply(value: Any, filled: Any) -> Any:
         for k in list(value):
             value[k] = _apply(value[k], filled[k])
         return value
+    if isinstance(value, (list, tuple)) and isinstance(filled, (list, tuple)):
+        if len(value) == len(filled):  # (else a plain value replaced: the check let it pass)
+            items = [_apply(v, f) for v, f in zip(value, filled)]
+            if isinstance(value, list):
+                value[:] = items
+                return value
+            return type(value)._make(items) if hasattr(value, "_make") else tuple(items)
     return filled
 
 
