@@ -25,6 +25,7 @@ FLOORS: dict[str, int] = {
     "tierpoint.tree": 1,
     "tierpoint.dtensors": 1,  # below tree (a DTensor's node in a state tree)
     "tierpoint.tensor_refs": 1,  # below tree (the shared nodes of tensors in a state tree)
+    "tierpoint.numpy_dtypes": 1,  # below tree (a numpy value's dtype in a state tree)
     "tierpoint.tensor_aware": 1,
     # floor 2: staging and transfer
     "tierpoint.staging": 2,
@@ -43,6 +44,7 @@ FLOORS: dict[str, int] = {
     "tierpoint.checkpointer": 5,
     # floor 6: command, demo, the multi-rank runner
     "tierpoint.cli": 6,
+    "tierpoint.__main__": 6,  # python -m tierpoint: the command
     "tierpoint.demo": 6,
     "tierpoint.testing": 6,
 }

@@ -31,7 +31,7 @@ DTensor                        ``{"~": "dtensor", "i": <index of its local shard
 numpy array (numeric)          ``{"~": "ndarray", "i": <index>}`` (stored as a tensor)
 numpy array (other, no object) ``{"~": "ndbytes", "dtype": "<U5", "shape": [...], "v": "<base64>"}``
 numpy scalar                   ``{"~": "npscalar", "dtype": "<f4", "v": "<base64>"}``
-                               (a structured dtype: its fields, see :func:`_dtype_spec`)
+                               (a structured dtype: its fields, see :mod:`tierpoint.numpy_dtypes`)
 anything else, opted in        ``{"~": "pickle", "v": "<base64>"}``
 =============================  =================================================
 """
@@ -52,6 +52,7 @@ import torch
 from . import dtensors
 from .dtensors import SkeletonError
 from .errors import UnsupportedStateError
+from .numpy_dtypes import dtype_spec, numpy_dtype
 from .tensor_refs import tensor_ref
 
 MAX_DEPTH = 200
@@ -145,7 +146,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
         if isinstance(obj, np.ndarray) and not (allow_pickle and obj.dtype.hasobject):
             return _enc_ndarray(obj, path, add_tensor, flat)
         if isinstance(obj, np.generic) and obj.dtype.kind != "O":
-            return {_TAG: "npscalar", "dtype": _dtype_spec(obj.dtype), "v": _b64(obj.tobytes())}
+            return {_TAG: "npscalar", "dtype": dtype_spec(obj.dtype), "v": _b64(obj.tobytes())}
         if allow_pickle:
             try:
                 return {_TAG: "pickle", "v": _b64(pickle.dumps(obj, protocol=4))}
@@ -174,7 +175,7 @@ def _enc_ndarray(arr: np.ndarray, path: str, add_tensor: Any, flat: FlatState) -
     if t is None or arr.dtype.byteorder == ">":
         return {
             _TAG: "ndbytes",
-            "dtype": _dtype_spec(arr.dtype),
+            "dtype": dtype_spec(arr.dtype),
             "shape": list(arr.shape),
             "v": _b64(np.ascontiguousarray(arr).tobytes()),
         }
@@ -294,7 +295,7 @@ def _dec_device(node: dict, *_: Any) -> torch.device:
 
 
 def _dec_ndbytes(node: dict, *_: Any) -> np.ndarray:
-    dtype = _np_dtype(node["dtype"])
+    dtype = numpy_dtype(node["dtype"])
     shape = node["shape"]
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise SkeletonError(f"bad array shape {shape!r}")
@@ -305,66 +306,13 @@ def _dec_ndbytes(node: dict, *_: Any) -> np.ndarray:
 
 
 def _dec_npscalar(node: dict, *_: Any) -> np.generic:
-    dtype = _np_dtype(node["dtype"])
+    dtype = numpy_dtype(node["dtype"])
     data = base64.b64decode(node["v"], validate=True)
     if dtype.itemsize == 0 and dtype.kind in "SU":  # np.str_('') / np.bytes_(b''): dtype <U0 / |S0
         return dtype.type()
     if len(data) != dtype.itemsize:
         raise SkeletonError("numpy scalar size does not match its dtype")
     return np.frombuffer(data, dtype=dtype)[0]
-
-
-def _dtype_spec(dtype: np.dtype) -> Any:
-    """A numpy dtype as JSON: its string (``"<f4"``), or for a structured one (whose string,
-    ``"|V12"``, names no fields) its fields: ``{"names", "formats", "offsets", "itemsize"}``, a
-    field's format a spec too, or ``{"base": spec, "shape": [...]}`` for a field of subarrays."""
-    if dtype.subdtype is not None:
-        base, shape = dtype.subdtype
-        return {"base": _dtype_spec(base), "shape": list(shape)}
-    if dtype.names is None:
-        return dtype.str
-    fields = [dtype.fields[name] for name in dtype.names]
-    return {
-        "names": list(dtype.names),
-        "formats": [_dtype_spec(f[0]) for f in fields],
-        "offsets": [f[1] for f in fields],
-        "itemsize": dtype.itemsize,
-    }
-
-
-_MAX_FIELDS = 1024
-
-
-def _np_dtype(spec: Any, depth: int = 0) -> np.dtype:
-    """The dtype of a :func:`_dtype_spec`, checked as untrusted input (no object dtypes)."""
-    if depth > 8:
-        raise SkeletonError("numpy dtype nested too deeply")
-    if isinstance(spec, str):
-        if len(spec) > 32:
-            raise SkeletonError(f"bad numpy dtype {spec[:40]!r}")
-        dtype = np.dtype(spec)
-    elif isinstance(spec, dict) and "base" in spec:
-        shape = spec["shape"]
-        if not isinstance(shape, list) or not all(
-            type(d) is int and 0 <= d < 1 << 20 for d in shape
-        ):
-            raise SkeletonError(f"bad numpy subarray shape {shape!r}")
-        dtype = np.dtype((_np_dtype(spec["base"], depth + 1), tuple(shape)))
-    elif isinstance(spec, dict):
-        names, formats, offsets = spec["names"], spec["formats"], spec["offsets"]
-        lists = [names, formats, offsets]
-        if not all(isinstance(v, list) and len(v) == len(names) <= _MAX_FIELDS for v in lists):
-            raise SkeletonError("a structured numpy dtype needs names, formats and offsets alike")
-        if not all(isinstance(n, str) for n in names) or not all(type(o) is int for o in offsets):
-            raise SkeletonError("bad structured numpy dtype")
-        formats = [_np_dtype(f, depth + 1) for f in formats]
-        fields = {"names": names, "formats": formats, "offsets": offsets}
-        dtype = np.dtype({**fields, "itemsize": spec["itemsize"]})
-    else:
-        raise SkeletonError(f"bad numpy dtype {str(spec)[:40]!r}")
-    if dtype.hasobject:
-        raise SkeletonError("numpy object dtype is not allowed")
-    return dtype
 
 
 def _dec_pickle(node: dict, _dec: Any, _depth: int, _t: Any, allow_pickle: bool) -> Any:
