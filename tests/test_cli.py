@@ -73,6 +73,10 @@ def test_help_and_version_answer_without_torch() -> None:
         assert elapsed < 3, f"tierpoint {' '.join(args)} --help took {elapsed:.2f} s"
     done = _cli("--version")
     assert done.returncode == 0 and done.stdout.startswith("tierpoint 0.")
+    package = subprocess.run(  # python -m tierpoint: the same command
+        [sys.executable, "-m", "tierpoint", "--version"], capture_output=True, text=True, cwd=REPO
+    )
+    assert package.returncode == 0 and package.stdout == done.stdout
 
 
 def test_ls_the_local_tier(
