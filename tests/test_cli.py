@@ -295,7 +295,9 @@ def test_inspect_shows_a_step_whose_manifest_is_lost_and_names_the_damage(
     assert [(t["name"], t["shape"], t["checksum"]) for t in doc["tensors"]] == [
         ("w", [4], "DAMAGED")
     ]
-    assert doc["problems"] and all(manifest.name in p for p in doc["problems"])
+    problems = doc["problems"]
+    assert problems and all(manifest.name in p for p in problems)
+    assert not any(a != b and a in b for a in problems for b in problems)  # each said once
     assert main(["inspect", step]) == 1
     out = capsys.readouterr().out
     assert "DAMAGED" in out and manifest.name in out and "w" in out

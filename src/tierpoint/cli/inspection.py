@@ -206,7 +206,7 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
                 "dtype": str(dtype).removeprefix("torch."),
                 "shape": list(md.size),
                 "bytes": nbytes,
-                "checksum": sums[0] if len(sums) == 1 else f"{len(sums)} chunks",
+                "checksum": _checksum_cell(sums),
                 "chunks": len(md.chunks),
             }
         )
@@ -215,7 +215,8 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
         try:
             load(values, path, storage_options=options)  # decoded with weights_only=True
         except CorruptCheckpointError as e:  # damage; an outage still fails the command
-            problems.add(str(e))
+            if not any(problem in str(e) for problem in problems):  # (not said twice)
+                problems.add(str(e))
             values = {name: "<not loaded: the checkpoint is damaged>" for name in value_names}
     doc = {
         "path": path,
@@ -226,6 +227,13 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
         "skeleton": None,
     }
     return doc | ({"problems": sorted(problems)} if problems else {})
+
+
+def _checksum_cell(sums: list[str]) -> str:
+    """What the checksum column shows for a tensor whose chunks' checksums are ``sums``."""
+    if "DAMAGED" in sums:
+        return "DAMAGED"
+    return sums[0] if len(sums) == 1 else f"{len(sums)} chunks"
 
 
 def _item_checksum(reader: Any, info: Any, problems: set[str]) -> str:
