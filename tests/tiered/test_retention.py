@@ -69,3 +69,26 @@ def test_retention_below_the_committed_step_leaves_newer_ones_alone(tmp_path):
             (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"m")
     assert retire_persistent_steps(str(tmp_path), 1, below=6) == [2, 4]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-6", "step-7", "step-8"]
+
+
+def test_commits_faster_than_retention_still_leave_keep_persistent_steps(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """On a slow store commits come while an older step is still being removed: the retention
+    then runs once more when it is done, so closing leaves the newest ``keep_persistent`` steps,
+    not the ones committed meanwhile too."""
+    remove_files = storage.remove_files
+
+    def slow_removal(path, names, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if any(name.endswith(".distcp") for name in names):  # an old step, not a commit's markers
+            time.sleep(1.0)
+        return remove_files(path, names, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "remove_files", slow_removal)
+    state = make_state(0)
+    kwargs = {"local_every": 0, "persistent_every": 1000, "keep_persistent": 1}
+    with TieredCheckpointManager(None, str(tmp_path), "r", **kwargs) as manager:
+        for step in (1, 2, 3, 4):  # each save finalizes the one before: commits 1, 2, 3
+            train_step(state, 1)
+            manager.save(step, state, tiers="persistent")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]

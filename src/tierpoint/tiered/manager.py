@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import signal as signals
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -181,6 +182,8 @@ class TieredCheckpointManager(SavePath):
         self._deferred: _Deferred | None = None
         self._in_flight: dict[str, int] = {}  # tier -> call id of its save not yet finalized
         self._retiring = None
+        self._retire_next = None
+        self._retire_lock = threading.Lock()
         self._local_failing = False
         self._persistent_owed: int | None = None
         self._replica_check = ReplicaCheck()

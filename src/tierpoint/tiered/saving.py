@@ -77,6 +77,8 @@ class SavePath:
     _deferred: _Deferred | None
     _in_flight: dict[str, int]  # tier -> call id of its save not yet finalized
     _retiring: threading.Thread | None  # rank 0: the persistent retention running
+    _retire_next: int | None  # the commit it runs for once more (under _retire_lock)
+    _retire_lock: threading.Lock
     _local_failing: bool  # the last local save failed: persistent saves snapshot the state
     _persistent_owed: int | None  # a step whose persistent copy was lost with its local save
     _replica_check: ReplicaCheck
@@ -298,28 +300,37 @@ class SavePath:
     def _retire_in_background(self, committed: int) -> None:
         """Rank 0, after a persistent commit: retire older steps on a thread (see the module
         docstring). One runs at a time, and this rank never waits for it here (the other ranks
-        would be waiting for it in the next collective): while an earlier one still runs, this
-        commit's retention is left to the next commit's."""
-        if self._retiring is not None and self._retiring.is_alive():
-            logger.debug("retention of step %d left to a later commit: one still runs", committed)
-            return
+        would be waiting for it in the next collective): while one runs, it runs once more for
+        the newest commit when it is done (so :meth:`wait` and ``close`` leave ``keep_persistent``
+        steps, however slow the store)."""
+        with self._retire_lock:
+            if self._retiring is not None:  # running: it picks this commit up
+                self._retire_next = committed
+                return
 
-        def run() -> None:
-            try:
-                retire_persistent_steps(
-                    self.persistent_dir, self.keep_persistent, self.storage_options, committed
-                )
-            except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; retried next time
-                logger.warning("the persistent tier's old steps were not retired: %s", e)
+            def run(below: int | None) -> None:
+                while below is not None:
+                    try:
+                        retire_persistent_steps(
+                            self.persistent_dir, self.keep_persistent, self.storage_options, below
+                        )
+                    except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; retried next time
+                        logger.warning("the persistent tier's old steps were not retired: %s", e)
+                    with self._retire_lock:
+                        below, self._retire_next = self._retire_next, None
+                        if below is None:
+                            self._retiring = None
 
-        self._retiring = threading.Thread(target=run, name="tierpoint-retention", daemon=True)
-        self._retiring.start()
+            self._retiring = threading.Thread(
+                target=run, args=(committed,), name="tierpoint-retention", daemon=True
+            )
+            self._retiring.start()
 
     def _wait_for_retirement(self) -> None:
         """Join the retention thread, for at most half the collectives' timeout (the other ranks
         wait for this one meanwhile); a thread still running then is left behind with a WARNING
         (a daemon: it removes ``.metadata`` first, so whatever it leaves is never complete)."""
-        thread, self._retiring = self._retiring, None
+        thread = self._retiring
         if thread is None:
             return
         bound = min(self.queue.timeout, tpdist.default_timeout().total_seconds() / 2)
