@@ -214,3 +214,24 @@ def test_modules_and_optimizers_in_lists_and_tuples_are_restored_in_place_from_e
                 assert torch.equal(
                     optimizer.state[param]["exp_avg"], reference.state[ref]["exp_avg"]
                 )
+
+
+def test_a_checkpoint_saved_before_the_first_optimizer_step_restores_from_each_tier(
+    tmp_path, shm_dir
+):
+    """A save at step 0 (before any optimizer step) stores the optimizer's zero state, as torch
+    DCP does, so that a fresh job, whose optimizer is given that state to load into, restores it;
+    the parameters do not change."""
+    kwargs = {"local_every": 1, "persistent_every": 1, "replication_factor": 1}
+    local, persistent = str(shm_dir / "local"), str(tmp_path / "persistent")
+    saved = make_state(0)
+    weights = [p.detach().clone() for p in saved["model"].parameters()]
+    with TieredCheckpointManager(local, persistent, "p", **kwargs) as manager:
+        manager.save(0, saved)
+    assert all(torch.equal(p, w) for p, w in zip(saved["model"].parameters(), weights))
+    for local_dir, tier in ((local, "local"), (None, "persistent")):
+        live = make_state(0)
+        with TieredCheckpointManager(local_dir, persistent, "p", **kwargs) as manager:
+            assert manager.restore(live) == 0 and manager.last_restore.tier == tier
+        assert len(live["optimizer"].state) == len(weights)
+        assert all(torch.equal(p, w) for p, w in zip(live["model"].parameters(), weights))

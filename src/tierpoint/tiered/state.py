@@ -9,7 +9,7 @@ differ between ranks.
 
 Call order::
 
-    init_optimizers(state)            # restore only: a fresh optimizer gets its (zero) state
+    init_optimizers(state)            # a fresh optimizer gets its (zero) state (saving: once)
     tree = template(state)            # stateful members replaced by their state_dict(), tensors shared
     ... a tier fills ``tree`` in place (tensors copied into, plain values replaced) ...
     apply(state, tree)                # load_state_dict on stateful members, plain values replaced
@@ -25,6 +25,7 @@ before anything is copied, so a refused restore leaves the state as it was.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,14 +69,23 @@ def is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
-def init_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+def init_optimizers(
+    state: Mapping[str, Any], seen: weakref.WeakSet | None = None
+) -> list[torch.optim.Optimizer]:
     """Give each optimizer of ``state`` that has no state yet its state, by one step with zero
-    gradients and a zero learning rate (torch DCP's way: the parameters do not change), so that a
-    checkpoint's optimizer state has tensors to load into. Returns the optimizers so initialised."""
+    gradients and a zero learning rate (torch DCP's way: the parameters do not change; nothing is
+    done while gradients exist), so that a checkpoint's optimizer state has tensors to load into,
+    and one saved before the first step holds what a restore loads. ``seen``: optimizers to skip,
+    to which each one of ``state`` is added (a stateless one, plain SGD, would step at every save).
+    Returns the optimizers so initialised."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     done = []
     for optimizer in optimizers(state):
+        if seen is not None:
+            if optimizer in seen:
+                continue
+            seen.add(optimizer)
         if not optimizer.state:
             _init_optim_state(optimizer)
             done.append(optimizer)
