@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tierpoint import TieredCheckpointManager
-from tierpoint.errors import CheckpointingError
+from tierpoint.errors import CheckpointingError, StateMismatchError
 from tierpoint.testing import run_ranks
 
 from .helpers import as_node, assert_same, fingerprint, make_state, train_step, wipe
@@ -235,3 +235,41 @@ def test_a_checkpoint_saved_before_the_first_optimizer_step_restores_from_each_t
             assert manager.restore(live) == 0 and manager.last_restore.tier == tier
         assert len(live["optimizer"].state) == len(weights)
         assert all(torch.equal(p, w) for p, w in zip(live["model"].parameters(), weights))
+
+
+def _grouped(split: int | None) -> dict:
+    """A model whose AdamW has one group, or two split after ``split`` parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    params = list(model.parameters())
+    groups = [{"params": params}] if split is None else [
+        {"params": params[:split]}, {"params": params[split:], "weight_decay": 0.0}
+    ]  # fmt: skip
+    optimizer = torch.optim.AdamW(groups, lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    return {"model": model, "optimizer": optimizer}
+
+
+def test_optimizer_groups_that_differ_are_refused_before_anything_is_loaded(tmp_path, shm_dir):
+    """Parameters split into other groups, or another number of groups: StateMismatchError from
+    either tier naming the optimizer, with the model and the optimizer left as they were (the
+    optimizer's own load_state_dict would refuse only after the model had been overwritten)."""
+    kwargs = {"local_every": 1, "persistent_every": 1, "replication_factor": 1}
+    local, persistent = str(shm_dir / "local"), str(tmp_path / "persistent")
+    saved = _grouped(2)
+    for p in saved["model"].parameters():
+        p.data.add_(1.0)
+    with TieredCheckpointManager(local, persistent, "p", **kwargs) as manager:
+        manager.maybe_save(1, saved)
+    for split in (1, None):
+        for local_dir in (local, None):
+            live = _grouped(split)
+            before = [p.detach().clone() for p in live["model"].parameters()]
+            moments = [s["exp_avg"].clone() for s in live["optimizer"].state.values()]
+            with TieredCheckpointManager(local_dir, persistent, "p", **kwargs) as manager:
+                with pytest.raises(StateMismatchError, match="optimizer: optimizer parameter gr"):
+                    manager.restore(live)
+            assert all(torch.equal(p, b) for p, b in zip(live["model"].parameters(), before))
+            after = [s["exp_avg"] for s in live["optimizer"].state.values()]
+            assert all(torch.equal(a, b) for a, b in zip(after, moments))

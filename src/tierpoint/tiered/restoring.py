@@ -29,6 +29,7 @@ from .. import dist as tpdist
 from ..dcp.step_dirs import complete_steps, local_view, step_path
 from ..errors import CheckpointingError, CoordinationTimeoutError, StateMismatchError
 from ..local import LocalCheckpointManager
+from . import param_groups
 from . import state as st
 from .events import RestoreRecord
 from .numpy_values import sized_as_saved
@@ -173,16 +174,19 @@ def _restore_persistent(
         source = 0  # saved with fewer ranks: rank 0's values, as after any resharding
     from_arrays: list[torch.Tensor] = []
     ptree = st.persistent_form(tree, source, from_arrays)
+    groups = param_groups.sizes_of(ptree)
     try:  # numpy values are replaced, not copied into: they take the saved shapes and dtypes
         with tpdist.agree(f"allocating the numpy values of persistent step {step}"):
             sized_as_saved(ptree, from_arrays, metadata)
-    except CoordinationTimeoutError:
+        stored_groups = param_groups.stored_sizes(groups, metadata, path, options)
+    except (StateMismatchError, CoordinationTimeoutError):
         raise
     except CheckpointingError as e:
         return _skip(skipped, step, e)
     with tpdist.agree(f"checking the state against persistent step {step}"):
         flat, _ = flatten_state_dict(ptree)
         problems = st.check_against_metadata(flat, metadata)
+        problems += param_groups.problems(groups, stored_groups)
         if problems:
             raise StateMismatchError(_mismatch(step, problems))
     try:

@@ -34,6 +34,8 @@ import torch
 from ..errors import CheckpointingError
 from ..tree import tensors_in
 from .numpy_values import as_numpy, as_tensors
+from .param_groups import group_sizes
+from .param_groups import problems as param_group_problems
 
 RANK_LOCAL_KEY = "__rank_local__"
 """Where the persistent tier keeps each rank's :class:`RankLocal` values: ``<key>.<rank>.<name>``."""
@@ -219,6 +221,9 @@ def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
                 f"{path}: a dict in the state, {type(loaded).__name__} in the checkpoint"
             )
             return
+        sizes = group_sizes(live)
+        if sizes is not None:
+            problems += param_group_problems({path: sizes}, {path: group_sizes(loaded)})
         missing = [k for k in live if k not in loaded]
         extra = [k for k in loaded if k not in live]
         if missing:
