@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tierpoint import TieredCheckpointManager
+from tierpoint import RankLocal, TieredCheckpointManager
 from tierpoint.errors import CheckpointingError, StateMismatchError
 from tierpoint.testing import run_ranks
 
@@ -273,3 +273,24 @@ def test_optimizer_groups_that_differ_are_refused_before_anything_is_loaded(tmp_
             assert all(torch.equal(p, b) for p, b in zip(live["model"].parameters(), before))
             after = [s["exp_avg"] for s in live["optimizer"].state.values()]
             assert all(torch.equal(a, b) for a, b in zip(after, moments))
+
+
+def _rewrapped(rank: int, world: int, root: Path) -> dict:
+    """Saved with ``seen`` plain and ``position`` in RankLocal; restored from the persistent tier
+    with the wrapping the other way round."""
+    kwargs = {"persistent_every": 1}
+    saved = {"w": torch.ones(2), "seen": 7, "position": RankLocal(10 + rank)}
+    with TieredCheckpointManager(None, str(root), "p", **kwargs) as manager:
+        manager.maybe_save(1, saved)
+    live = {"w": torch.zeros(2), "seen": RankLocal(0), "position": -1}
+    with TieredCheckpointManager(None, str(root), "p", **kwargs) as manager:
+        step = manager.restore(live)
+    return {"step": step, "seen": live["seen"].value, "position": live["position"]}
+
+
+def test_a_value_wrapped_in_rank_local_since_the_save_or_no_longer_restores(tmp_path):
+    """Following the replica check's advice (wrap what differs between ranks in RankLocal), or
+    undoing it, does not make the persistent checkpoint unloadable: a newly wrapped value gets the
+    one stored copy on every rank, a no longer wrapped one each rank's own copy."""
+    results = run_ranks(_rewrapped, 2, tmp_path, timeout=120)
+    assert results == [{"step": 1, "seen": 7, "position": 10 + rank} for rank in range(2)]

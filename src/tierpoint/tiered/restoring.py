@@ -169,11 +169,11 @@ def _restore_persistent(
         raise
     except CheckpointingError as e:
         return _skip(skipped, step, e)
-    prefix = f"{st.RANK_LOCAL_KEY}.{rank}."
-    if not any(k.startswith(prefix) for k in metadata.state_dict_metadata):
+    stored = metadata.state_dict_metadata
+    if not any(k.startswith(f"{st.RANK_LOCAL_KEY}.{rank}.") for k in stored):
         source = 0  # saved with fewer ranks: rank 0's values, as after any resharding
     from_arrays: list[torch.Tensor] = []
-    ptree = st.persistent_form(tree, source, from_arrays)
+    ptree = st.persistent_form(tree, source, from_arrays, stored)
     groups = param_groups.sizes_of(ptree)
     try:  # numpy values are replaced, not copied into: they take the saved shapes and dtypes
         with tpdist.agree(f"allocating the numpy values of persistent step {step}"):
@@ -195,7 +195,7 @@ def _restore_persistent(
         raise
     except CheckpointingError as e:
         return _skip(skipped, step, e)
-    st.from_persistent_form(tree, ptree, source)
+    st.from_persistent_form(tree, ptree)
     st.apply(state, tree)
     return RestoreRecord(step, "persistent", time.perf_counter() - start, st.nbytes(ptree), skipped)
 

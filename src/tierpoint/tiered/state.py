@@ -26,7 +26,7 @@ before anything is copied, so a refused restore leaves the state as it was.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -166,27 +166,58 @@ def _sharding_of(t: Any) -> str:
 
 
 def persistent_form(
-    tree: dict[str, Any], rank: int, made: list[torch.Tensor] | None = None
+    tree: dict[str, Any],
+    rank: int,
+    made: list[torch.Tensor] | None = None,
+    stored: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """What the persistent tier stores: rank-local values under ``__rank_local__.<rank>``, numpy
     values as tensors and Python numbers (:mod:`~tierpoint.tiered.numpy_values`; the tensors
-    made from arrays are appended to ``made``)."""
-    out = {k: v for k, v in tree.items() if not isinstance(v, RankLocal)}
-    mine = {k: v.value for k, v in tree.items() if isinstance(v, RankLocal)}
-    if mine:
-        out[RANK_LOCAL_KEY] = {str(rank): mine}
+    made from arrays are appended to ``made``).
+
+    ``stored`` (restoring: the names a checkpoint holds) lets a value wrapped in
+    :class:`RankLocal` since the save load its one copy, and a value no longer wrapped load this
+    rank's copy (rank 0's where it has none)."""
+    out: dict[str, Any] = {}
+    by_rank: dict[str, dict[str, Any]] = {}
+    for key, value in tree.items():
+        ranked = isinstance(value, RankLocal)
+        value = value.value if ranked else value
+        holder = str(rank) if ranked else None
+        if stored is not None:
+            holder = _holder(str(key), holder, rank, stored)
+        if holder is None:
+            out[key] = value
+        else:
+            by_rank.setdefault(holder, {})[key] = value
+    if by_rank:
+        out[RANK_LOCAL_KEY] = by_rank
     return as_tensors(out, made)
 
 
-def from_persistent_form(tree: dict[str, Any], loaded: dict[str, Any], rank: int) -> None:
-    """Put the rank-local values of a loaded :func:`persistent_form` back into ``tree``."""
-    mine = loaded.get(RANK_LOCAL_KEY, {}).get(str(rank), {})
-    for key, value in mine.items():
+def _holder(key: str, holder: str | None, rank: int, stored: Collection[str]) -> str | None:
+    """Where a checkpoint holds ``key``: ``holder`` (the live state's way) if it is there, else
+    plain (``None``) or under a rank (this one first, then rank 0)."""
+    candidates = [holder, None, str(rank), "0"]
+    for candidate in candidates:
+        name = key if candidate is None else f"{RANK_LOCAL_KEY}.{candidate}.{key}"
+        if name in stored or any(s.startswith(name + ".") for s in stored):
+            return candidate
+    return holder
+
+
+def from_persistent_form(tree: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """Put the values of a loaded :func:`persistent_form` back into ``tree``, each wrapped in
+    :class:`RankLocal` where ``tree`` wraps it, wherever the checkpoint held it."""
+    values = {k: v for k, v in loaded.items() if k != RANK_LOCAL_KEY}
+    for by_rank in loaded.get(RANK_LOCAL_KEY, {}).values():
+        values |= by_rank
+    for key, value in values.items():
         live = tree.get(key)
-        tree[key] = RankLocal(as_numpy(value, live.value if isinstance(live, RankLocal) else None))
-    for key, value in loaded.items():
-        if key != RANK_LOCAL_KEY:
-            tree[key] = as_numpy(value, tree.get(key))
+        if isinstance(live, RankLocal):
+            tree[key] = RankLocal(as_numpy(value, live.value))
+        else:
+            tree[key] = as_numpy(value, live)
 
 
 def check_loaded(live: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
