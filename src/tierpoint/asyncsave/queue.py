@@ -196,6 +196,7 @@ class AsyncCallsQueue:
             )
         if tpdist.is_distributed() and self._group is None:
             self._group = agreement.new_group()
+            tpdist.drop_at_exit(self, "_group")
         if self._worker is None or self._worker.exitcode is not None:
             logger.warning("starting a new background worker (the previous one exited)")
             self._worker = self._new_worker()

@@ -12,12 +12,19 @@ Invariants:
   themselves alive through the job's store within a short grace), any other collective failure a
   :class:`CheckpointingError`; never a hang, never a raw ``RuntimeError``.
 - :func:`step_kind` keeps only what all ranks at the same step share (no numbers, no paths).
+- Every gloo group tierpoint keeps is named to :func:`drop_at_exit`: a gloo group freed while the
+  interpreter shuts down can abort the process (``terminate called without an active
+  exception``, SIGABRT, which torchrun reports as a failed job), so tierpoint's references to
+  them go at exit, while the interpreter is whole.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import re
 import time
+import weakref
 import zlib
 from datetime import timedelta
 from typing import Any
@@ -30,6 +37,29 @@ from .timeouts import default_timeout
 
 _groups: dict[int, Any] = {}
 _broken: dict[int, tuple[Any, str]] = {}  # id(group) -> (the group, kept alive; what failed)
+_registries: list[dict] = [_groups, _broken]  # cleared at exit
+_holders: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+def drop_at_exit(holder: Any, *attributes: str) -> None:
+    """Have tierpoint's references to gloo groups dropped at exit (see the module docstring):
+    ``holder`` is a dict of them (cleared), or an object whose ``attributes`` hold them (set to
+    ``None``; the object is held weakly)."""
+    if isinstance(holder, dict):
+        if not any(holder is r for r in _registries):
+            _registries.append(holder)
+    else:
+        _holders.setdefault(holder, set()).update(attributes)
+
+
+@atexit.register
+def _drop_groups() -> None:
+    for holder, attributes in list(_holders.items()):
+        for name in attributes:
+            setattr(holder, name, None)
+    for registry in _registries:
+        registry.clear()
+    gc.collect()
 
 _SILENT_GRACE_S = 3.0
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .group import run_collective
+from .group import drop_at_exit, run_collective
 from .messages import all_gather_json, broadcast_json, gather_json
 from .ranks import is_distributed
 from .timeouts import default_timeout
@@ -100,6 +100,7 @@ class NodeGroups:
 
 
 _node_groups: dict[int, NodeGroups] = {}
+drop_at_exit(_node_groups)
 
 
 def node_groups() -> NodeGroups:

@@ -133,6 +133,7 @@ class CliqueReplicationStrategy(_ReplicaGroups):
         if tpdist.is_distributed():
             self._group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
             self._restore_group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
+            tpdist.drop_at_exit(self, "_group", "_restore_group")
 
     def _check_nodes(self, node_of_rank: tuple[str, ...]) -> None:
         for clique in self.cliques():
@@ -246,6 +247,7 @@ class UserReplication(_ReplicaGroups):
         if self._group is None and tpdist.is_distributed():
             self._group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
             self._restore_group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
+            tpdist.drop_at_exit(self, "_group", "_restore_group")
 
     def holders(self, origin: int) -> list[int]:
         return []
