@@ -11,8 +11,10 @@ A directory holding a DCP ``.metadata`` directly (model weights, maybe optimizer
 state) counts too, as in OLMo-core.
 
 Call order: :func:`find_checkpoints` / :func:`latest_checkpoint` to choose, then the checkpointer
-loads; :func:`remove_checkpoint` to retire one. Nothing here is collective: each caller lists on its
-own (the seed's classmethods do the same).
+loads; :func:`remove_checkpoint` to retire one. :func:`finished_metadata` is the rule
+:func:`find_checkpoints` applies to each step, and says why a step is skipped (``tierpoint ls``
+shows it). Nothing here is collective: each caller lists on its own (the seed's classmethods do
+the same).
 
 Invariants:
 - A step whose ``.metadata.json`` is missing is never returned (a save in flight or interrupted);
@@ -35,8 +37,8 @@ from typing import Any
 from .. import storage
 from ..errors import CheckpointingError
 from .errors import CheckpointNotFoundError
-from .metadata import METADATA_FNAME, read_metadata
-from .trainer_state import state_files
+from .metadata import METADATA_FNAME, CheckpointMetadata, read_metadata
+from .trainer_state import TRAIN_DIR, state_files
 
 logger = logging.getLogger("tierpoint")
 
@@ -75,14 +77,38 @@ def dir_is_checkpoint(
     dir: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
 ) -> bool:
     """Whether ``dir`` is a finished checkpoint (or a bare DCP checkpoint of model weights)."""
-    dir = normalize(dir)
+    return _missing(normalize(dir), storage_options) is None
+
+
+def _missing(dir: str, storage_options: Mapping[str, Any] | None) -> str | None:
+    """What ``dir`` lacks to be a finished checkpoint (None: nothing)."""
     if storage.exists(storage.join(dir, DCP_METADATA), storage_options):
-        return True
+        return None
     if not storage.exists(storage.join(dir, METADATA_FNAME), storage_options):
-        return False
+        return f"no {METADATA_FNAME}: its save never finished"
     if not storage.exists(storage.join(dir, MODEL_AND_OPTIM, DCP_METADATA), storage_options):
-        return False
-    return any(storage.exists(p, storage_options) for p in state_files(dir, 0))
+        return f"no {MODEL_AND_OPTIM}/{DCP_METADATA}"
+    if not any(storage.exists(p, storage_options) for p in state_files(dir, 0)):
+        names = " or ".join(storage.basename(p) for p in state_files(dir, 0))
+        return f"no trainer state of rank 0 ({TRAIN_DIR}/{names})"
+    return None
+
+
+def finished_metadata(
+    dir: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
+) -> CheckpointMetadata | None:
+    """The parsed ``.metadata.json`` of the finished checkpoint ``dir`` (None: a bare DCP
+    checkpoint without one): the rule :func:`find_checkpoints` applies to each step. Raises
+    :class:`CheckpointNotFoundError` naming what is missing when ``dir`` is not a finished
+    checkpoint (it is never returned), :class:`~tierpoint.errors.CorruptCheckpointError` when its
+    ``.metadata.json`` is damaged (it is skipped with a WARNING)."""
+    dir = normalize(dir)
+    missing = _missing(dir, storage_options)
+    if missing is not None:
+        raise CheckpointNotFoundError(f"{dir}: not a finished checkpoint: {missing}")
+    if storage.exists(storage.join(dir, METADATA_FNAME), storage_options):
+        return read_metadata(dir, storage_options)
+    return None
 
 
 def find_checkpoints(
@@ -98,15 +124,14 @@ def find_checkpoints(
     )
     for step, name in steps:
         path = storage.join(dir, name)
-        if not dir_is_checkpoint(path, storage_options):
+        try:
+            meta = finished_metadata(path, storage_options)
+        except CheckpointNotFoundError:
             continue
-        is_ephemeral = False
-        if storage.exists(storage.join(path, METADATA_FNAME), storage_options):
-            try:
-                is_ephemeral = bool(read_metadata(path, storage_options).ephemeral)
-            except CheckpointingError as e:
-                logger.warning("%s is skipped: %s", path, e)
-                continue
+        except CheckpointingError as e:
+            logger.warning("%s is skipped: %s", path, e)
+            continue
+        is_ephemeral = bool(meta.ephemeral) if meta is not None else False
         if ephemeral is None or ephemeral == is_ephemeral:
             yield step, path
 
