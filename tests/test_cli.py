@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,8 @@ def test_ls_a_dcp_base_and_an_olmo_style_run(tmp_path: Path, capsys: pytest.Capt
 
     run = tmp_path / "run"  # OLMo-core: <run>/step<N>/model_and_optim is the DCP checkpoint
     dcp.save({"w": torch.ones(3)}, run / "step100" / "model_and_optim")
+    (run / "step100" / "train").mkdir()  # OLMo-core's pickled trainer state
+    torch.save({"step": 100}, run / "step100" / "train" / "rank0.pt")
     (run / "step100" / ".metadata.json").write_text("{}")  # written last: the step is finished
     dcp.save({"w": torch.ones(3)}, run / "step150" / "model_and_optim")  # no .metadata.json
     (run / "step200" / "model_and_optim").mkdir(parents=True)
@@ -540,3 +543,112 @@ def test_bench_chart_draws_every_contender(tmp_path: Path, monkeypatch: pytest.M
     assert names == ["tierpoint x", "torch.save"] and values == [1.0, 2.0]
     assert axes[0, 0].barh.call_args.kwargs["color"] == ["tab:orange", "tab:blue"]
     assert axes[1, 0].set_title.call_args.args[0] == "b: R (s)"
+
+
+def _save_olmo_run(rank: int, world: int, run: str, work: str) -> None:
+    """Steps 2 and 3 of a run, saved by ``world`` ranks with tierpoint's Checkpointer."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    checkpointer = tierpoint.Checkpointer(work_dir=f"{work}/{rank}")
+    for step in (2, 3):
+        module = tierpoint.BasicTrainModule(model, optim)
+        checkpointer.save(f"{run}/step{step}", module, {"step": step, "rank": rank})
+
+
+@pytest.fixture(scope="module")
+def olmo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of two steps saved by 2 ranks (copy it before damaging it)."""
+    from tierpoint.testing import run_ranks
+
+    base = tmp_path_factory.mktemp("olmo")
+    run_ranks(_save_olmo_run, 2, str(base / "run"), str(base / "work"))
+    return base / "run"
+
+
+def _copy_run(olmo_run: Path, to: Path) -> Path:
+    shutil.copytree(olmo_run, to)
+    return to
+
+
+def test_verify_an_olmo_step_checks_its_trainer_state_and_metadata(
+    olmo_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["verify", str(olmo_run)]) == 0  # both steps: DCP, metadata, each rank's state
+    out = capsys.readouterr().out
+    assert "8 ok" in out and f"ok   {olmo_run / 'step3' / 'train' / 'rank1.safetensors'}" in out
+    assert main(["verify", str(olmo_run / "step2" / "train")]) == 0  # the trainer state alone
+    assert capsys.readouterr().out.count("every checksum matches") == 2
+
+    def damaged(name: str, how: Callable[[Path], None], *fragments: str) -> None:
+        step = _copy_run(olmo_run, tmp_path / name) / "step2"
+        how(step)
+        for target in (step, step.parent):  # the step, and the run (every step)
+            assert main(["verify", "--json", str(target)]) == 1, name
+            failed = [r for r in json.loads(capsys.readouterr().out)["results"]
+                      if r["status"] == "FAIL"]  # fmt: skip
+            assert len(failed) == 1, (name, failed)
+            text = f"{failed[0]['target']}: {failed[0]['detail']}"
+            assert all(f in text for f in fragments), (name, text)
+
+    rank1 = Path("train") / "rank1.safetensors"
+    damaged("truncated", lambda s: (s / rank1).write_bytes((s / rank1).read_bytes()[:100]),
+            str(rank1), "truncated")  # fmt: skip
+    damaged("flipped", lambda s: _flip(s / rank1, 20), str(rank1))  # a header byte
+    damaged("deleted", lambda s: (s / rank1).unlink(), str(rank1), "missing", "records 2 ranks")
+    damaged("swapped", lambda s: shutil.copy(s / "train" / "rank0.safetensors", s / rank1),
+            str(rank1), "written as the trainer state of")  # fmt: skip
+    damaged("empty", lambda s: (s / ".metadata.json").write_text(""), ".metadata.json", "JSON")
+    damaged("garbage", lambda s: (s / ".metadata.json").write_text("{bad"), ".metadata.json")
+
+
+def test_ls_agrees_with_the_checkpointer_on_olmo_steps(
+    olmo_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run = _copy_run(olmo_run, tmp_path / "run")
+    assert main(["ls", "--json", str(run)]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows[3]["status"] == rows[2]["status"] == "complete"
+    assert rows[3]["world_size"] == rows[2]["world_size"] == 2  # what .metadata.json records
+
+    (run / "step3" / ".metadata.json").write_text("{bad")
+    latest = tierpoint.Checkpointer.latest_checkpoint(run)  # skips step 3 as corrupt
+    assert main(["ls", "--json", str(run)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["step"]: r for r in doc["checkpoints"]}
+    assert rows[3]["status"] == "corrupt" and ".metadata.json" in rows[3]["detail"]
+    assert doc["newest_restorable"] == {str(run): str(Path(latest) / "model_and_optim")}
+    assert main(["ls", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"persistent step 2: {run / 'step2' / 'model_and_optim'}" in out and "corrupt" in out
+
+    (run / "step2" / "train" / "rank1.safetensors").unlink()  # a rank's trainer state lost
+    assert main(["ls", "--json", str(run / "step2")]) == 0
+    row = json.loads(capsys.readouterr().out)["checkpoints"][0]
+    assert row["status"] == "corrupt" and "train/rank1.safetensors" in row["detail"]
+    (run / "step2" / "train" / "rank0.safetensors").unlink()  # the Checkpointer skips it too
+    assert not tierpoint.Checkpointer.dir_is_checkpoint(run / "step2")
+    assert main(["ls", "--json", str(run)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["newest_restorable"] == {}
+    assert "no trainer state of rank 0" in doc["checkpoints"][1]["detail"]
+
+
+def test_verify_and_ls_an_olmo_run_on_s3(
+    s3_bucket: tuple,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    url, options = s3_bucket
+    endpoint = ["--endpoint-url", options["endpoint_url"]]
+    checkpointer = tierpoint.Checkpointer(work_dir=tmp_path / "work", storage_options=options)
+    module = tierpoint.BasicTrainModule(torch.nn.Linear(2, 2))
+    checkpointer.save(f"{url}/run/step4", module, {"step": 4})
+    assert main(["verify", f"{url}/run", *endpoint]) == 0
+    out = capsys.readouterr().out
+    assert f"ok   {url}/run/step4/train/rank0.safetensors: trainer state of step4" in out
+    assert main(["ls", "--json", f"{url}/run", *endpoint]) == 0
+    row = json.loads(capsys.readouterr().out)["checkpoints"][0]
+    assert row["status"] == "complete" and row["world_size"] == 1

@@ -5,13 +5,14 @@ Subcommands (``tierpoint <command> --help`` for each):
 - ``ls PATH|URL``: every checkpoint under a local-tier root, session or rank directory, a DCP base
   directory or step (a directory or ``s3://`` URL), or an OLMo-core-style run directory
   (``step<N>/model_and_optim``): step, tier, ranks present, replicas, size, age, status
-  (complete / incomplete / corrupt, from headers and metadata: ``verify`` reads every byte) and
-  the newest restorable one;
+  (complete / incomplete / corrupt, from headers and metadata: ``verify`` reads every byte; an
+  OLMo-core step as the Checkpointer's discovery judges it) and the newest restorable one;
 - ``inspect FILE|DIR``: a part file's tensors (name, dtype, shape, bytes, checksum), its stored
   non-tensor values and skeleton; a DCP step's metadata items and values; a ``.pt`` file's (loaded
   with ``weights_only=True``) or another writer's ``.safetensors`` file's (its header) tensors;
 - ``verify PATH|URL...``: every checksum of part files, of a directory of them, of a DCP step or of
-  every step of a DCP base (an uncommitted step is skipped: it is never loaded); exit status 0
+  every step of a DCP base (an uncommitted step is skipped: it is never loaded), and of an
+  OLMo-core step's ``.metadata.json`` and trainer-state files (or its ``train/``); exit status 0
   only when everything verified (a DCP step without checksum manifests, written by plain torch, is
   read completely and reported unverified, as is a plain safetensors file; ``--strict`` fails
   them);
@@ -23,7 +24,8 @@ Subcommands (``tierpoint <command> --help`` for each):
 
 The package: this module holds :func:`main` (the parser and the dispatch); each command is one
 module: ``listing`` (ls), ``inspection``, ``verification``, ``conversion``, ``bench``; they share
-``locate`` (what a path is), ``files`` (``.pt`` and safetensors files) and ``output`` (consoles,
+``locate`` (what a path is), ``files`` (``.pt`` and safetensors files), ``olmo`` (an OLMo-core
+step's ``.metadata.json`` and trainer state, for ``ls`` and ``verify``) and ``output`` (consoles,
 tables, JSON, :class:`CommandError`). ``python -m tierpoint.cli`` runs :func:`main`.
 
 Call order: :func:`main` parses the arguments (argparse, without importing torch: ``--help`` and
@@ -88,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
         "--strict", action="store_true", help="fail DCP checkpoints without checksum manifests"
     )
     verify.add_argument("paths", metavar="PATH|URL", nargs="+",
-                        help="part file, directory of part files, DCP step or base directory")  # fmt: skip
+                        help="part file, directory of part files, DCP step or base directory, "
+                        "OLMo-style step or its train/")  # fmt: skip
     convert = command("convert", "convert to one .safetensors or .pt file, or back to DCP",
                       json_flag=False)  # fmt: skip
     convert.add_argument("src", metavar="SRC", help="part file, local-tier directory, DCP step, "

@@ -5,9 +5,11 @@ Call order: :func:`cmd_ls` classifies the path (:mod:`tierpoint.cli.locate`), bu
 :class:`Row` per checkpoint (:func:`local_rows` for the local tier, :func:`dcp_rows` for DCP steps),
 then prints a table or JSON. ``verify`` and ``convert`` reuse the row builders.
 
-Invariants: only headers, listings and DCP metadata are read (``verify`` reads every byte); a
-status is ``complete``, ``incomplete`` (never committed, ranks missing) or ``corrupt`` with the
-reason in ``detail``.
+Invariants: only headers, listings, DCP metadata and ``.metadata.json`` are read (``verify`` reads
+every byte); a status is ``complete``, ``incomplete`` (never committed, ranks missing) or
+``corrupt`` with the reason in ``detail``. An OLMo-core step is complete only when the
+Checkpointer's discovery takes it and each rank's trainer state is there
+(:mod:`tierpoint.cli.olmo`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .locate import (
     step_number,
     store_options,
 )
+from .olmo import step_status
 from .output import CommandError, human_age, human_size, make_console, make_table, print_json
 
 _DATA_FILE = re.compile(r"^__(\d+)_\d+(?:\.[0-9a-f]+)?\.distcp$")
@@ -231,7 +234,7 @@ def _step_row(
     meta = found.get(step_dirs.METADATA_NAME)
     size = sum(e.size for e in found.values() if not e.is_dir)
     times = [e.mtime for e in found.values() if e.mtime is not None]
-    detail = ""
+    detail, world = "", None
     if meta is None:
         status, detail = "incomplete", "no .metadata: the save never committed"
     elif markers:
@@ -240,12 +243,16 @@ def _step_row(
         status, detail = "incomplete", f"no {OLMO_METADATA}: the Checkpointer's save never finished"
     else:
         status, detail = _check_step(dcp_dir, found, options)
+        if olmo:  # its .metadata.json and trainer state, as the Checkpointer judges them
+            olmo_status, olmo_detail, world = step_status(step_dir, options)
+            if status == "complete" and olmo_status != "complete":
+                status, detail = olmo_status, olmo_detail
     return Row(
         tier="persistent",
         where=where,
         step=step,
         ranks=ranks,
-        world_size=None,
+        world_size=world,
         replicas=0,
         size=size,
         mtime=meta.mtime if meta and meta.mtime else (max(times) if times else None),

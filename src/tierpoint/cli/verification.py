@@ -2,7 +2,9 @@
 DCP bases; exit status 0 only when everything verified.
 
 Call order: :func:`cmd_verify` turns each path into checks (one per part file or DCP step; an
-uncommitted step is skipped), runs them with a progress bar, prints one line per check
+uncommitted step is skipped; an OLMo-core step adds one for its ``.metadata.json``, one per
+trainer-state file and one failing per missing one, from :mod:`tierpoint.cli.olmo`; a ``train/``
+directory is its trainer-state files), runs them with a progress bar, prints one line per check
 (``ok`` / ``skip`` / ``FAIL`` and why) and a summary, or JSON.
 
 Invariants: a path that cannot be checked is one line on stderr and the others go on; a DCP step
@@ -24,7 +26,8 @@ from typing import Any
 from ..errors import CheckpointingError
 from .files import is_plain_safetensors
 from .listing import dcp_rows
-from .locate import classify, find_dcp_dir, store_options
+from .locate import OLMO_DCP, classify, find_dcp_dir, store_options
+from .olmo import is_train_dir, step_checks, train_dir_checks
 from .output import CommandError, make_console, print_json, progress_bar
 
 
@@ -91,16 +94,19 @@ def _checks(path: str, options: Mapping[str, Any]) -> list[_Check]:
     if kind == "part":
         return [_Check(path, "part", lambda: _verify_part(path))]
     if kind in ("dcp-step", "olmo-step"):
-        step_dir = find_dcp_dir(path, entries, options)
-        return [_Check(step_dir, "dcp", lambda: _verify_dcp(step_dir, options))]
+        return _step_checks(path, find_dcp_dir(path, entries, options), options)
     if kind == "dcp-base":
         checks = []
         for row in dcp_rows(path, kind, entries, options):
             if row.status == "incomplete":
                 checks.append(_Check(row.path, "dcp", None, f"not committed ({row.detail})"))
             else:
-                checks.append(_Check(row.path, "dcp", lambda p=row.path: _verify_dcp(p, options)))
+                olmo = storage.basename(row.path) == OLMO_DCP
+                step_dir = row.path[: -len(OLMO_DCP)].rstrip("/") if olmo else row.path
+                checks += _step_checks(step_dir, row.path, options)
         return checks
+    if is_train_dir(list(entries)):  # an OLMo-core step's trainer state
+        return [_Check(*check) for check in train_dir_checks(path, options)]
     from ..local.naming import parse_part_name
 
     local = Path(path)
@@ -115,6 +121,15 @@ def _checks(path: str, options: Mapping[str, Any]) -> list[_Check]:
             f"{path}: neither a DCP checkpoint (no .metadata) nor a directory of part files"
         )
     return [_Check(str(p), "part", lambda p=p: _verify_part(str(p))) for p in parts]
+
+
+def _step_checks(step_dir: str, dcp_dir: str, options: Mapping[str, Any]) -> list[_Check]:
+    """A DCP step's check; an OLMo-core step's (``dcp_dir`` is its ``model_and_optim``) also
+    checks its ``.metadata.json`` and every trainer-state file."""
+    checks = [_Check(dcp_dir, "dcp", lambda: _verify_dcp(dcp_dir, options))]
+    if dcp_dir != step_dir:
+        checks += [_Check(*check) for check in step_checks(step_dir, options)]
+    return checks
 
 
 def _verify_part(path: str) -> tuple[str, str]:
