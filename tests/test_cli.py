@@ -636,6 +636,34 @@ def test_ls_agrees_with_the_checkpointer_on_olmo_steps(
     assert "no trainer state of rank 0" in doc["checkpoints"][1]["detail"]
 
 
+def test_convert_refuses_a_destination_that_is_not_empty(
+    olmo_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run = _copy_run(olmo_run, tmp_path / "run")
+    step = run / "step2"
+    before = sorted(os.listdir(step))
+    assert main(["convert", str(step), str(step)]) == 1  # into the checkpoint it reads
+    _one_line_error(capsys.readouterr().err, str(step), "exists and is not empty", "--force")
+    assert sorted(os.listdir(step)) == before
+
+    session = tmp_path / "job"
+    for rank in (0, 1):
+        _part(session / str(rank) / part_name(5, rank), 5, rank, 2)
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    assert main(["convert", str(session), str(user)]) == 1  # next to a user's files
+    _one_line_error(capsys.readouterr().err, str(user), "exists and is not empty", "notes.txt")
+    assert os.listdir(user) == ["notes.txt"]
+    assert main(["convert", str(session), str(user), "--force"]) == 0  # asked for
+    assert (user / ".metadata").exists() and (user / "notes.txt").exists()
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", str(session), str(tmp_path / "empty")]) == 0  # empty: fine
+    (tmp_path / "file").write_text("x")
+    assert main(["convert", str(session), str(tmp_path / "file"), "--force"]) == 1
+    _one_line_error(capsys.readouterr().err, "a file, not a directory")
+
+
 def test_verify_and_ls_an_olmo_run_on_s3(
     s3_bucket: tuple,  # noqa: F811
     tmp_path: Path,

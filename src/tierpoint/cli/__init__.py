@@ -17,7 +17,8 @@ Subcommands (``tierpoint <command> --help`` for each):
   read completely and reported unverified, as is a plain safetensors file; ``--strict`` fails
   them);
 - ``convert SRC DST``: a part file, a local-tier iteration or a DCP checkpoint to one
-  ``.safetensors`` or ``torch.save`` ``.pt`` file, and such a file back to a DCP checkpoint;
+  ``.safetensors`` or ``torch.save`` ``.pt`` file, and such a file back to a DCP checkpoint (an
+  existing ``DST``, or a non-empty directory, only with ``--force``);
 - ``bench [NAME]``: the benchmark suite (``benchmarks/*_bench.py`` of a source checkout, or
   ``--dir``) at small sizes, one table, JSON, and a PNG chart where matplotlib is installed;
 - ``demo``: the fault-tolerant training demo (:mod:`tierpoint.demo`).
@@ -99,7 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("dst", metavar="DST", help="a .safetensors or .pt file, else a DCP step")
     convert.add_argument("--iteration", type=int, help="local tier: which iteration (newest)")
     convert.add_argument("--rank", type=int, help="local tier: one rank's part (default all)")
-    convert.add_argument("--force", action="store_true", help="replace DST if it exists")
+    convert.add_argument(
+        "--force", action="store_true", help="replace DST (write into a non-empty directory)"
+    )
     bench = command("bench", "run the benchmark suite at small sizes; table, JSON, chart",
                     store=False)  # fmt: skip
     bench.add_argument("names", metavar="NAME", nargs="*", help="benchmarks to run (default all)")

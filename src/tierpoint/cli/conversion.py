@@ -5,7 +5,8 @@ Call order: :func:`cmd_convert` reads the source's state (its kind from
 :func:`~tierpoint.cli.locate.classify` and the file's suffix), then writes it in the kind of
 ``DST``'s suffix (none: a DCP checkpoint) and prints one line.
 
-Invariants: nothing is replaced without ``--force``; ``.safetensors`` and ``.pt`` files are
+Invariants: nothing is replaced or written into without ``--force`` (a DCP ``DST`` must be missing
+or an empty directory); ``.safetensors`` and ``.pt`` files are
 written locally only; every kind of ``DST`` gets its missing parent directories; a safetensors
 file written here keeps the state's structure in its metadata, so converting it back restores the
 same tree.
@@ -40,6 +41,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         dst = storage.local_path(dst)  # a file:// URL names the same file
     if out_kind != "dcp" and os.path.exists(dst) and not args.force:
         raise CommandError(f"{dst}: exists (--force to replace it)")
+    if out_kind == "dcp":
+        _check_dcp_target(dst, options, args.force)
     state, source = _read_state(args, options)
     if out_kind != "dcp":  # missing parent directories are made, as a DCP save makes them
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
@@ -179,13 +182,27 @@ def _write_safetensors(state: Any, dst: str) -> str:
     return "safetensors"
 
 
-def _write_dcp(state: Any, dst: str, options: Mapping[str, Any], force: bool) -> str:
+def _check_dcp_target(dst: str, options: Mapping[str, Any], force: bool) -> None:
+    """Refuse a DCP destination that is a file, or (without ``--force``) one that holds anything:
+    a checkpoint, a run's step, a user's files."""
     from .. import storage
     from ..dcp import step_dirs
+
+    if storage.is_local(dst) and os.path.isfile(storage.local_path(dst)):
+        raise CommandError(f"{dst}: a file, not a directory for a DCP checkpoint")
+    if force:
+        return
+    names = storage.listdir(dst, options)  # empty: missing, or an empty directory
+    if step_dirs.METADATA_NAME in names:
+        raise CommandError(f"{dst}: holds a DCP checkpoint already (--force to replace it)")
+    if names:
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        raise CommandError(f"{dst}: exists and is not empty ({shown}) (--force to write into it)")
+
+
+def _write_dcp(state: Any, dst: str, options: Mapping[str, Any], force: bool) -> str:
     from ..dcp.saving import save
 
-    if storage.exists(storage.join(dst, step_dirs.METADATA_NAME), options) and not force:
-        raise CommandError(f"{dst}: holds a DCP checkpoint already (--force to replace it)")
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         state = {"state": state}
     save(state, dst, storage_options=options, overwrite=force)
