@@ -664,6 +664,31 @@ def test_convert_refuses_a_destination_that_is_not_empty(
     _one_line_error(capsys.readouterr().err, "a file, not a directory")
 
 
+def test_ls_of_one_rank_directory_and_inspect_of_a_short_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    session = tmp_path / "job"
+    for rank in (0, 1):
+        _part(session / str(rank) / part_name(5, rank), 5, rank, 2)
+    _part(session / "1" / part_name(9, 1), 9, 1, 2)  # iteration 9: rank 0's part nowhere
+    assert main(["ls", "--json", str(session / "1")]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows[5]["status"] == "complete" and rows[5]["ranks"] == [1]
+    assert "one rank's directory" in rows[5]["detail"]
+    assert rows[9]["status"] == "incomplete" and "missing ranks [0]" in rows[9]["detail"]
+    assert main(["ls", str(session / "1")]) == 0
+    assert f"newest restorable (job): local iteration 5: {session}" in capsys.readouterr().out
+    # Converting it whole needs every rank's part: they are not all under it.
+    assert main(["convert", str(session / "1"), str(tmp_path / "all.pt")]) == 1
+    _one_line_error(capsys.readouterr().err, "parts of ranks [0] are not under it")
+    assert main(["convert", str(session / "1"), str(tmp_path / "r1.pt"), "--rank", "1"]) == 0
+
+    short = tmp_path / "hostname"
+    short.write_text("ab\n")
+    assert main(["inspect", str(short)]) == 1
+    _one_line_error(capsys.readouterr().err, "not a checkpoint file", "too short")
+
+
 def test_verify_and_ls_an_olmo_run_on_s3(
     s3_bucket: tuple,  # noqa: F811
     tmp_path: Path,

@@ -151,6 +151,12 @@ def _read_iteration(root: str, iteration: int | None, rank: int | None) -> tuple
     ranks = [rank] if rank is not None else sorted(parts)
     if any(r not in parts for r in ranks):
         raise CommandError(f"{root}: iteration {row.step} has no part of rank {rank}")
+    elsewhere = sorted(set(range(row.world_size or 0)) - set(parts))
+    if rank is None and elsewhere:  # one rank's directory: the others' parts are not under it
+        raise CommandError(
+            f"{root}: iteration {row.step}'s parts of ranks {elsewhere} are not under it: convert "
+            "from the session's directory, or one rank's part with --rank"
+        )
     if rank is not None:
         return fileformat.read(parts[rank]), f"iteration {row.step}, rank {rank}"
     state = {f"rank{r}": fileformat.read(parts[r]) for r in ranks}

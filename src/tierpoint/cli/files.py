@@ -73,7 +73,9 @@ def _header_and_data_bytes(path: str) -> tuple[dict[str, Any], int]:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
-            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if len(prefix) < 8:
+                raise ValueError(f"{size} bytes, too short for a safetensors header")
+            n = int.from_bytes(prefix, "little")
             if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
                 raise ValueError(f"a header length of {n} bytes in a file of {size}")
             header = json.loads(f.read(n))
@@ -81,7 +83,8 @@ def _header_and_data_bytes(path: str) -> tuple[dict[str, Any], int]:
             raise ValueError("the header is not a JSON object")
         return header, size - 8 - n
     except ValueError as e:
-        raise CommandError(f"{path}: not a safetensors file: {e}") from e
+        what = "safetensors" if kind_of_file(path) == "safetensors" else "checkpoint"
+        raise CommandError(f"{path}: not a {what} file: {e}") from e
 
 
 def load_pt(path: str) -> Any:

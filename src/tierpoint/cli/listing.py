@@ -9,7 +9,9 @@ Invariants: only headers, listings, DCP metadata and ``.metadata.json`` are read
 every byte); a status is ``complete``, ``incomplete`` (never committed, ranks missing) or
 ``corrupt`` with the reason in ``detail``. An OLMo-core step is complete only when the
 Checkpointer's discovery takes it and each rank's trainer state is there
-(:mod:`tierpoint.cli.olmo`).
+(:mod:`tierpoint.cli.olmo`). In one rank's directory of the local tier, an iteration whose other
+ranks' parts are in the session's other directories gets the session's status (the detail says
+so); its ranks, replicas and size are the directory's.
 """
 
 from __future__ import annotations
@@ -130,13 +132,38 @@ def local_rows(root: str) -> list[Row]:
     def holds(directory: Path) -> bool:
         return any(parse_part_name(n) is not None for n in os.listdir(directory))
 
-    if holds(base):  # a rank's directory
-        return _session_rows(base.parent.name, [base])
+    if holds(base):  # a rank's directory: its parts, each iteration judged with the session's
+        return _rank_dir_rows(base)
     holders = [p for p in subdirs if holds(p)]
     rows = _session_rows(base.name, holders) if holders else []  # a session's directory
     for session in (p for p in subdirs if p not in holders):  # a root of sessions
         rows += _session_rows(session.name, sorted(p for p in session.iterdir() if p.is_dir()))
     return rows
+
+
+def _rank_dir_rows(rank_dir: Path) -> list[Row]:
+    """The iterations with parts in one rank's directory: ranks, replicas and size of the parts
+    there; the status of an iteration whose other ranks' parts are elsewhere is the session's (its
+    sibling rank directories' headers read too), said in the detail."""
+    from ..local.naming import parse_part_name
+
+    here = _session_rows(rank_dir.parent.name, [rank_dir])
+    siblings = [
+        p
+        for p in sorted(rank_dir.parent.iterdir())
+        if p.is_dir() and any(parse_part_name(n) is not None for n in os.listdir(p))
+    ]
+    session = {r.step: r for r in _session_rows(rank_dir.parent.name, siblings)}
+    for row in here:
+        whole = session.get(row.step)
+        if row.status != "incomplete" or whole is None:
+            continue
+        row.status = whole.status
+        if whole.status == "complete":
+            row.detail = f"one rank's directory: the other ranks' parts are in {rank_dir.parent}"
+        else:
+            row.detail = f"one rank's directory; with the session {rank_dir.parent}: {whole.detail}"
+    return here
 
 
 def _session_rows(session: str, holders: Sequence[Path]) -> list[Row]:
