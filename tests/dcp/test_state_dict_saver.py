@@ -23,6 +23,7 @@ from tierpoint.dcp import (
     CheckpointMetadataCache,
     StagingPool,
     Writer,
+    async_save,
     get_latest_complete_checkpoint,
     save,
     save_state_dict_async_finalize,
@@ -442,3 +443,26 @@ def test_a_peer_lost_at_the_planning_vote_leaves_no_marker(tmp_path, monkeypatch
         _peer_gone_at_the_cached_vote, 2, str(tmp_path), allow_crash={1}, timeout=120
     )
     assert results[0] == []
+
+
+def _save_other_sizes(rank: int, world: int, base: str, is_async: bool) -> str:
+    state = {"w": torch.zeros(2 + rank), "b": torch.ones(3)}
+    try:
+        if is_async:
+            async_save(state, step_path(base, 1)).result()
+        else:
+            save(state, step_path(base, 1))
+    except CheckpointingError as e:
+        return str(e)
+    return "saved"
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_replicated_tensor_of_other_sizes_on_the_ranks_commits_nothing(tmp_path, is_async):
+    """torch keeps one rank's copy of a replicated value: one whose size differs between ranks
+    made a checkpoint no load accepted; now every rank is told at planning, and nothing is
+    committed."""
+    results = run_ranks(_save_other_sizes, 2, str(tmp_path), is_async)
+    assert all("'w' is a torch.float32 tensor of size [3] on rank 1" in r for r in results)
+    assert get_latest_complete_checkpoint(tmp_path) is None
+    assert not any(tmp_path.rglob(".metadata"))

@@ -162,6 +162,7 @@ def save_state_dict_async_plan(
         def global_step(all_local_plans: list[SavePlan]) -> list[SavePlan]:
             nonlocal global_metadata
             local_plans = list(all_local_plans)
+            _refuse_other_sizes(local_plans)
             all_local_plans, global_metadata = planner.create_global_plan(all_local_plans)
             # As NVRx does: every rank's local plan goes into the metadata, so that a job resuming
             # from this checkpoint can reuse its plan (init_checkpoint_metadata_cache).
@@ -192,6 +193,26 @@ def save_state_dict_async_plan(
         cache.local_layout = layout  # with the plan it describes, once the planning succeeded
         ret = cache.prepare_save_state_dict_ret(rank, coordinator_rank, ret)
     return ret
+
+
+def _refuse_other_sizes(plans: list[SavePlan]) -> None:
+    """Raise when ranks hold a tensor of one name with other (global) sizes or dtypes: torch
+    would keep one rank's and commit metadata no load accepts (a replicated value must be alike
+    on every rank; a DTensor's shards name one global size)."""
+    seen: dict[str, tuple[int, tuple, Any]] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            data = item.tensor_data
+            if data is None:
+                continue
+            mine = (tuple(data.size), data.properties.dtype)
+            first = seen.setdefault(item.index.fqn, (rank, *mine))
+            if first[1:] != mine:
+                raise CheckpointingError(
+                    f"{item.index.fqn!r} is a {mine[1]} tensor of size {list(mine[0])} on rank "
+                    f"{rank} but {first[2]} of size {list(first[1])} on rank {first[0]}: a value "
+                    "saved once for every rank must be alike on every rank (nothing was written)"
+                )
 
 
 def _tensor_layout(value: Any) -> tuple | None:
