@@ -68,3 +68,19 @@ def _batch_norm(rank: int, world: int, root: Path) -> list[str]:
 
 def test_batch_norm_statistics_are_not_taken_for_a_mistake(tmp_path):
     assert run_ranks(_batch_norm, 2, tmp_path, timeout=120) == [[], []]
+
+
+def _built_in_rank_order(rank: int, world: int, root: Path) -> list[str]:
+    """Each rank adds its keys in another order (as from iterating a set) and holds another
+    ``cursor``: the order is no difference, the cursor is."""
+    made = make_state(rank)
+    made["cursor"] = {"b": rank, "a": 1} if rank else {"a": 1, "b": rank}
+    names = list(made)
+    state = {name: made[name] for name in (names if rank == 0 else names[::-1])}
+    return replica_warnings(lambda: _save(state, root, world))
+
+
+def test_keys_in_another_order_on_each_rank_are_still_compared(tmp_path):
+    warned, other = run_ranks(_built_in_rank_order, 2, tmp_path, timeout=120)
+    assert len(warned) == 1 and "'cursor'" in warned[0] and "'model'" not in warned[0]
+    assert other == []

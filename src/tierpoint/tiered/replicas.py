@@ -57,8 +57,8 @@ def _feed(layout: Any, data: Any, value: Any, depth: int = 0) -> None:
         layout.update(b"deep")
     elif isinstance(value, Mapping):
         layout.update(b"{")
-        for key, item in value.items():
-            layout.update(repr(key).encode())
+        for name, _, item in _in_key_order(value):
+            layout.update(name)
             _feed(layout, data, item, depth + 1)
         layout.update(b"}")
     elif isinstance(value, (list, tuple)):
@@ -101,14 +101,20 @@ def digests(tree: Mapping[str, Any]) -> tuple[int, dict[str, int]]:
     """A hash of the layout of the values stored once for every rank, and of each top-level
     value's data."""
     layout, out = xxhash.xxh3_64(), {}
-    for key, value in tree.items():
+    for name, key, value in _in_key_order(tree):
         if key == RANK_LOCAL_KEY:
             continue
         data = xxhash.xxh3_64()
-        layout.update(repr(key).encode())
+        layout.update(name)
         _feed(layout, data, value)
         out[str(key)] = data.intdigest() & _MASK
     return layout.intdigest() & _MASK, out
+
+
+def _in_key_order(mapping: Mapping[Any, Any]) -> list[tuple[bytes, Any, Any]]:
+    """``mapping``'s items (with each key's ``repr``) in the order of those: ranks that built a
+    dict in another order (from a set, say) hold the same state."""
+    return sorted(((repr(k).encode(), k, v) for k, v in mapping.items()), key=lambda i: i[0])
 
 
 class ReplicaCheck:
