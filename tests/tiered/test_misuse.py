@@ -233,3 +233,19 @@ def test_sys_exit_inside_the_with_block_keeps_the_saves_in_flight(tmp_path):
                 manager.maybe_save(step, state)
             sys.exit(0)
     assert (tmp_path / "persistent" / "step-2" / ".metadata").exists()
+
+
+def test_saves_dropped_by_an_exception_are_recorded_as_dropped_not_failed(tmp_path, caplog):
+    """A Ctrl-C with a save in flight (due to both tiers): its records say it was dropped by the
+    abort, and no WARNING promises a next step's persistent save that will never come."""
+    events: list = []
+    state = make_state(0)
+    with pytest.raises(KeyboardInterrupt):
+        with _manager(tmp_path, local_every=2, persistent_every=2, on_event=events.append) as m:
+            for step in (1, 2):
+                train_step(state, 1)
+                m.maybe_save(step, state)
+            raise KeyboardInterrupt
+    dropped = [e for e in events if e["step"] == 2]
+    assert dropped and all(not e["ok"] and "closed by an exception" in e["error"] for e in dropped)
+    assert not any("next step" in r.getMessage() for r in caplog.records)

@@ -183,6 +183,7 @@ class TieredCheckpointManager(SavePath):
         self._deferred: _Deferred | None = None
         self._in_flight: dict[str, int] = {}  # tier -> call id of its save not yet finalized
         self._retiring = None
+        self._aborting = False
         self._optimizers_seen: weakref.WeakSet = weakref.WeakSet()  # given their state if need be
         self._retire_next = None
         self._retire_lock = threading.Lock()
@@ -362,6 +363,7 @@ class TieredCheckpointManager(SavePath):
             return
         try:
             if abort:
+                self._aborting = True  # (the saves dropped are recorded as such)
                 self.queue.close(abort=True)
             else:
                 self.wait()

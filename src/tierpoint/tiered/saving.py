@@ -54,6 +54,9 @@ from .retention import retire_persistent_steps
 
 logger = logging.getLogger("tierpoint")
 
+ABORTED = "dropped: the manager was closed by an exception (close(abort=True))"
+"""The error of the records of saves in flight when the manager is aborted."""
+
 
 @dataclass
 class _Deferred:
@@ -76,6 +79,7 @@ class SavePath:
     _events: EventLog
     _deferred: _Deferred | None
     _in_flight: dict[str, int]  # tier -> call id of its save not yet finalized
+    _aborting: bool  # close(abort=True) drops the saves in flight
     _retiring: threading.Thread | None  # rank 0: the persistent retention running
     _retire_next: int | None  # the commit it runs for once more (under _retire_lock)
     _retire_lock: threading.Lock
@@ -156,6 +160,8 @@ class SavePath:
 
         def failed() -> None:
             record.ok, record.error = False, "the local save failed on some rank"
+            if self._aborting:
+                record.error, self._deferred = ABORTED, None
             self._local_failing = True
             if self._deferred is not None and self._deferred.step == step:
                 logger.warning(
@@ -188,7 +194,10 @@ class SavePath:
 
         def failed() -> None:
             record.ok, record.error = False, f"the save to {path} failed on some rank"
-            logger.warning("persistent checkpoint of step %d failed; training goes on", step)
+            if self._aborting:
+                record.error = ABORTED
+            else:
+                logger.warning("persistent checkpoint of step %d failed; training goes on", step)
             self._events.emit(record)
 
         try:
