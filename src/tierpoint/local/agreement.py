@@ -66,7 +66,8 @@ def agree_on_iteration(
         if world == store.world_size and i not in unloadable
     }
     keep = keep_for(iteration, complete, max(g["requested"] for g in gathered), keep_last)
-    superseded = sorted({p[0] for g in gathered for p in g["parts"] if p[0] >= iteration})
+    listed = {p[0] for g in gathered for p in g["parts"]}
+    superseded = sorted(i for i in listed if i >= iteration or i not in complete)
     if superseded and store.rank == 0:
         logger.warning(
             "saving local iteration %d removes iteration(s) %s, which this job cannot load "
