@@ -545,7 +545,7 @@ def _keep_two(rank: int, world: int, root: str) -> None:
     save_iterations(root, rank, [1, 2], keep_last=2)
 
 
-def _save_three(rank: int, world: int, root: str) -> list[str]:
+def _save_three_keeping_two(rank: int, world: int, root: str) -> list[str]:
     records = WarningRecords()
     save_iterations(root, rank, [3], keep_last=2)
     return records.messages
@@ -555,7 +555,7 @@ def test_older_iterations_of_another_world_size_are_named_when_a_save_removes_th
     """NVRx's retention removes what this job cannot load; the WARNING names older iterations of
     another world size too, not only the newer ones."""
     run_ranks(_keep_two, 2, str(tmp_path))
-    warnings = run_ranks(_save_three, WORLD, str(tmp_path))[0]
+    warnings = run_ranks(_save_three_keeping_two, WORLD, str(tmp_path))[0]
     assert any("saving local iteration 3 removes iteration(s) 1, 2" in m for m in warnings)
 
 
