@@ -81,8 +81,12 @@ def child_path(path: str, key: object) -> str:
     return f"{path}[{key!r}]"
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
-    """Split ``state`` into a JSON skeleton and its tensors (in first-seen order)."""
+PICKLE_HINT = "convert it to plain data, or pass allow_pickle=True on save and load"
+
+
+def flatten(state: Any, *, allow_pickle: bool = False, hint: str = PICKLE_HINT) -> FlatState:
+    """Split ``state`` into a JSON skeleton and its tensors (in first-seen order); ``hint``: what
+    the error for an unsupported object tells to do (a caller without ``allow_pickle`` says so)."""
     flat = FlatState(skeleton=None)
     seen: dict[int, int] = {}
 
@@ -155,7 +159,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
         raise UnsupportedStateError(
             path,
             f"objects of type {type(obj).__module__}.{type(obj).__qualname__} cannot be stored "
-            "without pickle; convert it to plain data, or pass allow_pickle=True on save and load",
+            f"without pickle; {hint}",
         )
 
     flat.skeleton = enc(state, "", 0)

@@ -141,6 +141,16 @@ def test_unsupported_trainer_state_fails_before_anything_is_touched(tmp_path):
     assert checkpointer.load(path, fresh_module()) == {"v": 1}  # the old checkpoint is intact
 
 
+def test_the_unsupported_value_error_advises_only_what_the_checkpointer_offers(tmp_path):
+    checkpointer = Checkpointer(work_dir=tmp_path / "work")
+    with pytest.raises(UnsupportedStateError) as refused:
+        checkpointer.save(f"{_run(tmp_path)}/step1", trained_module(), {"obj": object()})
+    message = str(refused.value)
+    assert "obj: objects of type builtins.object cannot be stored without pickle" in message
+    assert "convert it to plain data" in message and "no option for other objects" in message
+    assert "allow_pickle" not in message  # Checkpointer.save has no such parameter
+
+
 def test_write_file(tmp_path, checkpointer):
     run = _run(tmp_path)
     target = checkpointer.write_file(run, "config.json", '{"a": 1}')

@@ -50,12 +50,19 @@ def state_files(step_dir: str, rank: int) -> tuple[str, str]:
     return base + EXTENSION, base + PICKLE_EXTENSION
 
 
+PLAIN_DATA_HINT = (
+    "convert it to plain data (dicts, lists, tuples, numbers, strings, bytes, tensors, numpy "
+    "values): the Checkpointer stores trainer state without pickle and has no option for other "
+    "objects"
+)
+
+
 def encode(state: Any) -> FlatState:
     """``state`` flattened for writing; raises :class:`UnsupportedStateError` naming the key of a
     value that cannot be stored without pickle."""
     if not isinstance(state, Mapping):
         raise UnsupportedStateError("", f"train_state must be a dict, got {type(state).__name__}")
-    return flatten(dict(state))
+    return flatten(dict(state), hint=PLAIN_DATA_HINT)
 
 
 def write(
