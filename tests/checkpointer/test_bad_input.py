@@ -1,6 +1,6 @@
 """Bad input gets a clear error and loses nothing: a damaged ``.metadata.json`` (skipped by
-discovery, refused by load), a step without ``model_and_optim``, a damaged trainer-state file, a
-train module that returns no dict. (Another world size: see test_training_script.py.)"""
+discovery, refused by load), a step without ``model_and_optim``, a damaged DCP ``.metadata``, a
+damaged trainer-state file, a train module that returns no dict. (Another world size: see test_training_script.py.)"""
 
 from __future__ import annotations
 
@@ -64,6 +64,15 @@ def test_a_damaged_trainer_state_file(run, checkpointer):
     target = fresh_module()
     before = target.model.weight.clone()
     with pytest.raises(CorruptCheckpointError, match="rank0.safetensors"):
+        checkpointer.load(f"{run}/step2", target)
+    assert torch.equal(target.model.weight, before)
+
+
+def test_a_damaged_dcp_metadata_is_a_corrupt_checkpoint(run, checkpointer):
+    os.truncate(f"{run}/step2/model_and_optim/.metadata", 500)
+    target = fresh_module()
+    before = target.model.weight.clone()
+    with pytest.raises(CorruptCheckpointError, match=r"step2/model_and_optim/\.metadata"):
         checkpointer.load(f"{run}/step2", target)
     assert torch.equal(target.model.weight, before)
 
