@@ -1,19 +1,24 @@
 """Run directories OLMo-core itself wrote: ``step<N>/model_and_optim`` saved by plain
 ``torch.distributed.checkpoint.save``, ``train/rank<r>.pt`` by ``torch.save`` and a
 ``.metadata.json``. Found and loaded; the pickled trainer state only with the explicit opt-in, and
-then through torch's weights_only allow-list: a hostile pickle is refused even so."""
+then through torch's weights_only allow-list plus numpy's arrays (OLMo-core's Trainer saves numpy's
+RNG state): a hostile pickle is refused even so, as refused (not corrupt)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import random
+import re
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
 
 from tierpoint import Checkpointer
-from tierpoint.errors import CheckpointingError, CorruptCheckpointError
+from tierpoint.errors import CheckpointingError, CorruptCheckpointError, UnsupportedStateError
 
 from .conftest import fresh_module, trained_module
 
@@ -86,7 +91,49 @@ def test_a_hostile_trainer_state_pickle_is_refused_even_with_the_opt_in(tmp_path
     target = fresh_module()
     before = target.model.weight.clone()
     checkpointer = Checkpointer(work_dir=tmp_path / "work")
-    with pytest.raises(CorruptCheckpointError, match=r"rank0\.pt.*weights_only"):
+    with pytest.raises(UnsupportedStateError) as refused:
         checkpointer.load(path, target, allow_pickled_trainer_state=True)
     assert not marker.exists()  # nothing the file named was called
     assert torch.equal(target.model.weight, before)
+    # Refused, not damaged: the error names the file, what torch refused and the way to trust it,
+    # without torch's colour codes or its advice to turn the allow-list off.
+    message = str(refused.value)
+    assert not isinstance(refused.value, CorruptCheckpointError)
+    assert re.search(
+        r"rank0\.pt: torch\.load\(weights_only=True\) refused .*GLOBAL posix\.system", message
+    )
+    assert "torch.serialization.add_safe_globals" in message
+    assert "\x1b" not in message and "`weights_only` set to `False`" not in message
+
+
+def olmo_core_rngs() -> dict:
+    """The RNG states OLMo-core's Trainer saves in each rank's trainer state."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.random.get_rng_state(),
+    }
+
+
+@pytest.mark.parametrize("numpy_names", ["numpy 2", "numpy 1"])
+def test_olmo_core_trainer_state_with_rng_states_loads_with_the_opt_in(tmp_path, numpy_names):
+    run = str(tmp_path / "run")
+    state = {"global_step": 20, "rngs": olmo_core_rngs(), "tokens": np.int64(81920)}
+    path = olmo_core_step(run, 20, trained_module(), state)
+    if numpy_names == "numpy 1":  # as numpy 1 names its globals (numpy.core), in torch's old format
+        data = io.BytesIO()
+        torch.save(state, data, _use_new_zipfile_serialization=False)
+        old = data.getvalue().replace(b"numpy._core.", b"numpy.core.")
+        assert b"numpy.core.multiarray" in old
+        with open(f"{path}/train/rank0.pt", "wb") as f:
+            f.write(old)
+    checkpointer = Checkpointer(work_dir=tmp_path / "work")
+    loaded = checkpointer.load(path, fresh_module(), allow_pickled_trainer_state=True)
+    assert loaded["global_step"] == 20 and loaded["tokens"] == 81920
+    assert loaded["rngs"]["python"] == state["rngs"]["python"]
+    kind, keys, pos, has_gauss, gauss = loaded["rngs"]["numpy"]
+    assert kind == "MT19937" and np.array_equal(keys, state["rngs"]["numpy"][1])
+    assert (pos, has_gauss, gauss) == state["rngs"]["numpy"][2:]
+    assert torch.equal(loaded["rngs"]["torch"], state["rngs"]["torch"])
+    np.random.set_state(loaded["rngs"]["numpy"])  # usable as OLMo-core's Trainer uses it
+    random.setstate(loaded["rngs"]["python"])

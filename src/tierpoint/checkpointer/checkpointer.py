@@ -274,8 +274,8 @@ class Checkpointer:
         ``load_trainer_state``: ``None`` if present, ``True`` required (else
         ``FileNotFoundError``), ``False`` skipped. ``load_optim_state``: passed to
         ``state_dict_to_load`` (``False``: model only). ``allow_pickled_trainer_state``: read
-        OLMo-core's ``train/rank<r>.pt`` pickles through ``torch.load(weights_only=True)``
-        (default: the Checkpointer's field, ``False``).
+        OLMo-core's ``train/rank<r>.pt`` pickles through ``torch.load(weights_only=True)`` and
+        numpy's array globals (default: the Checkpointer's field, ``False``).
         """
         dir = normalize(dir)
         self._wait_for_pending_saves()

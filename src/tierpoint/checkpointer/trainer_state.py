@@ -15,8 +15,10 @@ Invariants:
 - OLMo-core's ``rank<r>.pt`` pickles are read only when the caller opts in
   (``allow_pickle=True``), and then through ``torch.load(weights_only=True)``: torch's allow-list
   unpickler, the one :class:`tierpoint.dcp.SafeLoadPlanner` uses for a DCP checkpoint's non-tensor
-  values (containers, scalars, strings and tensors load; a global outside the list stops the load
-  before it is called). Without the opt-in such a file is refused with an error saying how to opt in.
+  values, plus numpy's array, scalar and dtype reconstruction (OLMo-core's trainer saves
+  ``np.random.get_state()``); a global outside the list stops the load before it is called, with
+  an :class:`UnsupportedStateError` naming it. Without the opt-in such a file is refused with an
+  error saying how to opt in.
 - Each file records the step directory and rank it was written for (header ``extra``), checked on
   read: a file copied or swapped between ranks or steps is refused, not loaded as another's.
 - Every failure names the file.
@@ -24,13 +26,17 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
+import pickle
+import re
 import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import fileformat, storage
@@ -143,18 +149,74 @@ def _read_part(
     return state
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+"""Terminal colour codes torch puts into its weights_only messages."""
+_TORCH_ADVICE = re.compile(
+    r"Weights only load failed|weights_only. set to .False|^\(\d\)|Check the documentation of "
+    r"torch.load|Please file an issue|^WeightsUnpickler error:\s*$"
+)
+"""Lines of torch's weights_only message that are advice, not what was refused."""
+
+
 def _read_pickle(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     data = storage.read_bytes(url, storage_options)
+    safe_globals = getattr(torch.serialization, "safe_globals", None)
+    allowed = safe_globals(_numpy_globals()) if safe_globals else contextlib.nullcontext()
     try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - whatever the allow-list refuses, we refuse
-        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise CorruptCheckpointError(
-            url, f"torch.load(weights_only=True) refused it ({reason})"
+        with allowed:
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        refusal = _refusal(str(e))
+        if not re.search(r"global|allowlist", refusal, re.IGNORECASE):
+            raise CorruptCheckpointError(url, f"not a torch.save pickle ({refusal})") from None
+        raise UnsupportedStateError(
+            url,
+            f"torch.load(weights_only=True) refused this pickled trainer state: "
+            f"{refusal.rstrip('.')}. allow_pickled_trainer_state=True loads containers, numbers, "
+            "strings, tensors and numpy arrays; if you trust this file, allow the global it names "
+            "with torch.serialization.add_safe_globals([...]) before load, or pass "
+            "load_trainer_state=False to skip the trainer state",
         ) from None
+    except Exception as e:  # noqa: BLE001 - a file torch cannot read at all is damaged
+        reason = _refusal(str(e))[:300] or type(e).__name__
+        raise CorruptCheckpointError(url, f"torch.load could not read it ({reason})") from None
     if not isinstance(state, dict):
         raise CorruptCheckpointError(url, f"holds a {type(state).__name__}, not a dict")
     return state
+
+
+def _refusal(message: str) -> str:
+    """What torch's ``torch.load`` message says was refused, without its advice and colours."""
+    lines = [line.strip() for line in _ANSI.sub("", message).splitlines()]
+    kept = [line for line in lines if line and not _TORCH_ADVICE.search(line)]
+    text = " ".join(kept).removeprefix("WeightsUnpickler error: ")
+    return text[:600] if text else (lines[0] if lines else "")
+
+
+def _numpy_globals() -> list[Any]:
+    """What ``torch.load(weights_only=True)`` needs to rebuild numpy arrays, scalars and dtypes, under
+    numpy 2's names and numpy 1's (``numpy.core``). Each element of an object array still goes
+    through the allow-list."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    dtypes = getattr(np, "dtypes", None)
+    dtype_classes = (
+        [c for c in vars(dtypes).values() if isinstance(c, type) and issubclass(c, np.dtype)]
+        if dtypes is not None
+        else []
+    )
+    return [
+        np.ndarray,
+        np.dtype,
+        *dtype_classes,
+        *(
+            (getattr(multiarray, name), f"{module}.multiarray.{name}")
+            for name in ("_reconstruct", "scalar")
+            for module in ("numpy.core", "numpy._core")
+        ),
+    ]
 
 
 class _scratch:
