@@ -581,6 +581,9 @@ def test_verify_an_olmo_step_checks_its_trainer_state_and_metadata(
     assert "8 ok" in out and f"ok   {olmo_run / 'step3' / 'train' / 'rank1.safetensors'}" in out
     assert main(["verify", str(olmo_run / "step2" / "train")]) == 0  # the trainer state alone
     assert capsys.readouterr().out.count("every checksum matches") == 2
+    backup = shutil.copytree(olmo_run / "step2", tmp_path / "step2-backup")  # under another name
+    assert main(["verify", str(backup)]) == 0, capsys.readouterr().out
+    assert capsys.readouterr().out.count("every checksum matches") == 2
 
     def damaged(name: str, how: Callable[[Path], None], *fragments: str) -> None:
         step = _copy_run(olmo_run, tmp_path / name) / "step2"
@@ -599,6 +602,8 @@ def test_verify_an_olmo_step_checks_its_trainer_state_and_metadata(
     damaged("flipped", lambda s: _flip(s / rank1, 20), str(rank1))  # a header byte
     damaged("deleted", lambda s: (s / rank1).unlink(), str(rank1), "missing", "records 2 ranks")
     damaged("swapped", lambda s: shutil.copy(s / "train" / "rank0.safetensors", s / rank1),
+            str(rank1), "written as the trainer state of")  # fmt: skip
+    damaged("other save", lambda s: shutil.copy(s.parent / "step3" / rank1, s / rank1),
             str(rank1), "written as the trainer state of")  # fmt: skip
     damaged("empty", lambda s: (s / ".metadata.json").write_text(""), ".metadata.json", "JSON")
     damaged("garbage", lambda s: (s / ".metadata.json").write_text("{bad"), ".metadata.json")

@@ -1,9 +1,11 @@
 """Bad input gets a clear error and loses nothing: a damaged ``.metadata.json`` (skipped by
 discovery, refused by load), a step without ``model_and_optim``, a damaged DCP ``.metadata``, a
-damaged trainer-state file, a train module that returns no dict. (Another world size: see test_training_script.py.)"""
+damaged trainer-state file, one of an older tierpoint (bound to its directory's name), a train
+module that returns no dict. (Another world size: see test_training_script.py.)"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -11,7 +13,8 @@ import shutil
 import pytest
 import torch
 
-from tierpoint import Checkpointer
+from tierpoint import Checkpointer, fileformat
+from tierpoint.checkpointer import trainer_state
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError
 
 from .conftest import fresh_module, trained_module
@@ -75,6 +78,26 @@ def test_a_damaged_dcp_metadata_is_a_corrupt_checkpoint(run, checkpointer):
     with pytest.raises(CorruptCheckpointError, match=r"step2/model_and_optim/\.metadata"):
         checkpointer.load(f"{run}/step2", target)
     assert torch.equal(target.model.weight, before)
+
+
+def test_a_checkpoint_of_an_older_tierpoint_loads_where_its_name_agrees(run, checkpointer):
+    """Trainer-state files written before save ids record their step directory's name."""
+    step = f"{run}/step2"
+    flat = trainer_state.encode({"step": 2})
+    fileformat.write_flat(
+        f"{step}/train/rank0.safetensors", flat, extra={"step_dir": "step2", "rank": 0}
+    )
+    meta = json.loads(open(f"{step}/.metadata.json").read())
+    assert meta.pop("save_id")  # what the files of this version are bound to
+    open(f"{step}/.metadata.json", "w").write(json.dumps(meta))
+    assert checkpointer.load(step, fresh_module()) == {"step": 2}
+    os.symlink(step, f"{run}/latest")
+    with pytest.raises(CorruptCheckpointError, match="rank0.safetensors.*'step_dir': 'step2'"):
+        checkpointer.load(f"{run}/latest", fresh_module())
+    # A file of a newer save copied into it is refused: it records no step directory.
+    shutil.copy(f"{run}/step1/train/rank0.safetensors", f"{step}/train/rank0.safetensors")
+    with pytest.raises(CorruptCheckpointError, match="rank0.safetensors.*save_id"):
+        checkpointer.load(step, fresh_module())
 
 
 def test_a_train_module_that_returns_no_dict(tmp_path, checkpointer):

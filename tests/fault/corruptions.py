@@ -44,6 +44,7 @@ import torch
 
 from tierpoint import dcp, fileformat
 from tierpoint.checkpointer import trainer_state
+from tierpoint.checkpointer.metadata import METADATA_FNAME, read_metadata
 from tierpoint.dcp.step_dirs import MARKER_PREFIX, complete_steps, local_view, step_of
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import naming
@@ -243,8 +244,14 @@ def read_values(path: Path, root: Path) -> Any:
     kind = kind_of(path)
     if kind == "trainer":
         step_dir = _step_dir(path)
+        meta = read_metadata(str(step_dir)) if (step_dir / METADATA_FNAME).exists() else None
         return trainer_state.read(
-            str(step_dir), rank_of(path) or 0, own=True, allow_pickle=False, work_dir=str(root)
+            str(step_dir),
+            rank_of(path) or 0,
+            own=True,
+            save_id=meta.save_id if meta else None,
+            allow_pickle=False,
+            work_dir=str(root),
         )
     if kind == "part":
         m = _PART.match(path.name)

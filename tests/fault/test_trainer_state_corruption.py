@@ -3,8 +3,8 @@
 
 Asserts: a bit flip, a truncation or appended bytes is detected when the file is read (a
 :class:`CheckpointingError` naming it) or harmless (every value bit-equal), never silent. A file
-swapped with another rank's or step's (each intact) is refused: each records its step directory and
-rank.
+swapped with another rank's or step's (each intact) is refused: each records the id of its save
+(which the step's ``.metadata.json`` records too) and its rank.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tierpoint.checkpointer import trainer_state
+from tierpoint.checkpointer.metadata import METADATA_FNAME, CheckpointMetadata
 
 from . import corruptions as cx
 
@@ -22,6 +23,10 @@ SEEDS = range(40)
 
 def _layout(base: Path) -> list[Path]:
     for step in (1, 2):
+        step_dir = base / f"step-{step}"
+        step_dir.mkdir()
+        meta = CheckpointMetadata(world_size=2, save_id=f"save-{step}")
+        (step_dir / METADATA_FNAME).write_bytes(meta.to_json())
         for rank in (0, 1):
             g = torch.Generator().manual_seed(step * 10 + rank)
             state = {
@@ -31,7 +36,9 @@ def _layout(base: Path) -> list[Path]:
                 "loader": {"epoch": step, "position": torch.randn(8, generator=g)},
             }
             flat = trainer_state.encode(state)
-            trainer_state.write(str(base / f"step-{step}"), rank, flat, work_dir=str(base))
+            trainer_state.write(
+                str(step_dir), rank, flat, save_id=f"save-{step}", work_dir=str(base)
+            )
     files = cx.catalogue(base)
     assert [cx.kind_of(f) for f in files] == ["trainer"] * 4
     return files

@@ -8,16 +8,17 @@ point)::
     2. rank 0: check the target ``step<N>``: a finished checkpoint there (or files that are not a
        checkpoint's) raises ``FileExistsError`` unless ``save_overwrite``; leftovers of an
        interrupted save (or, with ``save_overwrite``, the old checkpoint: ``.metadata.json``
-       first) are removed;
-    3. every rank: write ``train/rank<r>.safetensors``;
+       first) are removed; then rank 0 draws the save's id and sends it to every rank;
+    3. every rank: write ``train/rank<r>.safetensors`` (recording the save's id and its rank);
     4. every rank: ``tierpoint.dcp.save`` (or ``async_save``) of the state into ``model_and_optim/``;
     5. once that is committed on every rank: rank 0 publishes ``.metadata.json`` (the commit
-       point), then removes the ephemeral checkpoints older than this one.
+       point, recording the save's id), then removes the ephemeral checkpoints older than this one.
 
 ``save_async`` returns after step 4 has taken its snapshot; step 5 runs when the save is finalized
 (see :mod:`.future`). ``load`` reads ``.metadata.json``, each rank's trainer state (its own, or
-rank 0's when the world size changed), the DCP metadata (without pickle), then loads
-``model_and_optim/`` into ``train_module.state_dict_to_load(...)`` in place.
+rank 0's when the world size changed: :mod:`.trainer_state`; bound to the save by its id, not to
+the directory's name), the DCP metadata (without pickle), then loads ``model_and_optim/`` into
+``train_module.state_dict_to_load(...)`` in place.
 
 Invariants: those of :mod:`tierpoint.dcp` (complete or invisible, agreed errors, nothing runs code
 from a file), and: a step directory is a checkpoint only once ``.metadata.json`` is there, which
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -127,9 +129,9 @@ class Checkpointer:
         once the checkpoint is finished on every rank."""
         dir = normalize(dir)
         self._wait_for_pending_saves()
-        state = self._prepare(dir, train_module, train_state)
+        state, save_id = self._prepare(dir, train_module, train_state)
         dcp.save(state, storage.join(dir, MODEL_AND_OPTIM), **self._save_options())
-        self._commit(dir, ephemeral)
+        self._commit(dir, ephemeral, save_id)
 
     def save_async(
         self,
@@ -146,14 +148,14 @@ class Checkpointer:
         queue = self._async_queue()
         if queue.get_num_unfinalized_calls() >= queue.max_in_flight:
             queue.maybe_finalize_async_calls(blocking=True)  # back-pressure, before touching dir
-        state = self._prepare(dir, train_module, train_state)
+        state, save_id = self._prepare(dir, train_module, train_state)
         request = dcp.async_save_request(
             state, storage.join(dir, MODEL_AND_OPTIM), **self._save_options()
         )
         future = CheckpointFuture(queue, f"Checkpointer.save_async to {dir}")
 
         def finalize() -> None:
-            self._commit(dir, ephemeral)
+            self._commit(dir, ephemeral, save_id)
             future.finish()
 
         request.add_finalize_fn(finalize)
@@ -178,8 +180,9 @@ class Checkpointer:
 
     def _prepare(
         self, dir: str, train_module: TrainModule, train_state: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Steps 1-3 of a save (module docstring); returns the state for ``model_and_optim``."""
+    ) -> tuple[dict[str, Any], str]:
+        """Steps 1-3 of a save (module docstring); returns the state for ``model_and_optim`` and
+        the save's id."""
         flat = state = None
         with agreed(f"preparing the checkpoint {dir}"):
             flat = trainer_state.encode(train_state)
@@ -191,16 +194,20 @@ class Checkpointer:
         with agreed(f"preparing the directory {dir}"):
             if tpdist.get_rank() == 0:
                 self._clear_target(dir)
+        save_id = tpdist.broadcast_json(
+            uuid.uuid4().hex if tpdist.get_rank() == 0 else None, what=f"naming the save {dir}"
+        )
         with agreed(f"writing the trainer state into {dir}"):
             trainer_state.write(
                 dir,
                 tpdist.get_rank(),
                 flat,
+                save_id=save_id,
                 work_dir=str(self.work_dir),
                 storage_options=self.storage_options,
                 upload=self._upload,
             )
-        return state
+        return state, save_id
 
     def _clear_target(self, dir: str) -> None:
         names = set(storage.listdir(dir, self.storage_options))
@@ -222,9 +229,11 @@ class Checkpointer:
                 )
             discovery.remove_checkpoint(dir, self.storage_options)
 
-    def _commit(self, dir: str, ephemeral: bool) -> None:
+    def _commit(self, dir: str, ephemeral: bool, save_id: str) -> None:
         """Step 5: publish ``.metadata.json`` (rank 0), then retire older ephemeral checkpoints."""
-        metadata = CheckpointMetadata(ephemeral=ephemeral, world_size=tpdist.get_world_size())
+        metadata = CheckpointMetadata(
+            ephemeral=ephemeral, world_size=tpdist.get_world_size(), save_id=save_id
+        )
         with agreed(f"finishing the checkpoint {dir}"):
             if tpdist.get_rank() == 0:
                 storage.publish(
@@ -291,16 +300,20 @@ class Checkpointer:
             meta = None
             if storage.exists(metadata_path(dir), options):
                 meta = read_metadata(dir, options)
+            found["path"] = self._model_and_optim(dir, meta)
             if load_trainer_state is not False:
                 own = meta is None or meta.world_size in (None, world)
                 found["trainer"] = trainer_state.read(
                     dir,
                     rank,
                     own=own,
+                    save_id=meta.save_id if meta else None,
                     allow_pickle=allow,
                     work_dir=str(self.work_dir),
                     storage_options=options,
                 )
+                if found["trainer"] is not None and found["path"] == dir:
+                    raise self._unfinished(dir)  # trainer state, but no model_and_optim
                 if found["trainer"] is None and load_trainer_state:
                     raise CheckpointNotFoundError(
                         f"Missing trainer state in checkpoint dir '{dir}'"
@@ -313,7 +326,6 @@ class Checkpointer:
                         meta.world_size if meta else -1,
                         world,
                     )
-            found["path"] = self._model_and_optim(dir, meta, found.get("trainer"))
             found["metadata"] = dcp.read_metadata(found["path"], storage_options=options)
         state = train_module.state_dict_to_load(found["metadata"], optim=load_optim_state)
         load_options: dict[str, Any] = {"storage_options": options}
@@ -323,7 +335,7 @@ class Checkpointer:
         train_module.load_state_dict(state)
         return found.get("trainer")
 
-    def _model_and_optim(self, dir: str, meta: CheckpointMetadata | None, trainer: Any) -> str:
+    def _model_and_optim(self, dir: str, meta: CheckpointMetadata | None) -> str:
         """Where the DCP checkpoint of ``dir`` is: ``model_and_optim/`` of a finished step, or
         ``dir`` itself when it is a bare DCP checkpoint (model weights, no trainer state)."""
         options = self.storage_options
@@ -335,9 +347,13 @@ class Checkpointer:
                     "checkpoint); load an older one (latest_checkpoint lists finished ones)"
                 )
             return path
-        if trainer is None and storage.exists(storage.join(dir, DCP_METADATA), options):
+        if storage.exists(storage.join(dir, DCP_METADATA), options):
             return dir
-        raise CheckpointNotFoundError(
+        raise self._unfinished(dir)
+
+    @staticmethod
+    def _unfinished(dir: str) -> CheckpointNotFoundError:
+        return CheckpointNotFoundError(
             f"{dir} has no {MODEL_AND_OPTIM}/{DCP_METADATA}: not a finished checkpoint (a bare DCP "
             "checkpoint of model weights loads with load_trainer_state=False)"
         )

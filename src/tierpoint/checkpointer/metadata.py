@@ -1,9 +1,11 @@
 """``.metadata.json``: the file that makes a ``step<N>`` directory a finished checkpoint.
 
 OLMo-core writes ``{"ephemeral": <bool or null>, "version": "<olmo-core version>"}``; tierpoint
-writes the same keys plus ``world_size`` (how many ranks saved their trainer state) and
-``trainer_state`` (``"tierpoint"``: pickle-free part files). Unknown keys are ignored, so files of
-newer OLMo-core versions still read.
+writes the same keys plus ``world_size`` (how many ranks saved their trainer state),
+``trainer_state`` (``"tierpoint"``: pickle-free part files) and ``save_id`` (a random id of the save,
+which each rank's trainer-state file records too, so a file of another save is refused whatever
+the directory is called). Unknown keys are ignored, so files of newer OLMo-core versions still
+read; checkpoints of older tierpoint versions have no ``save_id``.
 
 Call order: the saver publishes it last (atomically: tmp + fsync + rename, or one PUT) once
 everything else is committed on every rank; whoever removes a checkpoint removes it first.
@@ -27,6 +29,8 @@ METADATA_FNAME = ".metadata.json"
 TIERPOINT_TRAINER_STATE = "tierpoint"
 """``trainer_state`` of checkpoints whose trainer state is in tierpoint's part files."""
 MAX_BYTES = 1 << 20
+MAX_SAVE_ID = 128
+"""The longest ``save_id`` accepted (tierpoint writes 32 hex digits)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class CheckpointMetadata:
     version: str = f"tierpoint-{__version__}"
     world_size: int | None = None
     trainer_state: str | None = TIERPOINT_TRAINER_STATE
+    save_id: str | None = None
 
     def to_json(self) -> bytes:
         doc = {
@@ -44,6 +49,7 @@ class CheckpointMetadata:
             "version": self.version,
             "world_size": self.world_size,
             "trainer_state": self.trainer_state,
+            "save_id": self.save_id,
         }
         return json.dumps(doc).encode()
 
@@ -61,6 +67,10 @@ class CheckpointMetadata:
         _check(doc, "version", (str, type(None)), where)
         _check(doc, "world_size", (int, type(None)), where)
         _check(doc, "trainer_state", (str, type(None)), where)
+        _check(doc, "save_id", (str, type(None)), where)
+        save_id = doc.get("save_id")
+        if save_id is not None and not 0 < len(save_id) <= MAX_SAVE_ID:
+            raise CorruptCheckpointError(where, f"save_id {save_id!r:.60} is not a save's id")
         world = doc.get("world_size")
         if isinstance(world, bool) or (world is not None and not 0 < world < 1 << 24):
             raise CorruptCheckpointError(where, f"world_size {world!r} is not a rank count")
@@ -69,6 +79,7 @@ class CheckpointMetadata:
             version=doc.get("version") or "",
             world_size=world,
             trainer_state=doc.get("trainer_state"),
+            save_id=save_id,
         )
 
 

@@ -7,7 +7,8 @@ bytes, checksummed, no pickle); the state may hold what :mod:`tierpoint.tree` st
 tuples, scalars, strings, bytes, tensors, numpy values).
 
 Call order: :func:`encode` (before anything is written: unsupported values raise here), then
-:func:`write` on every rank; on load :func:`read` on every rank.
+:func:`write` on every rank with the save's id; on load :func:`read` on every rank, with the
+save's id that ``.metadata.json`` records.
 
 Invariants:
 - A part file appears under its final name only complete (local: dirty name, fsync, rename; object
@@ -19,8 +20,11 @@ Invariants:
   ``np.random.get_state()``); a global outside the list stops the load before it is called, with
   an :class:`UnsupportedStateError` naming it. Without the opt-in such a file is refused with an
   error saying how to opt in.
-- Each file records the step directory and rank it was written for (header ``extra``), checked on
-  read: a file copied or swapped between ranks or steps is refused, not loaded as another's.
+- Each file records the id of its save and its rank (header ``extra``), checked on read against
+  ``.metadata.json``'s ``save_id``: a file copied or swapped between ranks or saves is refused, not
+  loaded as another's, and a checkpoint loads under any directory name (a symlink, a copy).
+  Checkpoints of tierpoint versions before save ids record their step directory's name instead,
+  which must then match.
 - Every failure names the file.
 """
 
@@ -76,13 +80,14 @@ def write(
     rank: int,
     flat: FlatState,
     *,
+    save_id: str,
     work_dir: str,
     storage_options: Mapping[str, Any] | None = None,
     upload: storage.UploadOptions = storage.DEFAULT_UPLOAD,
 ) -> None:
-    """Write rank ``rank``'s trainer state into ``step_dir``."""
+    """Write rank ``rank``'s trainer state into ``step_dir``, bound to the save ``save_id``."""
     target = state_files(step_dir, rank)[0]
-    extra = _identity(step_dir, rank)
+    extra = binding(step_dir, rank, save_id)
     if storage.is_local(target):
         storage.makedirs(storage.join(step_dir, TRAIN_DIR))
         fileformat.write_flat(storage.local_path(target), flat, extra=extra)
@@ -99,16 +104,19 @@ def read(
     rank: int,
     *,
     own: bool,
+    save_id: str | None,
     allow_pickle: bool,
     work_dir: str,
     storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Rank ``rank``'s trainer state if ``own`` and it exists, else rank 0's; ``None`` if neither
-    exists (the checkpoint holds no trainer state)."""
+    exists (the checkpoint holds no trainer state). ``save_id``: the save's id as
+    ``.metadata.json`` records it (``None`` where it records none)."""
     for r in dict.fromkeys([rank, 0] if own else [0]):
         ours, pickled = state_files(step_dir, r)
         if storage.exists(ours, storage_options):
-            return _read_part(ours, _identity(step_dir, r), work_dir, storage_options)
+            expected = binding(step_dir, r, save_id)
+            return _read_part(ours, expected, work_dir, storage_options)
         if storage.exists(pickled, storage_options):
             if not allow_pickle:
                 raise CheckpointingError(
@@ -120,13 +128,29 @@ def read(
     return None
 
 
-def _identity(step_dir: str, rank: int) -> dict[str, Any]:
-    """What a trainer-state file records of where it belongs: its step directory's name and rank."""
-    return {"step_dir": storage.basename(step_dir), "rank": int(rank)}
+def check_binding(url: str, extra: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """Raise :class:`CorruptCheckpointError` naming ``url`` unless its header's ``extra`` records
+    ``expected`` (:func:`binding`, or a part of it)."""
+    if {k: extra.get(k) for k in expected} != dict(expected):
+        recorded = {k: v for k, v in extra.items() if k in ("save_id", "step_dir", "rank")}
+        raise CorruptCheckpointError(
+            url,
+            f"it was written as the trainer state of {recorded}, not of {dict(expected)} (a file "
+            "copied or swapped between ranks or saves)",
+        )
+
+
+def binding(step_dir: str, rank: int, save_id: str | None) -> dict[str, Any]:
+    """What a trainer-state file records of where it belongs: the id of its save (the one
+    ``.metadata.json`` records) and its rank; in checkpoints without a save id, its step
+    directory's name and rank."""
+    if save_id is None:
+        return {"step_dir": storage.basename(step_dir), "rank": int(rank)}
+    return {"save_id": save_id, "rank": int(rank)}
 
 
 def _read_part(
-    url: str, identity: dict[str, Any], work_dir: str, storage_options: Mapping[str, Any] | None
+    url: str, expected: dict[str, Any], work_dir: str, storage_options: Mapping[str, Any] | None
 ) -> Any:
     if storage.is_local(url):
         header, tensors = fileformat.read_flat(storage.local_path(url))
@@ -136,13 +160,7 @@ def _read_part(
             with open(tmp, "wb") as f:
                 f.write(data)
             header, tensors = fileformat.read_flat(tmp)
-    recorded = {k: header.extra.get(k) for k in identity}
-    if recorded != identity:
-        raise CorruptCheckpointError(
-            url,
-            f"it was written as the trainer state of {recorded}, not of {identity} (a file "
-            "copied or swapped between ranks or steps)",
-        )
+    check_binding(url, header.extra, expected)
     state = fileformat.unflatten_checked(header, tensors)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(url, f"holds a {type(state).__name__}, not a dict")

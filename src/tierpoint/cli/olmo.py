@@ -15,8 +15,10 @@ Invariants:
   step ``corrupt`` whose trainer-state files are not all there.
 - The trainer-state files a step needs: one per rank of the world size its ``.metadata.json``
   records (rank 0's when it records none, as OLMo-core's does), in either format.
-- A trainer-state part file verifies only when every checksum matches and it records the step and
-  rank its name says (what the Checkpointer's loader checks); a pickle is loaded with
+- A trainer-state part file verifies only when every checksum matches and it records the save
+  ``.metadata.json`` records and the rank its name says (what the Checkpointer's loader checks:
+  :func:`tierpoint.checkpointer.trainer_state.check_binding`; the rank alone where
+  ``.metadata.json`` cannot be read, which its own check reports); a pickle is loaded with
   ``torch.load(weights_only=True)`` and reported unverified (it has no checksums).
 - Only listings and ``.metadata.json`` are read by :func:`step_status`; nothing is written.
 """
@@ -29,7 +31,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import CheckpointingError, CorruptCheckpointError
+from ..errors import CheckpointingError
 from .files import load_pt
 
 _TRAINER_FILE = re.compile(r"^rank(\d+)\.(safetensors|pt)$")
@@ -122,7 +124,7 @@ def step_checks(step_dir: str, options: Mapping[str, Any]) -> list[Check]:
     why = f"missing ({METADATA_FNAME} records {world} ranks)" if world else "missing"
     for path in missing_trainer_files(step_dir, meta, present):
         checks.append((path, "trainer", lambda: ("FAIL", why)))
-    return checks + _file_checks(step_dir, present, options)
+    return checks + _file_checks(step_dir, present, options, meta, problem is None)
 
 
 def train_dir_checks(train_dir: str, options: Mapping[str, Any]) -> list[Check]:
@@ -138,7 +140,13 @@ def train_dir_checks(train_dir: str, options: Mapping[str, Any]) -> list[Check]:
         step_dir = os.path.dirname(os.path.abspath(storage.local_path(train_dir)))
     else:
         step_dir = train_dir.rstrip("/").rsplit("/", 1)[0]
-    return _file_checks(step_dir, present, options)
+    from ..checkpointer.metadata import read_metadata
+
+    try:
+        meta, known = read_metadata(step_dir, options), True
+    except CheckpointingError:  # missing or damaged: only the rank each file records is checked
+        meta, known = None, False
+    return _file_checks(step_dir, present, options, meta, known)
 
 
 def is_train_dir(names: list[str]) -> bool:
@@ -147,23 +155,34 @@ def is_train_dir(names: list[str]) -> bool:
 
 
 def _file_checks(
-    step_dir: str, present: Mapping[str, int], options: Mapping[str, Any]
+    step_dir: str, present: Mapping[str, int], options: Mapping[str, Any], meta: Any, known: bool
 ) -> list[Check]:
+    """One check per trainer-state file; ``meta``: the step's ``.metadata.json`` (``known``: it
+    could be read, so the save it records is checked too)."""
     from .. import storage
+    from ..checkpointer.trainer_state import binding
 
-    step = storage.basename(step_dir)
+    step, save_id = storage.basename(step_dir), meta.save_id if meta is not None else None
     return [
-        (path, "trainer", lambda p=path, r=rank: verify_trainer_file(p, step, r, options))
+        (
+            path,
+            "trainer",
+            lambda p=path, r=rank: verify_trainer_file(
+                p, step, binding(step_dir, r, save_id) if known else {"rank": r}, options
+            ),
+        )
         for path, rank in sorted(present.items(), key=lambda item: (item[1], item[0]))
     ]
 
 
 def verify_trainer_file(
-    url: str, step: str, rank: int, options: Mapping[str, Any]
+    url: str, step: str, expected: Mapping[str, Any], options: Mapping[str, Any]
 ) -> tuple[str, str]:
-    """Read a trainer-state file completely: a part file's every checksum and the step and rank it
-    records, or a pickle through ``torch.load(weights_only=True)``."""
+    """Read a trainer-state file completely: a part file's every checksum and the save and rank it
+    records (``expected``: :func:`~tierpoint.checkpointer.trainer_state.binding`), or a pickle
+    through ``torch.load(weights_only=True)``."""
     from .. import fileformat
+    from ..checkpointer.trainer_state import check_binding
 
     if url.endswith(".pt"):
         with _local_copy(url, options) as path:
@@ -171,14 +190,9 @@ def verify_trainer_file(
         return "unverified", "OLMo-core's pickled trainer state: loads, has no checksums"
     with _local_copy(url, options) as path:
         header = fileformat.verify(path)
-    identity = {"step_dir": step, "rank": rank}
-    recorded = {k: header.extra.get(k) for k in identity}
-    if recorded != identity:
-        raise CorruptCheckpointError(
-            url, f"it was written as the trainer state of {recorded}, not of {identity}"
-        )
+    check_binding(url, header.extra, expected)
     detail = f"{len(header.records)} tensors, {header.file_size} bytes, every checksum matches"
-    return "ok", f"trainer state of {step} rank {rank}: {detail}"
+    return "ok", f"trainer state of {step} rank {expected['rank']}: {detail}"
 
 
 class _local_copy:
