@@ -2,7 +2,9 @@
 
 A checkpoint saved by 2 ranks loads under another name (a symlink, a copy) with each rank's own
 trainer state; a trainer-state file of another save (another step's, or an earlier save into the
-same directory) or of another rank is refused on every rank, and nothing is loaded. In the same processes: a damaged ``model_and_optim/.metadata`` is a
+same directory) or of another rank is refused on every rank; a
+rank whose file is missing gets an error naming it on every rank (never rank 0's state in its
+place), and nothing is loaded. In the same processes: a damaged ``model_and_optim/.metadata`` is a
 ``CorruptCheckpointError`` on every rank.
 """
 
@@ -26,6 +28,7 @@ CASES = {
     "step2-backup": 2,  # a copy of step2
     "other-save": 6,  # step6, with step4's rank 1 file in place of its own
     "ranks-swapped": 8,  # step8, its two files exchanged
+    "rank1-missing": 10,  # step10, without rank 1's file
     "damaged": 12,  # step12, its model_and_optim/.metadata truncated
     "saved-again": 14,  # step14 saved twice, with rank 1's file of the first save put back
 }
@@ -46,6 +49,7 @@ def _damage(run: str) -> None:
     os.rename(f"{train}/rank0.safetensors", f"{train}/tmp")
     os.rename(f"{train}/rank1.safetensors", f"{train}/rank0.safetensors")
     os.rename(f"{train}/tmp", f"{train}/rank1.safetensors")
+    os.unlink(f"{_path(run, 'rank1-missing')}/train/rank1.safetensors")
     os.truncate(f"{_path(run, 'damaged')}/model_and_optim/.metadata", 500)
 
 
@@ -111,6 +115,11 @@ def test_a_trainer_state_of_another_save_or_rank_is_refused(outcomes):
 def test_a_trainer_state_of_an_earlier_save_into_the_same_directory_is_refused(outcomes):
     message = _refused_alike(outcomes, "saved-again", "train/rank1.safetensors")
     assert "swapped between ranks or saves" in message
+
+
+def test_a_missing_trainer_state_file_is_an_error_on_every_rank(outcomes):
+    message = _refused_alike(outcomes, "rank1-missing", "train/rank1.safetensors")
+    assert "missing; its .metadata.json records a save by 2 ranks" in message
 
 
 def test_a_damaged_dcp_metadata_is_a_corrupt_checkpoint_on_every_rank(outcomes):

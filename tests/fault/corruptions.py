@@ -245,10 +245,12 @@ def read_values(path: Path, root: Path) -> Any:
     if kind == "trainer":
         step_dir = _step_dir(path)
         meta = read_metadata(str(step_dir)) if (step_dir / METADATA_FNAME).exists() else None
+        world = meta.world_size if meta else None
         return trainer_state.read(
             str(step_dir),
             rank_of(path) or 0,
-            own=True,
+            world_size=world or 1,
+            saved_world_size=world,
             save_id=meta.save_id if meta else None,
             allow_pickle=False,
             work_dir=str(root),

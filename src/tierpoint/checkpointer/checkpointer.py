@@ -281,7 +281,8 @@ class Checkpointer:
         ``None`` when not asked for or the checkpoint has none.
 
         ``load_trainer_state``: ``None`` if present, ``True`` required (else
-        ``FileNotFoundError``), ``False`` skipped. ``load_optim_state``: passed to
+        ``FileNotFoundError``), ``False`` skipped; saved by this many ranks, each rank's own file
+        must be there (else ``CorruptCheckpointError``). ``load_optim_state``: passed to
         ``state_dict_to_load`` (``False``: model only). ``allow_pickled_trainer_state``: read
         OLMo-core's ``train/rank<r>.pt`` pickles through ``torch.load(weights_only=True)`` and
         numpy's array globals (default: the Checkpointer's field, ``False``).
@@ -302,11 +303,11 @@ class Checkpointer:
                 meta = read_metadata(dir, options)
             found["path"] = self._model_and_optim(dir, meta)
             if load_trainer_state is not False:
-                own = meta is None or meta.world_size in (None, world)
                 found["trainer"] = trainer_state.read(
                     dir,
                     rank,
-                    own=own,
+                    world_size=world,
+                    saved_world_size=meta.world_size if meta else None,
                     save_id=meta.save_id if meta else None,
                     allow_pickle=allow,
                     work_dir=str(self.work_dir),
@@ -317,14 +318,6 @@ class Checkpointer:
                 if found["trainer"] is None and load_trainer_state:
                     raise CheckpointNotFoundError(
                         f"Missing trainer state in checkpoint dir '{dir}'"
-                    )
-                if not own and rank == 0:
-                    logger.warning(
-                        "%s was saved by %d ranks, loaded by %d: every rank gets rank 0's trainer "
-                        "state",
-                        dir,
-                        meta.world_size if meta else -1,
-                        world,
                     )
             found["metadata"] = dcp.read_metadata(found["path"], storage_options=options)
         state = train_module.state_dict_to_load(found["metadata"], optim=load_optim_state)

@@ -7,8 +7,13 @@ bytes, checksummed, no pickle); the state may hold what :mod:`tierpoint.tree` st
 tuples, scalars, strings, bytes, tensors, numpy values).
 
 Call order: :func:`encode` (before anything is written: unsupported values raise here), then
-:func:`write` on every rank with the save's id; on load :func:`read` on every rank, with the
-save's id that ``.metadata.json`` records.
+:func:`write` on every rank with the save's id; on load :func:`read` on every rank, with what
+``.metadata.json`` records (the saving world size and the save's id).
+
+Which file a rank loads: its own when the checkpoint records this world size (a missing one is a
+:class:`CorruptCheckpointError` naming it: never another rank's state in its place); rank 0's when
+it records another world size (rank 0 logs a WARNING); OLMo-core's rule where it records none (its
+own run directories): its own if there, else rank 0's.
 
 Invariants:
 - A part file appears under its final name only complete (local: dirty name, fsync, rename; object
@@ -103,16 +108,29 @@ def read(
     step_dir: str,
     rank: int,
     *,
-    own: bool,
+    world_size: int,
+    saved_world_size: int | None,
     save_id: str | None,
     allow_pickle: bool,
     work_dir: str,
     storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """Rank ``rank``'s trainer state if ``own`` and it exists, else rank 0's; ``None`` if neither
-    exists (the checkpoint holds no trainer state). ``save_id``: the save's id as
-    ``.metadata.json`` records it (``None`` where it records none)."""
-    for r in dict.fromkeys([rank, 0] if own else [0]):
+    """The trainer state rank ``rank`` of ``world_size`` ranks loads from ``step_dir`` (which file:
+    see the module docstring); ``saved_world_size`` and ``save_id`` as ``.metadata.json`` records
+    them (``None`` where it does not). ``None`` when the checkpoint records no world size and holds
+    no trainer state."""
+    if saved_world_size is None:
+        candidates = list(dict.fromkeys([rank, 0]))
+    else:
+        candidates = [rank if saved_world_size == world_size else 0]
+        if saved_world_size != world_size and rank == 0:
+            logger.warning(
+                "%s was saved by %d ranks, loaded by %d: every rank gets rank 0's trainer state",
+                step_dir,
+                saved_world_size,
+                world_size,
+            )
+    for r in candidates:
         ours, pickled = state_files(step_dir, r)
         if storage.exists(ours, storage_options):
             expected = binding(step_dir, r, save_id)
@@ -125,7 +143,18 @@ def read(
                     "weights_only allow-list, or load_trainer_state=False to skip it"
                 )
             return _read_pickle(pickled, storage_options)
-    return None
+    if saved_world_size is None:
+        return None
+    whose = (
+        "each rank's own"
+        if saved_world_size == world_size
+        else f"rank 0's, which each of this job's {world_size} ranks loads"
+    )
+    raise CorruptCheckpointError(
+        state_files(step_dir, candidates[0])[0],
+        f"missing; its .metadata.json records a save by {saved_world_size} ranks, so the "
+        f"checkpoint must hold {whose} trainer state (load_trainer_state=False skips it)",
+    )
 
 
 def check_binding(url: str, extra: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
