@@ -125,3 +125,22 @@ def test_a_missing_trainer_state_file_is_an_error_on_every_rank(outcomes):
 def test_a_damaged_dcp_metadata_is_a_corrupt_checkpoint_on_every_rank(outcomes):
     message = _refused_alike(outcomes, "damaged", "model_and_optim/.metadata")
     assert "not a DCP metadata pickle" in message
+
+
+def _save_into_own_step(rank: int, world: int, run: str, work: str) -> str:
+    checkpointer = Checkpointer(work_dir=work)
+    try:
+        checkpointer.save(f"{run}/step{rank + 1}", trained_module(1), {"rank": rank})
+    except CheckpointingError as e:
+        return str(e)
+    return "saved"
+
+
+def test_ranks_saving_into_different_steps_are_refused_before_anything_is_written(tmp_path):
+    """Each rank's files would go to another step and nothing would load: every rank is told,
+    and no step is written."""
+    run = tmp_path / "run"
+    results = run_ranks(_save_into_own_step, 2, str(run), str(tmp_path / "work"))
+    assert all("every rank must save into the same step" in r for r in results), results
+    assert "'step1' on rank 0" in results[1]
+    assert not run.exists() or not any(run.rglob("*.*"))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -40,6 +41,7 @@ from typing import Any, ClassVar
 from .. import dcp, storage
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue
+from ..errors import CheckpointingError
 from . import discovery, trainer_state
 from .discovery import DCP_METADATA, MODEL_AND_OPTIM, normalize
 from .errors import CheckpointExistsError, CheckpointNotFoundError, agreed
@@ -184,7 +186,13 @@ class Checkpointer:
         """Steps 1-3 of a save (module docstring); returns the state for ``model_and_optim`` and
         the save's id."""
         flat = state = None
+        name = posixpath.basename(dir.rstrip("/"))
+        first = {"id": uuid.uuid4().hex, "name": name} if tpdist.get_rank() == 0 else None
+        first = tpdist.broadcast_json(first, what=f"naming the save {dir}")
         with agreed(f"preparing the checkpoint {dir}"):
+            if name != first["name"]:  # (each rank's files would go elsewhere: nothing loads)
+                raise CheckpointingError(f"every rank must save into the same step: {dir} here, "
+                                         f"a directory named {first['name']!r} on rank 0")  # fmt: skip
             flat = trainer_state.encode(train_state)
             state = train_module.state_dict_to_save()
             if not isinstance(state, dict):
@@ -194,9 +202,7 @@ class Checkpointer:
         with agreed(f"preparing the directory {dir}"):
             if tpdist.get_rank() == 0:
                 self._clear_target(dir)
-        save_id = tpdist.broadcast_json(
-            uuid.uuid4().hex if tpdist.get_rank() == 0 else None, what=f"naming the save {dir}"
-        )
+        save_id = first["id"]
         with agreed(f"writing the trainer state into {dir}"):
             trainer_state.write(
                 dir,
