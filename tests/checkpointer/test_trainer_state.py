@@ -144,3 +144,19 @@ def test_ranks_saving_into_different_steps_are_refused_before_anything_is_writte
     assert all("every rank must save into the same step" in r for r in results), results
     assert "'step1' on rank 0" in results[1]
     assert not run.exists() or not any(run.rglob("*.*"))
+
+
+def test_trainer_state_files_are_as_readable_as_the_model_s(tmp_path):
+    """On a shared run directory, whoever may read the model may read the trainer state: both
+    get 0644 less the umask (the local tier's parts alone are private)."""
+    umask = os.umask(0o022)
+    try:
+        Checkpointer(work_dir=str(tmp_path / "work")).save(
+            str(tmp_path / "run" / "step1"), trained_module(1), {"step": 1}
+        )
+    finally:
+        os.umask(umask)
+    step = tmp_path / "run" / "step1"
+    (model,) = [p for p in (step / "model_and_optim").iterdir() if p.suffix == ".distcp"][:1]
+    assert (step / "train" / "rank0.safetensors").stat().st_mode & 0o777 == 0o644
+    assert model.stat().st_mode & 0o777 == 0o644

@@ -95,7 +95,7 @@ def write(
     extra = binding(step_dir, rank, save_id)
     if storage.is_local(target):
         storage.makedirs(storage.join(step_dir, TRAIN_DIR))
-        fileformat.write_flat(storage.local_path(target), flat, extra=extra)
+        fileformat.write_flat(storage.local_path(target), flat, extra=extra, mode=0o644)
         return
     with _scratch(work_dir) as tmp:
         fileformat.write_flat(tmp, flat, extra=extra, fsync=False)

@@ -77,6 +77,7 @@ def write(
     recycle: str | os.PathLike | None = None,
     dirty_path: str | os.PathLike | None = None,
     fsync: bool = True,
+    mode: int = 0o600,
 ) -> PartWritten:
     """Write ``state`` (any nested dict/list/tuple of tensors and plain values) as a part file."""
     return write_flat(
@@ -86,6 +87,7 @@ def write(
         recycle=recycle,
         dirty_path=dirty_path,
         fsync=fsync,
+        mode=mode,
     )
 
 
@@ -98,16 +100,21 @@ def write_flat(
     recycle: str | os.PathLike | None = None,
     dirty_path: str | os.PathLike | None = None,
     fsync: bool = True,
+    mode: int = 0o600,
 ) -> PartWritten:
     """Write a flattened state to ``path`` through a dirty name (see module invariants).
 
     ``plan`` is ``plan_part(flat, extra)`` when the caller already made it (``extra`` is then unused).
     ``recycle`` names an expired part file whose pages are reused for this one (rewriting an existing
     tmpfs file is several times faster than filling a new one); the caller guarantees nothing needs it.
+    ``mode``: a new file's permissions, less the umask (private by default, as the local tier's
+    parts are; 0o644 for a file shared as torch's files are).
     """
     plan = plan if plan is not None else plan_part(flat, extra)
     views = [byte_view(cpu_contiguous(t)) for t in flat.tensors]
-    return write_planned(path, plan, views, recycle=recycle, dirty_path=dirty_path, fsync=fsync)
+    return write_planned(
+        path, plan, views, recycle=recycle, dirty_path=dirty_path, fsync=fsync, mode=mode
+    )
 
 
 def write_planned(
@@ -119,6 +126,7 @@ def write_planned(
     dirty_path: str | os.PathLike | None = None,
     fsync: bool = True,
     checksums: Sequence[str] | None = None,
+    mode: int = 0o600,
 ) -> PartWritten:
     """Write a planned part: ``views`` are each tensor's bytes (skeleton order), e.g. slices of a
     staging buffer laid out as planned; ``checksums`` (same order), when the caller computed them
@@ -130,7 +138,7 @@ def write_planned(
     if _recycled_as(recycle, dirty):
         fd = os.open(dirty, os.O_WRONLY)
     else:
-        fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         os.lseek(fd, plan.data_start(), os.SEEK_SET)
         if checksums is not None:
