@@ -51,11 +51,14 @@ def stored_sizes(
     live: Mapping[str, list[int]], metadata: Any, path: str, options: Any
 ) -> dict[str, list[int]]:
     """The group sizes a persistent step holds for the optimizers named in ``live`` (collective:
-    loads their ``params`` lists, small plain values; every rank with the same names)."""
+    loads their ``params`` lists, small plain values; every rank with the same names). Optimizers
+    the step holds inside one stored value (torch DCP pickles a tuple whole) are left out."""
     stored = metadata.state_dict_metadata
     wanted: dict[str, None] = {}
     counts = {}
     for name in live:
+        if not any(key.startswith(f"{name}.") for key in stored):
+            continue  # inside a value torch DCP stored whole (a tuple): checked as it loads
         count = 0
         while f"{name}.param_groups.{count}.params" in stored:
             wanted[f"{name}.param_groups.{count}.params"] = None
