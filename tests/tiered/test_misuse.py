@@ -249,3 +249,30 @@ def test_saves_dropped_by_an_exception_are_recorded_as_dropped_not_failed(tmp_pa
     dropped = [e for e in events if e["step"] == 2]
     assert dropped and all(not e["ok"] and "closed by an exception" in e["error"] for e in dropped)
     assert not any("next step" in r.getMessage() for r in caplog.records)
+
+
+def test_an_optimizer_that_cannot_take_a_zero_step_is_left_as_it_was_by_restore(tmp_path):
+    """A restore gives a fresh optimizer its state by a zero step; LBFGS (it wants a closure)
+    cannot take one: it keeps its learning rate and no gradients are left behind, and the
+    mismatch with the checkpoint is a StateMismatchError, not torch's TypeError."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(torch.ones(2, 3)).pow(2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    kwargs = {"local_every": 0, "persistent_every": 1}
+    with _manager(tmp_path, **kwargs) as manager:
+        manager.maybe_save(1, {"model": model, "optimizer": optimizer})
+    fresh_model = torch.nn.Linear(3, 1)
+    fresh = torch.optim.LBFGS(fresh_model.parameters(), lr=0.5)
+    with _manager(tmp_path, **kwargs) as manager:
+        with pytest.raises(StateMismatchError, match="optimizer"):
+            manager.restore({"model": fresh_model, "optimizer": fresh})
+    assert fresh.param_groups[0]["lr"] == 0.5 and not fresh.state
+    assert all(p.grad is None for p in fresh_model.parameters())

@@ -211,3 +211,12 @@ def _numpy_float_per_rank(rank: int, world: int, root: Path) -> list[str]:
 def test_a_numpy_number_that_differs_between_ranks_is_named(tmp_path):
     warned = run_ranks(_numpy_float_per_rank, 2, tmp_path, timeout=120)
     assert len(warned[0]) == 1 and "'ema'" in warned[0][0] and warned[1] == []
+
+
+def test_a_resized_numpy_value_under_int_keys_restores_from_the_persistent_tier(tmp_path):
+    """torch DCP names an int key 8 as "8": the saved array takes its place under the int key."""
+    _save_one(tmp_path, {"w": torch.ones(2), "ints": {8: np.arange(1), 9: np.arange(2.0)}})
+    live = {"w": torch.zeros(2), "ints": {8: np.arange(2), 9: np.zeros(5)}}
+    assert _restore_one(tmp_path, live) == 1
+    assert list(live["ints"]) == [8, 9] and live["ints"][8].tolist() == [0]
+    assert live["ints"][9].tolist() == [0.0, 1.0]

@@ -219,22 +219,25 @@ def test_modules_and_optimizers_in_lists_and_tuples_are_restored_in_place_from_e
 def test_a_checkpoint_saved_before_the_first_optimizer_step_restores_from_each_tier(
     tmp_path, shm_dir
 ):
-    """A save at step 0 (before any optimizer step) stores the optimizer's zero state, as torch
-    DCP does, so that a fresh job, whose optimizer is given that state to load into, restores it;
-    the parameters do not change."""
+    """A save at step 0 (before any optimizer step) leaves the optimizer as it is (a zero step
+    would count: Adam's bias correction would change) and holds no optimizer state; a fresh job,
+    whose optimizer is given a state to load into, restores it from either tier with the state
+    left empty, so the next step is what it would have been without the checkpoint."""
     kwargs = {"local_every": 1, "persistent_every": 1, "replication_factor": 1}
     local, persistent = str(shm_dir / "local"), str(tmp_path / "persistent")
     saved = make_state(0)
-    weights = [p.detach().clone() for p in saved["model"].parameters()]
     with TieredCheckpointManager(local, persistent, "p", **kwargs) as manager:
         manager.save(0, saved)
-    assert all(torch.equal(p, w) for p, w in zip(saved["model"].parameters(), weights))
+    assert len(saved["optimizer"].state) == 0
+    train_step(saved, 1)
+    expected = [p.detach().clone() for p in saved["model"].parameters()]
     for local_dir, tier in ((local, "local"), (None, "persistent")):
         live = make_state(0)
         with TieredCheckpointManager(local_dir, persistent, "p", **kwargs) as manager:
             assert manager.restore(live) == 0 and manager.last_restore.tier == tier
-        assert len(live["optimizer"].state) == len(weights)
-        assert all(torch.equal(p, w) for p, w in zip(live["model"].parameters(), weights))
+        assert len(live["optimizer"].state) == 0
+        train_step(live, 1)
+        assert all(torch.equal(p, e) for p, e in zip(live["model"].parameters(), expected))
 
 
 def _grouped(split: int | None) -> dict:

@@ -48,7 +48,6 @@ import signal as signals
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -184,7 +183,6 @@ class TieredCheckpointManager(SavePath):
         self._in_flight: dict[str, int] = {}  # tier -> call id of its save not yet finalized
         self._retiring = None
         self._aborting = False
-        self._optimizers_seen: weakref.WeakSet = weakref.WeakSet()  # given their state if need be
         self._retire_next = None
         self._retire_lock = threading.Lock()
         self._local_failing = False
@@ -268,7 +266,6 @@ class TieredCheckpointManager(SavePath):
                     self._optimizer_hooks[id(optimizer)] = self.queue.install_optimizer_hook(
                         optimizer
                     )
-        st.init_optimizers(state, self._optimizers_seen)  # saved before a first step: restorable
         tree = st.template(state)
         rank_local = [k for k, v in tree.items() if isinstance(v, st.RankLocal)]
         sharded = st.has_dtensor(tree)
@@ -292,7 +289,6 @@ class TieredCheckpointManager(SavePath):
         step = self._check_step(step, saving=True, final=True)
         self._agree_on_step(step)
         self._last_step = step
-        st.init_optimizers(state, self._optimizers_seen)
         self._save_final(step, st.template(state))
 
     # ------------------------------------------------------------------------------ restoring

@@ -15,7 +15,7 @@ that became float32) takes the saved one, as it would from plain torch DCP (whic
 
 Call order: :func:`as_tensors` on the persistent form of the state before saving it, and on the
 restore template before loading into it (``made`` collects the tensors it made from arrays);
-:func:`sized_as_saved` gives those the checkpoint's shape and dtype; :func:`as_numpy` with the
+:func:`sized_as_saved` gives those the checkpoint's shape and dtype (in a copy of the tree); :func:`as_numpy` with the
 loaded tree and the live template (its numpy values and tuples say what to give back);
 :func:`unstorable_paths` names the numpy values that stay as they are (strings, objects, long
 double, array subclasses such as masked arrays or memory maps), which the persistent tier refuses.
@@ -23,8 +23,7 @@ double, array subclasses such as masked arrays or memory maps), which the persis
 Invariants: containers without numpy values are returned as they are (the same objects, so tensors
 keep sharing memory with the live state); a converted array shares the array's memory when it is
 contiguous, writable and of this machine's byte order, so a restore of the same shape and dtype
-loads into it in place; containers holding converted values are new, so :func:`sized_as_saved`
-changes nothing of the live state.
+loads into it in place.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from ..tree import child_path, numpy_tensor
+from .tree_paths import replaced
 
 _NUMBERS = (bool, int, float, complex)
 
@@ -74,9 +74,9 @@ def as_tensors(tree: Any, made: list[torch.Tensor] | None = None) -> Any:
     return tree
 
 
-def sized_as_saved(tree: dict[str, Any], made: list[torch.Tensor], metadata: Any) -> None:
-    """Replace, in ``tree`` (a restore template from :func:`as_tensors`), each tensor of ``made``
-    whose shape or dtype differs from the checkpoint's at its place by an empty one of the
+def sized_as_saved(tree: dict[str, Any], made: list[torch.Tensor], metadata: Any) -> dict[str, Any]:
+    """``tree`` (a restore template from :func:`as_tensors`) with each tensor of ``made`` whose
+    shape or dtype differs from the checkpoint's at its place replaced by an empty one of the
     checkpoint's, so that the saved array loads whole. Left as they are: places the checkpoint
     lacks or holds as a plain value, and dtypes numpy has no type for (bfloat16), which the check
     against the checkpoint then names."""
@@ -96,11 +96,8 @@ def sized_as_saved(tree: dict[str, Any], made: list[torch.Tensor], metadata: Any
             torch.empty(0, dtype=dtype).numpy()
         except TypeError:
             continue
-        *parents, last = places[name]
-        holder = tree
-        for key in parents:
-            holder = holder[key]
-        holder[last] = torch.empty(tuple(size), dtype=dtype)
+        tree = replaced(tree, places[name], torch.empty(tuple(size), dtype=dtype))
+    return tree
 
 
 def as_numpy(loaded: Any, template: Any) -> Any:

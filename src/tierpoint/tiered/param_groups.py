@@ -8,6 +8,10 @@ first: :func:`sizes_of` on the live state's tree (an optimizer's ``state_dict()`
 the optimizer is), against :func:`sizes_of` the loaded local part, or :func:`stored_sizes` of a
 persistent step (which loads those lists alone).
 
+An optimizer saved before its first step holds no state: a restore, which gives a fresh
+optimizer its state to load into, takes an empty one from such a checkpoint instead
+(:func:`without_saved_state`; the local tier: :func:`tierpoint.tiered.state.check_loaded`).
+
 Call order: ``problems(sizes_of(live), sizes_of(loaded) | stored_sizes(...))``.
 Invariants: names are torch DCP's fully qualified names (``optimizer``, ``opts.0``); only dicts
 shaped like an optimizer's state dict count (``state`` and ``param_groups``, each group with a
@@ -20,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import dcp
+from .tree_paths import replaced
 
 
 def group_sizes(value: Any) -> list[int] | None:
@@ -73,6 +78,18 @@ def stored_sizes(
         ]
         for name, count in counts.items()
     }
+
+
+def without_saved_state(tree: Any, live: Mapping[str, list[int]], metadata: Any) -> Any:
+    """``tree`` (a persistent restore's template) with an empty ``state`` for each optimizer of
+    ``live`` whose state the step does not hold (saved before its first step): it loads as such,
+    and the optimizer is left without state, as it was saved."""
+    stored = metadata.state_dict_metadata
+    for name in live:
+        has_groups = f"{name}.param_groups.0.params" in stored
+        if has_groups and not any(key.startswith(f"{name}.state.") for key in stored):
+            tree = replaced(tree, [*name.split("."), "state"], {})
+    return tree
 
 
 def problems(live: Mapping[str, list[int]], stored: Mapping[str, list[int]]) -> list[str]:

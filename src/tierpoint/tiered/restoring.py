@@ -177,7 +177,8 @@ def _restore_persistent(
     groups = param_groups.sizes_of(ptree)
     try:  # numpy values are replaced, not copied into: they take the saved shapes and dtypes
         with tpdist.agree(f"allocating the numpy values of persistent step {step}"):
-            sized_as_saved(ptree, from_arrays, metadata)
+            ptree = sized_as_saved(ptree, from_arrays, metadata)
+            ptree = param_groups.without_saved_state(ptree, groups, metadata)
         stored_groups = param_groups.stored_sizes(groups, metadata, path, options)
     except (StateMismatchError, CoordinationTimeoutError):
         raise

@@ -9,7 +9,7 @@ differ between ranks.
 
 Call order::
 
-    init_optimizers(state)            # a fresh optimizer gets its (zero) state (saving: once)
+    init_optimizers(state)            # restore only: a fresh optimizer gets its (zero) state
     tree = template(state)            # stateful members replaced by their state_dict(), tensors shared
     ... a tier fills ``tree`` in place (tensors copied into, plain values replaced) ...
     apply(state, tree)                # load_state_dict on stateful members, plain values replaced
@@ -25,7 +25,6 @@ before anything is copied, so a refused restore leaves the state as it was.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -71,27 +70,43 @@ def is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
-def init_optimizers(
-    state: Mapping[str, Any], seen: weakref.WeakSet | None = None
-) -> list[torch.optim.Optimizer]:
+def init_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
     """Give each optimizer of ``state`` that has no state yet its state, by one step with zero
-    gradients and a zero learning rate (torch DCP's way: the parameters do not change; nothing is
-    done while gradients exist), so that a checkpoint's optimizer state has tensors to load into,
-    and one saved before the first step holds what a restore loads. ``seen``: optimizers to skip,
-    to which each one of ``state`` is added (a stateless one, plain SGD, would step at every save).
-    Returns the optimizers so initialised."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
+    gradients and a zero learning rate (torch DCP's way: the parameters do not change), so that a
+    checkpoint's optimizer state has tensors to load into; restore only (a step counts: Adam's
+    bias correction would change if a save did this). One that cannot step so (LBFGS wants a
+    closure, SparseAdam sparse gradients) is left as it was. Returns the optimizers initialised."""
     done = []
     for optimizer in optimizers(state):
-        if seen is not None:
-            if optimizer in seen:
-                continue
-            seen.add(optimizer)
-        if not optimizer.state:
-            _init_optim_state(optimizer)
+        if not optimizer.state and _zero_step(optimizer):
             done.append(optimizer)
     return done
+
+
+def _zero_step(optimizer: torch.optim.Optimizer) -> bool:
+    """torch DCP's ``_init_optim_state``, undone where the step fails; whether the state is made."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(p.grad is not None for p in params):
+        return False
+    lrs = [group.get("lr") for group in optimizer.param_groups]
+    try:
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+        return True
+    except Exception:  # noqa: BLE001 - left without state: the restore's check says what differs
+        optimizer.state.clear()
+        return False
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for p in params:
+            p.grad = None
 
 
 def optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
@@ -255,6 +270,9 @@ def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
         sizes = group_sizes(live)
         if sizes is not None:
             problems += param_group_problems({path: sizes}, {path: group_sizes(loaded)})
+            if loaded.get("state") == {}:  # saved before its first step: loads as such
+                live = {k: v for k, v in live.items() if k != "state"}
+                loaded = {k: v for k, v in loaded.items() if k != "state"}
         missing = [k for k in live if k not in loaded]
         extra = [k for k in loaded if k not in live]
         if missing:
@@ -334,6 +352,8 @@ def copy_into(live: Any, loaded: Any) -> Any:
             target.copy_(loaded)
         return live
     if isinstance(live, dict):
+        if group_sizes(live) is not None and loaded.get("state") == {}:
+            return loaded  # an optimizer saved before its first step (see check_loaded)
         for k in list(live):
             live[k] = copy_into(live[k], loaded[k])
         return live

@@ -1,0 +1,29 @@
+"""A value at a torch DCP name in a state tree, replaced without changing the tree.
+
+torch DCP names a value by its keys joined with dots, each key as its ``str`` (an int key ``8``
+is ``"8"``, a list index too), and ``flatten_state_dict`` gives those strings as the path: setting
+a value by them would add a key ``"8"`` beside the int key ``8``. :func:`replaced` finds the key
+each part names.
+
+Call order: ``tree = replaced(tree, parts, value)``.
+Invariants: the containers along the path are copies (a restore's template is shared by the
+attempts at several steps); every other container and value is the same object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def replaced(tree: Any, parts: Sequence[Any], value: Any) -> Any:
+    """``tree`` with ``value`` where ``parts`` (keys, or their ``str``) lead."""
+    if not parts:
+        return value
+    part, rest = parts[0], parts[1:]
+    if isinstance(tree, Mapping):
+        key = part if part in tree else next(k for k in tree if str(k) == str(part))
+        return {**tree, key: replaced(tree[key], rest, value)}
+    items = list(tree)
+    items[int(part)] = replaced(items[int(part)], rest, value)
+    return items if isinstance(tree, list) else tuple(items)
