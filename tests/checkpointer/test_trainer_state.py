@@ -127,22 +127,25 @@ def test_a_damaged_dcp_metadata_is_a_corrupt_checkpoint_on_every_rank(outcomes):
     assert "not a DCP metadata pickle" in message
 
 
-def _save_into_own_step(rank: int, world: int, run: str, work: str) -> str:
+def _save_into_own_step(rank: int, world: int, run: str, work: str, apart: str) -> str:
     checkpointer = Checkpointer(work_dir=work)
+    where = f"{run}/step{rank + 1}" if apart == "steps" else f"{run}/{'xy'[rank]}/step1"
     try:
-        checkpointer.save(f"{run}/step{rank + 1}", trained_module(1), {"rank": rank})
+        checkpointer.save(where, trained_module(1), {"rank": rank})
     except CheckpointingError as e:
         return str(e)
     return "saved"
 
 
-def test_ranks_saving_into_different_steps_are_refused_before_anything_is_written(tmp_path):
-    """Each rank's files would go to another step and nothing would load: every rank is told,
-    and no step is written."""
+@pytest.mark.parametrize("apart", ["steps", "parents"])
+def test_ranks_saving_into_different_steps_are_refused_before_anything_is_written(tmp_path, apart):
+    """Each rank's files would go to another directory and nothing would load (step1 and step2,
+    or x/step1 and y/step1): every rank is told, and nothing is written."""
     run = tmp_path / "run"
-    results = run_ranks(_save_into_own_step, 2, str(run), str(tmp_path / "work"))
+    results = run_ranks(_save_into_own_step, 2, str(run), str(tmp_path / "work"), apart)
     assert all("every rank must save into the same step" in r for r in results), results
-    assert "'step1' on rank 0" in results[1]
+    first = f"{run}/step1" if apart == "steps" else f"{run}/x/step1"
+    assert f"{first} on rank 0" in results[1]
     assert not run.exists() or not any(run.rglob("*.*"))
 
 

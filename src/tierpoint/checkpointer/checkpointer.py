@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import posixpath
 import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -186,13 +185,12 @@ class Checkpointer:
         """Steps 1-3 of a save (module docstring); returns the state for ``model_and_optim`` and
         the save's id."""
         flat = state = None
-        name = posixpath.basename(dir.rstrip("/"))
-        first = {"id": uuid.uuid4().hex, "name": name} if tpdist.get_rank() == 0 else None
+        first = {"id": uuid.uuid4().hex, "dir": dir} if tpdist.get_rank() == 0 else None
         first = tpdist.broadcast_json(first, what=f"naming the save {dir}")
         with agreed(f"preparing the checkpoint {dir}"):
-            if name != first["name"]:  # (each rank's files would go elsewhere: nothing loads)
+            if dir != first["dir"]:  # (each rank's files would go elsewhere: nothing loads)
                 raise CheckpointingError(f"every rank must save into the same step: {dir} here, "
-                                         f"a directory named {first['name']!r} on rank 0")  # fmt: skip
+                                         f"{first['dir']} on rank 0")  # fmt: skip
             flat = trainer_state.encode(train_state)
             state = train_module.state_dict_to_save()
             if not isinstance(state, dict):
