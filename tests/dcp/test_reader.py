@@ -495,3 +495,14 @@ def test_damaged_files_fail_every_rank_alike(tmp_path: Path) -> None:
     assert meta_kind == "CorruptCheckpointError"
     assert "forbidden global posix.system" in meta_message
     assert not marker.exists()
+
+
+def test_a_state_whose_keys_mix_int_and_str_loads(tmp_path):
+    """torch DCP names an int key by its str; sorting the keys themselves (as torch's load does)
+    failed with a TypeError when int and str keys mix."""
+    from tierpoint.dcp import save
+
+    save({7: torch.ones(2), "a": torch.full((2,), 3.0)}, tmp_path / "s")
+    state = {7: torch.empty(2), "a": torch.empty(2)}
+    load(state, tmp_path / "s")
+    assert state[7].tolist() == [1.0, 1.0] and state["a"].tolist() == [3.0, 3.0]

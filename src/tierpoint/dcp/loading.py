@@ -165,7 +165,7 @@ def _start_without_collectives(
     planning (every rank plans its own reads; the global step returns the plans unchanged) and this
     reader (no global storage planning), shipping every plan to rank 0 and back changes nothing.
     Everything up to the point where the state is written; the returned function writes it."""
-    keys = sorted(state_dict)
+    keys = sorted(state_dict, key=str)  # (int and str keys mix: torch names both as str)
     local = {
         k: state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]
         for k in keys
