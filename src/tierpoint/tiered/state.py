@@ -43,6 +43,7 @@ SHARDING_KEY = "__sharding__"
 """Where the local tier records, per DTensor path, how it was sharded (checked on restore)."""
 
 _MAX_REPORTED = 12
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 class RankLocal:
@@ -119,6 +120,8 @@ def _members(state: Any) -> list[Any]:
     out = []
     values = state.values() if isinstance(state, Mapping) else state
     for value in values:
+        if type(value) in _SCALARS:  # (a long list of numbers costs one check an item)
+            continue
         value = value.value if isinstance(value, RankLocal) else value
         if isinstance(value, (Mapping, list, tuple)) and not is_stateful(value):
             out += _members(value)
