@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import dcp
-from .tree_paths import replaced
+from .tree_paths import holds, replaced
 
 
 def group_sizes(value: Any) -> list[int] | None:
@@ -62,7 +62,7 @@ def stored_sizes(
     wanted: dict[str, None] = {}
     counts = {}
     for name in live:
-        if not any(key.startswith(f"{name}.") for key in stored):
+        if not holds(stored, name):
             continue  # inside a value torch DCP stored whole (a tuple): checked as it loads
         count = 0
         while f"{name}.param_groups.{count}.params" in stored:
@@ -87,7 +87,7 @@ def without_saved_state(tree: Any, live: Mapping[str, list[int]], metadata: Any)
     stored = metadata.state_dict_metadata
     for name in live:
         has_groups = f"{name}.param_groups.0.params" in stored
-        if has_groups and not any(key.startswith(f"{name}.state.") for key in stored):
+        if has_groups and not holds(stored, f"{name}.state"):
             tree = replaced(tree, [*name.split("."), "state"], {})
     return tree
 

@@ -33,6 +33,7 @@ from . import param_groups
 from . import state as st
 from .events import RestoreRecord
 from .numpy_values import sized_as_saved
+from .tree_paths import holds
 
 logger = logging.getLogger("tierpoint")
 
@@ -170,7 +171,7 @@ def _restore_persistent(
     except CheckpointingError as e:
         return _skip(skipped, step, e)
     stored = metadata.state_dict_metadata
-    if not any(k.startswith(f"{st.RANK_LOCAL_KEY}.{rank}.") for k in stored):
+    if not holds(stored, f"{st.RANK_LOCAL_KEY}.{rank}"):
         source = 0  # saved with fewer ranks: rank 0's values, as after any resharding
     from_arrays: list[torch.Tensor] = []
     ptree = st.persistent_form(tree, source, from_arrays, stored)

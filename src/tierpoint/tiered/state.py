@@ -35,6 +35,7 @@ from ..tree import tensors_in
 from .numpy_values import as_numpy, as_tensors
 from .param_groups import group_sizes
 from .param_groups import problems as param_group_problems
+from .tree_paths import holds
 
 RANK_LOCAL_KEY = "__rank_local__"
 """Where the persistent tier keeps each rank's :class:`RankLocal` values: ``<key>.<rank>.<name>``."""
@@ -219,7 +220,7 @@ def _holder(key: str, holder: str | None, rank: int, stored: Collection[str]) ->
     candidates = [holder, None, str(rank), "0"]
     for candidate in candidates:
         name = key if candidate is None else f"{RANK_LOCAL_KEY}.{candidate}.{key}"
-        if name in stored or any(s.startswith(name + ".") for s in stored):
+        if holds(stored, name):
             return candidate
     return holder
 

@@ -5,14 +5,15 @@ is ``"8"``, a list index too), and ``flatten_state_dict`` gives those strings as
 a value by them would add a key ``"8"`` beside the int key ``8``. :func:`replaced` finds the key
 each part names.
 
-Call order: ``tree = replaced(tree, parts, value)``.
+Call order: ``tree = replaced(tree, parts, value)``; :func:`holds` asks whether a checkpoint's
+names hold a value at a name or under it.
 Invariants: the containers along the path are copies (a restore's template is shared by the
 attempts at several steps); every other container and value is the same object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 
@@ -27,3 +28,8 @@ def replaced(tree: Any, parts: Sequence[Any], value: Any) -> Any:
     items = list(tree)
     items[int(part)] = replaced(items[int(part)], rest, value)
     return items if isinstance(tree, list) else tuple(items)
+
+
+def holds(names: Collection[str], name: str) -> bool:
+    """Whether ``names`` (a checkpoint's) hold ``name`` or a value under it (``name.``...)."""
+    return name in names or any(n.startswith(name + ".") for n in names)
