@@ -506,3 +506,16 @@ def test_a_state_whose_keys_mix_int_and_str_loads(tmp_path):
     state = {7: torch.empty(2), "a": torch.empty(2)}
     load(state, tmp_path / "s")
     assert state[7].tolist() == [1.0, 1.0] and state["a"].tolist() == [3.0, 3.0]
+
+
+def test_plain_values_under_int_keys_load_into_their_keys(tmp_path):
+    """torch names the key 3 "3": a plain value there came back beside the live key, under "3",
+    leaving the live one as it was (also at the top and inside a list)."""
+    from tierpoint.dcp import save
+
+    saved = {"w": torch.ones(2), 0: 5, "p": {3: 7, "q": {1: "x"}}, "l": [{2: 8}, torch.ones(1)]}
+    save(saved, tmp_path / "s")
+    state = {"w": torch.empty(2), 0: 0, "p": {3: 0, "q": {1: "y"}}, "l": [{2: 0}, torch.empty(1)]}
+    load(state, tmp_path / "s")
+    assert {k: v for k, v in state.items() if k not in ("w", "l")} == {0: 5, "p": saved["p"]}
+    assert state["l"][0] == {2: 8} and state["l"][1].tolist() == [1.0]

@@ -297,3 +297,19 @@ def test_a_value_wrapped_in_rank_local_since_the_save_or_no_longer_restores(tmp_
     one stored copy on every rank, a no longer wrapped one each rank's own copy."""
     results = run_ranks(_rewrapped, 2, tmp_path, timeout=120)
     assert results == [{"step": 1, "seen": 7, "position": 10 + rank} for rank in range(2)]
+
+
+def test_plain_values_under_int_keys_restore_from_each_tier(tmp_path, shm_dir):
+    """Per-epoch counters keyed by int (``{0: 5}``, ``{"seen": {3: 7}}``): the persistent tier
+    stores the key 3 as "3" and left the live values as they were, silently."""
+    saved = {"w": torch.ones(2), 0: 5, "seen": {3: 7, "by_shard": {1: "done"}}}
+    kwargs = {"local_every": 1, "persistent_every": 1, "replication_factor": 1}
+    local, persistent = str(shm_dir / "local"), str(tmp_path / "persistent")
+    with TieredCheckpointManager(local, persistent, "p", **kwargs) as manager:
+        manager.maybe_save(1, saved)
+    for local_dir, tier in ((local, "local"), (None, "persistent")):
+        live = {"w": torch.zeros(2), 0: 0, "seen": {3: 0, "by_shard": {1: "new"}}}
+        with TieredCheckpointManager(local_dir, persistent, "p", **kwargs) as manager:
+            assert manager.restore(live) == 1 and manager.last_restore.tier == tier
+        assert live == {"w": live["w"], 0: 5, "seen": saved["seen"]}
+        assert live["w"].tolist() == [1.0, 1.0]

@@ -78,7 +78,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         obj = self._decoded.pop(fqn) if fqn in self._decoded else self._decode(read_item, value)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            _set_live(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
 
@@ -94,6 +94,36 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"weights_only=True refused it: {refusal}); pass planner=DefaultLoadPlanner() to "
                 "trust the checkpoint",
             ) from None
+
+
+def _set_live(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """torch's ``set_element``, except that a dict key is matched by its name: torch names every
+    key by its ``str`` (``{3: x}`` is stored as ``"3"``), and would add the value under ``"3"``
+    beside the live key 3, leaving 3 as it was."""
+    container: Any = root
+    at = 0
+    while at < len(path) - 1:
+        child = container[_live_key(container, path[at])] if _holds(container, path[at]) else None
+        if not isinstance(child, (Mapping, list)):
+            break
+        container, at = child, at + 1
+    rest = (_live_key(container, path[at]), *path[at + 1 :])
+    if isinstance(container, Mapping) and len(rest) == 1:
+        container[rest[0]] = value
+    else:
+        set_element(container, rest, value)
+
+
+def _live_key(container: Any, name: str | int) -> Any:
+    if isinstance(container, Mapping) and type(name) is str and name not in container:
+        return next((k for k in container if str(k) == name), name)
+    return name
+
+
+def _holds(container: Any, name: str | int) -> bool:
+    if isinstance(container, Mapping):
+        return _live_key(container, name) in container
+    return type(name) is int and 0 <= name < len(container)
 
 
 def load(
