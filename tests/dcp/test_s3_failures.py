@@ -308,20 +308,20 @@ def test_a_server_killed_mid_upload_fails_the_save_and_the_upload_is_aborted_whe
 def test_a_metadata_upload_applied_after_the_client_gave_up_never_completes_the_step(
     first_step: Callable[..., FirstStep],
 ) -> None:
-    setup = first_step(1024, late_metadata=6)
+    setup = first_step(1024, late_metadata=10)
     base, direct, endpoint = setup.base, setup.direct, setup.endpoint
-    # every request of the save gets 3 s (a loaded machine's listing may take more than 1 s); the
-    # held .metadata upload takes 6
-    once = storage.UploadOptions(attempts=1, request_timeout=3)
+    # every request of the save gets 5 s (on a loaded machine a small upload to the local server
+    # has taken over 3 s); the held .metadata upload takes 10
+    once = storage.UploadOptions(attempts=1, request_timeout=5)
     outcome = _within(
-        15,
+        25,
         lambda: save(
             _state(2, 1024), step_path(base, 2), storage_options=_through(endpoint), upload=once
         ),
     )
     assert isinstance(outcome.error, CheckpointingError), outcome
     assert f"{step_path(base, 2)}/.metadata" in str(outcome.error)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15
     while not storage.exists(f"{step_path(base, 2)}/.metadata", direct):  # the late commit
         assert time.monotonic() < deadline, "the held .metadata upload never reached the server"
         time.sleep(0.1)

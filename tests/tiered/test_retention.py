@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from tierpoint import TieredCheckpointManager, storage
+from tierpoint.testing import run_ranks
 
 from .helpers import make_state, train_step
 
@@ -92,3 +94,30 @@ def test_commits_faster_than_retention_still_leave_keep_persistent_steps(
             train_step(state, 1)
             manager.save(step, state, tiers="persistent")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]
+
+
+def _slow_retention_then_list(rank: int, world: int, root: str) -> list[str]:
+    """Rank 0's removals take a second; every rank lists the persistent tier after ``wait()``."""
+    if rank == 0:
+        remove_files = storage.remove_files
+
+        def slow_removal(path, names, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            time.sleep(1.0)
+            return remove_files(path, names, *args, **kwargs)
+
+        storage.remove_files = slow_removal
+    state = make_state(rank)
+    kwargs = {"local_every": 0, "persistent_every": 1, "keep_persistent": 1}
+    with TieredCheckpointManager(None, root, "r", **kwargs) as manager:
+        for step in (1, 2):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+        manager.wait()
+        return sorted(p.name for p in Path(root).iterdir())
+
+
+def test_wait_returns_on_every_rank_once_rank_0_retired_the_old_steps(tmp_path):
+    """Only rank 0 removes old persistent steps: the other ranks' ``wait()`` returned while it
+    still did, and saw steps ``keep_persistent`` had retired."""
+    listings = run_ranks(_slow_retention_then_list, 2, str(tmp_path), timeout=120)
+    assert listings == [["step-2"], ["step-2"]]

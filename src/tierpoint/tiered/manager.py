@@ -185,6 +185,7 @@ class TieredCheckpointManager(SavePath):
         self._aborting = False
         self._retire_next = None
         self._retire_lock = threading.Lock()
+        self._retention_started = False
         self._local_failing = False
         self._persistent_owed: int | None = None
         self._replica_check = ReplicaCheck()

@@ -83,6 +83,7 @@ class SavePath:
     _retiring: threading.Thread | None  # rank 0: the persistent retention running
     _retire_next: int | None  # the commit it runs for once more (under _retire_lock)
     _retire_lock: threading.Lock
+    _retention_started: bool  # a persistent commit since the last wait(): rank 0 retires
     _local_failing: bool  # the last local save failed: persistent saves snapshot the state
     _persistent_owed: int | None  # a step whose persistent copy was lost with its local save
     _replica_check: ReplicaCheck
@@ -188,6 +189,7 @@ class SavePath:
 
         def committed() -> None:
             record.phases["durable"] = time.perf_counter() - start
+            self._retention_started = True  # (every rank: wait() meets rank 0 after it)
             if tpdist.get_rank() == 0:
                 self._retire_in_background(step)
             self._events.emit(record)
@@ -336,19 +338,24 @@ class SavePath:
             self._retiring.start()
 
     def _wait_for_retirement(self) -> None:
-        """Join the retention thread, for at most half the collectives' timeout (the other ranks
-        wait for this one meanwhile); a thread still running then is left behind with a WARNING
-        (a daemon: it removes ``.metadata`` first, so whatever it leaves is never complete)."""
-        thread = self._retiring
-        if thread is None:
+        """After a persistent commit since the last call: rank 0 joins the retention thread, for
+        at most half the collectives' timeout (a thread still running then is left behind with a
+        WARNING: a daemon, it removes ``.metadata`` first, so whatever it leaves is never
+        complete), and every rank meets it then, so that no rank's ``wait`` returns while rank 0
+        still removes old steps (every rank commits the same saves: all or none meet)."""
+        if not self._retention_started:
             return
-        bound = min(self.queue.timeout, tpdist.default_timeout().total_seconds() / 2)
-        thread.join(bound)
-        if thread.is_alive():
-            logger.warning(
-                "the persistent tier's retention has run for over %.0f s; going on without it",
-                bound,
-            )
+        self._retention_started = False
+        thread = self._retiring
+        if thread is not None:
+            bound = min(self.queue.timeout, tpdist.default_timeout().total_seconds() / 2)
+            thread.join(bound)
+            if thread.is_alive():
+                logger.warning(
+                    "the persistent tier's retention has run for over %.0f s; going on without it",
+                    bound,
+                )
+        tpdist.barrier("waiting for rank 0 to retire the persistent tier's old steps")
 
     def _save_final(self, step: int, tree: dict[str, Any]) -> None:
         """A synchronous save of ``step`` (nothing in flight): to the persistent tier, the local
