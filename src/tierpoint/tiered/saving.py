@@ -301,7 +301,7 @@ class SavePath:
 
     def wait(self) -> None:
         """Wait until every save in flight (and a pending persistent copy) is committed or failed,
-        and the persistent retention they started is done."""
+        and the persistent retention they started is done. Collective: every rank calls it."""
         self._finalize(blocking=True)
         if self._deferred is not None:
             self.poll()
