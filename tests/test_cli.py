@@ -371,7 +371,8 @@ def test_convert_into_missing_directories_then_ls_and_verify_the_results(
     assert doc["newest_restorable"] == {str(back): str(back)}
     assert main(["ls", str(back)]) == 0
     out = capsys.readouterr().out
-    assert "-1" not in out and f"newest restorable ({back}): persistent step -: {back}" in out
+    cells = {c.strip() for line in out.splitlines() for c in line.split("│")}
+    assert "-1" not in cells and f"newest restorable ({back}): persistent step -: {back}" in out
 
 
 def test_convert_a_local_iteration_and_refuse_unsafe_files(
@@ -710,3 +711,23 @@ def test_verify_and_ls_an_olmo_run_on_s3(
     assert main(["ls", "--json", f"{url}/run", *endpoint]) == 0
     row = json.loads(capsys.readouterr().out)["checkpoints"][0]
     assert row["status"] == "complete" and row["world_size"] == 1
+
+
+def test_ls_names_the_ranks_of_a_dcp_step_by_count_or_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A DCP step records no world size: ``ls`` shows how many ranks wrote it (rank 0 alone read
+    as "0", as if none had), or which ones, as runs, when they are not 0..n-1."""
+    base = tmp_path / "base"
+    for step in (1, 2):
+        dcp.save({"w": torch.arange(8.0)}, dcp.step_path(base, step))
+    data = next(Path(dcp.step_path(base, 2)).glob("__0_*.distcp"))
+    for rank in (2, 3, 5):  # stray files of other ranks
+        (data.parent / data.name.replace("__0_", f"__{rank}_")).write_bytes(b"")
+    assert main(["ls", str(base)]) == 0
+    rows = {
+        cells[2]: cells[4]
+        for line in capsys.readouterr().out.splitlines()
+        if len(cells := [c.strip() for c in line.split("│")]) > 4 and cells[2].isdigit()
+    }
+    assert rows == {"1": "1", "2": "0,2-3,5"}

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointingError
+from ..rank_ranges import ranges
 from .locate import (
     Entry,
     classify,
@@ -117,9 +118,15 @@ def _step_text(row: Row) -> str:
 
 
 def _ranks_text(row: Row) -> str:
-    if row.world_size is None:
-        return ",".join(map(str, row.ranks)) or "-"
-    return f"{len(row.ranks)}/{row.world_size}"
+    """``present/world`` where the world size is known; else how many ranks wrote files when they
+    are ``0..n-1`` (a DCP step of ``n`` ranks), or which ranks did, as runs (``0-5,7``)."""
+    if row.world_size is not None:
+        return f"{len(row.ranks)}/{row.world_size}"
+    if not row.ranks:
+        return "-"
+    if row.ranks == list(range(len(row.ranks))):
+        return str(len(row.ranks))
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges(row.ranks))
 
 
 def local_rows(root: str) -> list[Row]:
