@@ -18,6 +18,7 @@ from tierpoint.dcp import (
     CheckpointObjectId,
     DefaultMLFlashpointCheckpointLoader,
     MLFlashpointCheckpointLoader,
+    async_save,
     get_latest_complete_checkpoint,
     load,
     save,
@@ -135,3 +136,39 @@ def test_read_data_per_object_and_refusals(tmp_path):
         )
     with pytest.raises(UnsupportedStateError, match="pickled header"):
         loader.read_tensor(open(os.devnull, "rb"), plan.items[0], use_optimized_loader=True)
+
+
+def _save_again_over_a_flashpoint_marker(rank: int, world: int, root: str, use_async: bool) -> list:
+    # Each rank its own node's disk; ML Flashpoint's save of step 2 was killed on node 1: its
+    # directory has no .metadata and its sibling marker stays.
+    os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"
+    base = os.path.join(root, f"node{rank}")
+    save(_state(rank, 1), checkpoint_id=os.path.join(base, "step-1_ckpt"), sync_files=False)
+    os.makedirs(os.path.join(base, "step-2_ckpt"))
+    if rank == 1:
+        open(os.path.join(base, "step-2_ckpt__1__unfinished"), "wb").close()
+    open(os.path.join(base, "step-20_ckpt__0__unfinished"), "wb").close()  # another step's
+    torch.distributed.barrier()
+    loader = DefaultMLFlashpointCheckpointLoader()
+    before = loader.get_latest_complete_checkpoint(CheckpointContainerId(base))
+    path = os.path.join(base, "step-2_ckpt")
+    if use_async:
+        async_save(_state(rank, 2), checkpoint_id=path).result()
+    else:
+        save(_state(rank, 2), checkpoint_id=path, sync_files=False)
+    after = loader.get_latest_complete_checkpoint(CheckpointContainerId(base))
+    target = _state(rank, 0)
+    load(target, checkpoint_id=after.data)
+    return [os.path.basename(before.data), os.path.basename(after.data), target["step"]] + [
+        sorted(n for n in os.listdir(base) if n.endswith("unfinished"))
+    ]
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["save", "async_save"])
+def test_a_new_save_into_a_flashpoint_directory_removes_its_stale_markers(tmp_path, use_async):
+    results = run_ranks(
+        _save_again_over_a_flashpoint_marker, 2, str(tmp_path), use_async, timeout=180
+    )
+    for got in results:
+        # Before the fix the marker stayed: the new save was committed but never counted.
+        assert got == ["step-1_ckpt", "step-2_ckpt", 2, ["step-20_ckpt__0__unfinished"]]

@@ -4,8 +4,9 @@ async save in flight, and the removal of what an earlier save into it left.
 Call order (driven by :class:`~tierpoint.dcp.writer.Writer`): :func:`absolute` fixes the location
 once; at set-up :func:`claim` (``check_only``) refuses a directory an async save of this process is
 writing, :func:`make_marker` creates the directory and ``.unfinished-<rank>``, and on local paths
-:func:`earlier_save_files` lists what an earlier save left (removed by the writer once every rank
-agreed); an async save then holds its :func:`claim` until :func:`release` (finalized or discarded);
+:func:`earlier_save_files` lists what an earlier save left, and :func:`flashpoint_markers` the
+unfinished markers ML Flashpoint left next to a ``step-<N>_ckpt`` directory (both removed by the
+writer once every rank agreed, while this save's own markers keep the step unfinished); an async save then holds its :func:`claim` until :func:`release` (finalized or discarded);
 after the commit, :func:`remove_unreferenced_files` removes the data files ``.metadata`` does not
 name and returns the markers its listing saw, which the coordinator removes (one listing, one bulk
 removal on an object store; :func:`visible_markers` lists them where that listing was not made).
@@ -34,7 +35,15 @@ from .. import storage
 from ..errors import CheckpointingError
 from .checksums import is_manifest, manifest_name
 from .file_plan import SUFFIX
-from .names import METADATA_NAME, marker_name, marker_rank, markers_in
+from .names import (
+    METADATA_NAME,
+    marker_name,
+    marker_rank,
+    markers_in,
+    sibling_markers_of,
+    step_dir_of,
+    step_of,
+)
 
 logger = logging.getLogger("tierpoint")
 
@@ -98,13 +107,22 @@ def make_marker(
 
 
 def remove_earlier_files(
-    path: str, names: list[str], storage_options: Mapping[str, Any], upload: storage.UploadOptions
+    path: str,
+    names: list[str],
+    storage_options: Mapping[str, Any],
+    upload: storage.UploadOptions,
+    flashpoint: list[str] | None = None,
 ) -> None:
-    """Remove the files :func:`earlier_save_files` listed (only while no rank of the new save can
-    have written yet)."""
+    """Remove the files :func:`earlier_save_files` listed, and the ``flashpoint`` markers
+    :func:`flashpoint_markers` listed (only while no rank of the new save can have written yet:
+    its own markers keep the step unfinished)."""
     storage.remove_files(path, names, storage_options=storage_options, upload=upload)
     if names:
         logger.info("%s: removed %d file(s) of an earlier save", path, len(names))
+    if flashpoint:
+        parent = os.path.dirname(os.path.normpath(storage.local_path(path)))
+        storage.remove_files(parent, flashpoint, upload=upload)
+        logger.info("%s: removed ML Flashpoint's unfinished markers %s", path, flashpoint)
 
 
 def clear_for_new_save(
@@ -156,6 +174,20 @@ def with_manifest(names: list[str]) -> list[str]:
     """A rank's data files of one save and the manifest of their checksums."""
     manifest = manifest_name(names[0]) if names else None
     return [*names, manifest] if manifest is not None else list(names)
+
+
+def flashpoint_markers(directory: str) -> list[str]:
+    """ML Flashpoint's unfinished markers of the local step directory ``directory``: regular files
+    next to it named ``<its name>...unfinished`` (names in its parent; none for a ``step-<N>``)."""
+    parent, name = os.path.split(os.path.normpath(directory))
+    if step_of(name) is not None or step_dir_of(name) is None:
+        return []  # not a step-<N>_ckpt directory: no listing of the base at every save
+    try:
+        with os.scandir(parent or ".") as entries:
+            files = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+    except OSError as e:
+        raise storage.failure("listing", parent, e) from e
+    return sibling_markers_of(name, files)
 
 
 def earlier_save_files(directory: str) -> list[str]:

@@ -65,6 +65,16 @@ def sibling_markers(names: Sequence[str]) -> dict[str, list[int]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
+def sibling_markers_of(dir_name: str, names: Iterable[str]) -> list[str]:
+    """The ML Flashpoint unfinished markers of the step directory ``dir_name`` among ``names`` (its
+    parent's entries), sorted; none unless ``dir_name`` is a ``step-<N>_ckpt`` name."""
+    return sorted(
+        n
+        for n in names
+        if (m := _FLASHPOINT_MARKER.match(n)) is not None and m.group(1) == dir_name
+    )
+
+
 def marker_name(rank: int) -> str:
     """The name of rank ``rank``'s unfinished marker inside a checkpoint directory."""
     return f"{MARKER_PREFIX}{int(rank)}"

@@ -331,8 +331,9 @@ def _agree_token(
 
 
 def _clean(storage_writer: Writer) -> int:
-    """1 if this rank saw no earlier save's files at set-up, else 0 (the MIN over ranks: any)."""
-    return 0 if storage_writer.earlier_files else 1
+    """1 if this rank saw no earlier save's files (nor ML Flashpoint's markers of the directory) at
+    set-up, else 0 (the MIN over ranks: any)."""
+    return 0 if storage_writer.earlier_files or storage_writer.flashpoint_markers else 1
 
 
 def _remove_earlier_saves(storage_writer: Writer, group: Any, use_dist: bool) -> None:

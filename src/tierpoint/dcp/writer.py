@@ -147,6 +147,7 @@ class Writer(StorageWriter):
         self._busy_key: str | None = None  # this writer's claim (see directory.claim)
         self.earlier_files: list[str] = []
         """Data files and ``.metadata`` of an earlier save this rank saw at set-up (local paths)."""
+        self.flashpoint_markers: list[str] = []  # ML Flashpoint's, next to it (see set-up)
         self.file_token = ""
         """Part of this save's data file names, new at every ``set_up_storage_writer``."""
         self.results_token = ""
@@ -160,7 +161,7 @@ class Writer(StorageWriter):
             self.path = directory.absolute(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex
         self._marker_made = self._clears = False
-        self.earlier_files = []
+        self.earlier_files, self.flashpoint_markers = [], []
         self._forget_plan()
         self._results = None
         self.write_error = None
@@ -169,7 +170,7 @@ class Writer(StorageWriter):
         """Create the directory and this rank's unfinished marker (before any data is written)."""
         self.refuse_if_in_flight()
         self.is_coordinator = is_coordinator
-        self.earlier_files, self._markers_seen = [], None
+        self.earlier_files, self.flashpoint_markers, self._markers_seen = [], [], None
         self.file_token = _new_file_token()
         self._forget_plan()  # a refused save must not discard the files of this writer's last one
         rank = kwargs.get("rank")
@@ -189,6 +190,7 @@ class Writer(StorageWriter):
             self._remove(METADATA_NAME)
         if storage.is_local(self.path):
             self.earlier_files = directory.earlier_save_files(storage.local_path(self.path))
+            self.flashpoint_markers = directory.flashpoint_markers(storage.local_path(self.path))
 
     def refuse_if_in_flight(self) -> None:
         """Raise if this writer's async save is written or being written but not yet finalized."""
@@ -200,10 +202,11 @@ class Writer(StorageWriter):
             )
 
     def remove_earlier_save(self) -> None:
-        """Remove the data files and ``.metadata`` an earlier save left in this rank's view (listed
-        at set-up); only between two collectives, before any rank of this save writes."""
-        earlier, self.earlier_files = self.earlier_files, []
-        directory.remove_earlier_files(self.path, earlier, self.storage_options, self.upload)
+        """Remove what an earlier save left in this rank's view (listed at set-up: data files,
+        ``.metadata``, ML Flashpoint's markers), only before any rank of this save writes."""
+        old, fp = self.earlier_files, self.flashpoint_markers
+        self.earlier_files, self.flashpoint_markers = [], []
+        directory.remove_earlier_files(self.path, old, self.storage_options, self.upload, fp)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
