@@ -253,3 +253,55 @@ def test_plan_fetches_the_checksum_manifest_with_each_data_file() -> None:
     assert len(plan_moves([required | {".metadata": 10}] * 2 + [{}, {}], required, 10, nodes)) == 3
     empty = {**full, ".checksums-2.t2.json": 0}
     assert (0, 2, ".checksums-2.t2.json") in plan_moves([full, empty, {}, {}], required, 10, nodes)
+
+
+def _hsdp(rank: int, world: int, tmp: str) -> dict:
+    """HSDP's layout on a (2, 2) mesh, one node per replica: ``w`` is replicated across the nodes
+    and sharded within each; ``u`` is sharded over every rank, so that every rank writes a file."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    os.environ["TIERPOINT_NODE_ID"] = f"node{rank // 2}"
+    base = os.path.join(tmp, f"node{rank // 2}")
+    mesh = init_device_mesh("cpu", (2, 2))
+    full = torch.arange(64.0).reshape(16, 4)
+    placements = {"w": [Replicate(), Shard(0)], "u": [Shard(0), Shard(1)]}
+    dcp.save({k: distribute_tensor(full, mesh, p) for k, p in placements.items()}, base + "/step-1")
+    # The same job resumes: same ranks, same nodes, same layout.
+    latest = dcp.get_latest_complete_checkpoint(base, node_local=True)
+    state = {k: distribute_tensor(torch.zeros(16, 4), mesh, p) for k, p in placements.items()}
+    dcp.load(state, latest)
+    return {k: torch.equal(v.full_tensor(), full) for k, v in state.items()}
+
+
+def test_chunks_replicated_across_nodes_are_fetched_at_the_same_world_size(tmp_path: Path) -> None:
+    # torch DCP writes each replicated chunk of w from ranks 0 and 1 only (node 0); before the fix
+    # node 1 fetched only .metadata and load failed there with "missing DCP data file".
+    assert run_ranks(_hsdp, WORLD, str(tmp_path)) == [{"w": True, "u": True}] * WORLD
+
+
+def test_without_recorded_plans_a_tensor_with_fewer_chunks_than_writers_is_shared() -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from tierpoint.dcp.peer_fetch import _replicated_chunk_files
+
+    def tensor(rows: list[int]) -> TensorStorageMetadata:
+        chunks = [ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([8, 4])) for r in rows]
+        return TensorStorageMetadata(TensorProperties(), torch.Size([8 * len(rows), 4]), chunks)
+
+    storage = {
+        MetadataIndex("w", torch.Size([0, 0])): _StorageInfo("__0_0.distcp", 0, 10),
+        MetadataIndex("w", torch.Size([8, 0])): _StorageInfo("__1_0.distcp", 0, 10),
+    }
+    for rank in range(4):
+        index = MetadataIndex("u", torch.Size([8 * rank, 0]))
+        storage[index] = _StorageInfo(f"__{rank}_1.distcp", 0, 10)
+    metadata = Metadata({"w": tensor([0, 8]), "u": tensor([0, 8, 16, 24])}, None, storage)
+    assert _replicated_chunk_files(metadata) == {"__0_0.distcp", "__1_0.distcp"}

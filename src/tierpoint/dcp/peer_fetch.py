@@ -15,7 +15,8 @@ out its moves; the outcome is agreed.
 What a node needs: ``.metadata``, and, when the world size is the one the checkpoint was saved with,
 the data files its ranks wrote (``__<rank>_*``) plus every file holding an item that is not a shard
 (a whole tensor or a non-tensor value: torch DCP writes a key that several ranks hold once, from
-one rank, and every rank reads it there); with another world size (resharding) every data file;
+one rank, and every rank reads it there) or a chunk several ranks held (a DTensor replicated over
+part of the mesh, as with HSDP: written once too); with another world size (resharding) every data file;
 with each data file, the checksum manifest of its writer (:mod:`tierpoint.dcp.checksums`) where some
 node has it.
 A file counts as present only if it is at least as long as ``.metadata`` says; an earlier save's
@@ -97,7 +98,42 @@ def _required_sizes(step_dir: str) -> tuple[dict[str, int], set[str]]:
         entry = entries.get(index.fqn)
         if not isinstance(entry, TensorStorageMetadata) or len(entry.chunks) <= 1:
             shared.add(name)
-    return dict(sizes), shared
+    return dict(sizes), shared | _replicated_chunk_files(metadata)
+
+
+def _chunk_key(index: Any) -> tuple:
+    offset = getattr(index, "offset", None)
+    return (index.fqn, None if offset is None else tuple(int(x) for x in offset))
+
+
+def _replicated_chunk_files(metadata: Any) -> set[str]:
+    """The files holding a tensor chunk that several ranks held at the save (a DTensor replicated
+    over part of the mesh, as HSDP's ``[Replicate(), Shard(0)]``): torch DCP writes such a chunk
+    once, from one of its holders, and every holder reads it from there at a load with the same
+    layout, on whatever node it runs. Known from the ranks' plans tierpoint records in
+    ``.metadata`` (``all_local_plans``); without them, every chunk of a tensor that has fewer
+    chunks than the checkpoint has writers counts (a tensor sharded over only some ranks then
+    travels to every node too: more than needed, never less)."""
+    storage_data = metadata.storage_data or {}
+    plans = getattr(metadata, "all_local_plans", None)
+    if plans:
+        holders: dict[tuple, int] = defaultdict(int)
+        for plan in plans:
+            for key in {_chunk_key(item.index) for item in getattr(plan, "items", None) or ()}:
+                holders[key] += 1
+        return {
+            info.relative_path
+            for index, info in storage_data.items()
+            if holders.get(_chunk_key(index), 0) > 1
+        }
+    writers = {_writer_of(info.relative_path) for info in storage_data.values()}
+    entries = metadata.state_dict_metadata
+    return {
+        info.relative_path
+        for index, info in storage_data.items()
+        if isinstance(entry := entries.get(index.fqn), TensorStorageMetadata)
+        and len(entry.chunks) < len(writers)
+    }
 
 
 def plan_moves(
