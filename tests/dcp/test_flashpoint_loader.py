@@ -172,3 +172,12 @@ def test_a_new_save_into_a_flashpoint_directory_removes_its_stale_markers(tmp_pa
     for got in results:
         # Before the fix the marker stayed: the new save was committed but never counted.
         assert got == ["step-1_ckpt", "step-2_ckpt", 2, ["step-20_ckpt__0__unfinished"]]
+
+
+def test_get_parent_of_names_at_the_root_and_bare_names() -> None:
+    assert CheckpointContainerId("/step-1_ckpt").get_parent() == CheckpointContainerId("/")
+    assert CheckpointObjectId("/a/step-1_ckpt/.metadata").get_parent().data == "/a/step-1_ckpt"
+    assert CheckpointContainerId("step-1_ckpt").get_parent() == CheckpointContainerId(".")
+    assert CheckpointContainerId("s3://bucket/run/step-1_ckpt/").get_parent().data == (
+        "s3://bucket/run"
+    )

@@ -113,8 +113,11 @@ def _location(value: Any) -> str:
 
 
 def _parent(path: str) -> str:
-    head, _, _ = path.rstrip("/").rpartition("/")
-    return head or "."
+    """The directory holding ``path``: ``.`` for a bare name, ``/`` for a name at the root."""
+    head, sep, _ = path.rstrip("/").rpartition("/")
+    if not sep:
+        return "/" if path.startswith("/") else "."
+    return head or "/"
 
 
 class MLFlashpointCheckpointLoader(abc.ABC):
