@@ -305,3 +305,32 @@ def test_without_recorded_plans_a_tensor_with_fewer_chunks_than_writers_is_share
         storage[index] = _StorageInfo(f"__{rank}_1.distcp", 0, 10)
     metadata = Metadata({"w": tensor([0, 8]), "u": tensor([0, 8, 16, 24])}, None, storage)
     assert _replicated_chunk_files(metadata) == {"__0_0.distcp", "__1_0.distcp"}
+
+
+def _other_layout(rank: int, world: int, tmp: str) -> dict:
+    """Saved sharded over the 4 ranks, loaded whole (FSDP to DDP) by the same 4 ranks on the same
+    nodes: a node needs the other node's files too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tierpoint.errors import CorruptCheckpointError
+
+    os.environ["TIERPOINT_NODE_ID"] = f"node{rank // 2}"
+    base = os.path.join(tmp, f"node{rank // 2}")
+    full = torch.arange(64.0).reshape(16, 4)
+    mesh = init_device_mesh("cpu", (world,))
+    dcp.save({"w": distribute_tensor(full, mesh, [Shard(0)])}, base + "/step-1")
+    state = {"w": torch.zeros(16, 4)}
+    try:  # the files the saved layout needs are all on their nodes: nothing is fetched
+        dcp.load(state, dcp.get_latest_complete_checkpoint(base, node_local=True))
+        refused = ""
+    except CorruptCheckpointError as e:
+        refused = str(e)
+    dcp.load(state, dcp.get_latest_complete_checkpoint(base, node_local=True, all_files=True))
+    return {"refused": "all_files=True" in refused, "equal": torch.equal(state["w"], full)}
+
+
+def test_a_load_in_another_layout_at_the_same_world_size_fetches_every_file(tmp_path: Path) -> None:
+    """Without ``all_files`` the load names the missing file and says what fetches it (it read as
+    damage alone); with it, every node gets every data file and the load is exact."""
+    assert run_ranks(_other_layout, WORLD, str(tmp_path)) == [{"refused": True, "equal": True}] * 4

@@ -156,6 +156,9 @@ class DefaultMLFlashpointCheckpointLoader(MLFlashpointCheckpointLoader):
         storage_options: fsspec options for URL bases.
         node_local: fetch what a node lacks from its peers before returning the latest checkpoint
             (default: for local paths, not for URLs).
+        all_files: with ``node_local``, every node fetches every data file (for a load in another
+            layout than the save's at the same world size; see
+            :func:`~tierpoint.dcp.get_latest_complete_checkpoint`).
     """
 
     def __init__(
@@ -165,9 +168,11 @@ class DefaultMLFlashpointCheckpointLoader(MLFlashpointCheckpointLoader):
         *,
         storage_options: Mapping[str, Any] | None = None,
         node_local: bool | None = None,
+        all_files: bool = False,
     ) -> None:
         self.storage_options = dict(storage_options or {})
         self.node_local = node_local
+        self.all_files = all_files
         if checkpoint_object_manager is not None or replication_manager is not None:
             logger.info(
                 "DefaultMLFlashpointCheckpointLoader: the object and replication managers are not "
@@ -240,7 +245,10 @@ class DefaultMLFlashpointCheckpointLoader(MLFlashpointCheckpointLoader):
         base = _location(checkpoint_base_container)
         node_local = storage.is_local(base) if self.node_local is None else self.node_local
         found = get_latest_complete_checkpoint(
-            base, storage_options=self.storage_options, node_local=node_local
+            base,
+            storage_options=self.storage_options,
+            node_local=node_local,
+            all_files=self.all_files,
         )
         return None if found is None else CheckpointContainerId(found)
 

@@ -30,6 +30,7 @@ def get_latest_complete_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     group: Any = None,
     node_local: bool = False,
+    all_files: bool = False,
 ) -> str | None:
     """The path of the newest complete step directory under ``base`` (``step-<N>``, or ML
     Flashpoint's ``step-<N>_ckpt``), the same on every rank (else
@@ -41,11 +42,14 @@ def get_latest_complete_checkpoint(
     ``node_local=True``: ``base`` is a directory on each node's own disk. Candidates are tried newest
     first; for each, the files this node's ranks need and lack are fetched from the peers that
     hold them (:mod:`tierpoint.dcp.peer_fetch`); a candidate with a file that exists nowhere is
-    skipped. The returned step is then loadable from ``base`` on every node.
+    skipped. The returned step is then loadable from ``base`` on every node, in the layout it was
+    saved in (at the same world size, a node gets the files its own ranks wrote and those every rank
+    reads) or at any other world size. ``all_files=True``: every node gets every data file, for a
+    load in another layout at the same world size (another parallelism, FSDP to DDP).
     """
     base = storage.checkpoint_path(base, "base")
     if node_local:
-        return _latest_node_local(base, storage_options, group)
+        return _latest_node_local(base, storage_options, group, all_files)
     views = gather_views(base, storage_options, group)
     decision = None
     if tpdist.get_rank() == decider(group):
@@ -58,7 +62,7 @@ def get_latest_complete_checkpoint(
 
 
 def _latest_node_local(
-    base: str | os.PathLike, storage_options: Mapping[str, Any] | None, group: Any
+    base: str | os.PathLike, storage_options: Mapping[str, Any] | None, group: Any, all_files: bool
 ) -> str | None:
     if not storage.is_local(base):
         raise ValueError(f"node_local needs a local directory, got {base}")
@@ -67,7 +71,7 @@ def _latest_node_local(
     found = None
     alone = not tpdist.is_distributed()  # one process: no peer to fetch from
     for name in complete_dirs([v["view"] for v in views]):
-        if alone or retrieve_missing(storage.join(base, name)):
+        if alone or retrieve_missing(storage.join(base, name), all_files=all_files):
             found = name
             break
     if tpdist.get_rank() == decider(group):

@@ -142,13 +142,15 @@ def plan_moves(
     metadata_size: int,
     node_of_rank: list[str],
     shared: set[str] | frozenset[str] = frozenset(),
+    all_files: bool = False,
 ) -> list[tuple[int, int, str]] | None:
     """``(source rank, destination rank, file name)`` moves, or ``None`` if some file exists nowhere.
 
-    ``shared``: the files every rank may read (see :func:`_required_sizes`)."""
+    ``shared``: the files every rank may read (see :func:`_required_sizes`); ``all_files``: every
+    node needs every data file, as at another world size."""
     world = len(listings)
     writers = {_writer_of(n) for n in required}
-    same_world = writers == set(range(world))
+    same_world = writers == set(range(world)) and not all_files
     manifests = {n: manifest_name(n) for n in required}
     present = {m for m in manifests.values() if m and any(m in listing for listing in listings)}
     want = dict(required, **{METADATA_NAME: metadata_size}, **dict.fromkeys(present, 1))
@@ -247,8 +249,11 @@ def _expand_listing(compressed: dict[str, Any]) -> dict[str, Any]:
     return {"files": files, "metadata": compressed["metadata"]}
 
 
-def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
-    """Fetch the files this node's ranks need for ``step_dir`` from peers. Collective.
+def retrieve_missing(
+    step_dir: str, *, timeout: float | None = None, all_files: bool = False
+) -> bool:
+    """Fetch the files this node's ranks need for ``step_dir`` from peers (``all_files``: every data
+    file, for a load in another layout than the save's). Collective.
 
     Returns ``False`` on every rank when the checkpoint cannot be completed (a file exists nowhere,
     nobody has ``.metadata``, or nodes hold different ``.metadata`` files); raises the same
@@ -288,6 +293,7 @@ def retrieve_missing(step_dir: str, *, timeout: float | None = None) -> bool:
                 listings[decider][METADATA_NAME],
                 list(layout.node_of_rank),
                 shared,
+                all_files,
             )
             plan = {"moves": moves, "error": None}
         except (OSError, CheckpointingError) as e:

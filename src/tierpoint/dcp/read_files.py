@@ -66,7 +66,12 @@ def _missing(location: str, what: str) -> CheckpointingError:
             f"no committed DCP checkpoint: {location} is missing (its save never finished, or this "
             "is not a DCP checkpoint directory)"
         )
-    return CorruptDCPError(location, f"missing {what} file")
+    return CorruptDCPError(
+        location,
+        f"missing {what} file (on node-local disks: get_latest_complete_checkpoint(..., "
+        "node_local=True) fetches the files the layout of the save needs; a load in another "
+        "layout at the same world size needs all_files=True)",
+    )
 
 
 def open_file(
