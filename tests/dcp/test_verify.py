@@ -37,3 +37,27 @@ def test_a_truncated_item_is_named(tmp_path: Path) -> None:
     data.write_bytes(data.read_bytes()[:-100])
     with pytest.raises(CorruptCheckpointError, match="'a'"):
         verify_checkpoint(path)
+
+
+def test_an_intact_value_the_default_load_refuses_is_named_not_failed(tmp_path: Path) -> None:
+    """numpy's RNG state saved with tierpoint: every checksum matches, so verify passes and names
+    the value the default load refuses; the same value damaged is damage; without checksums (torch's
+    writer) a refusal cannot be told from damage and is raised."""
+    import numpy as np
+
+    from tierpoint.dcp import save
+    from tierpoint.errors import UnsupportedStateError
+
+    state = {"w": torch.ones(4), "rng": np.random.RandomState(1).get_state()}
+    save(state, step_path(tmp_path, 1))
+    summary = verify_checkpoint(step_path(tmp_path, 1))
+    assert summary.verified and summary.needs_trust == ("rng",) and summary.values == 1
+    data = max(Path(step_path(tmp_path, 1)).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # inside the pickled RNG state (the bulk of the file)
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        verify_checkpoint(step_path(tmp_path, 1))
+    dcp.save(state, checkpoint_id=step_path(tmp_path, 2))
+    with pytest.raises(UnsupportedStateError, match="rng"):
+        verify_checkpoint(step_path(tmp_path, 2))

@@ -154,10 +154,18 @@ def _verify_dcp(path: str, options: Mapping[str, Any]) -> tuple[str, str]:
     summary = verify_checkpoint(path, storage_options=options)
     read = (
         f"{summary.tensors} tensors ({summary.tensor_bytes} bytes) and {summary.values} other "
-        "values read and decoded"
+        f"values read{'' if summary.needs_trust else ' and decoded'}"
     )
     if summary.verified:
-        return "ok", f"DCP checkpoint: {read}; every item matches its checksum"
+        trust = summary.needs_trust
+        note = (
+            f"; {len(trust)} of the values need code from the checkpoint to load (the default "
+            f"load refuses them; planner=DefaultLoadPlanner() trusts them): {', '.join(trust[:5])}"
+            + (", ..." if len(trust) > 5 else "")
+            if trust
+            else ""
+        )
+        return "ok", f"DCP checkpoint: {read}; every item matches its checksum{note}"
     return (
         "unverified",
         f"DCP checkpoint: {read}; unverified: no checksum manifest (not written by tierpoint)",

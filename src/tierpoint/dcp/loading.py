@@ -69,6 +69,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._decoded: dict[str, Any] = {}
+        self.refused: list[str] | None = None
+        """Set to a list (as :mod:`~tierpoint.dcp.verify` does where checksums proved the bytes
+        intact): a value ``weights_only`` refuses is named there and loads as ``None``."""
 
     def check_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Decode a value before anything is written (:class:`Reader` calls this first)."""
@@ -82,11 +85,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         else:
             self.state_dict[fqn] = obj
 
-    @staticmethod
-    def _decode(read_item: ReadItem, value: io.BytesIO) -> Any:
+    def _decode(self, read_item: ReadItem, value: io.BytesIO) -> Any:
         try:
             return torch.load(value, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - whatever torch refuses, we refuse
+            if self.refused is not None:
+                self.refused.append(read_item.dest_index.fqn)
+                return None
             refusal = _ANSI.sub("", str(e)).splitlines()[0][:200]
             raise UnsupportedStateError(
                 read_item.dest_index.fqn,

@@ -11,7 +11,10 @@ Invariants: nothing is written; no code from the checkpoint runs; memory stays n
 (plus the largest single tensor); a problem raises :class:`~tierpoint.errors.CheckpointingError`
 (:class:`~tierpoint.errors.CorruptCheckpointError` for a damaged file, a checksum mismatch, or a
 data file without the manifest the others have) naming the file and the item. A checkpoint with no
-manifest at all (written by plain torch) is read just the same and reported unverified.
+manifest at all (written by plain torch) is read just the same and reported unverified. A value
+whose bytes match their checksum but that ``weights_only`` refuses (``np.random.get_state()``, a
+datetime) is intact: it is named in the summary's ``needs_trust``, not raised (without checksums it
+cannot be told from damage, and is raised).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .loading import load
+from .loading import SafeLoadPlanner, load
 from .reader import Reader
 from .safe_pickle import CorruptDCPError
 
@@ -39,6 +42,8 @@ class CheckpointSummary:
     tensor_bytes: int
     verified: bool = False
     """Whether every item was checked against a recorded checksum (False: no manifest)."""
+    needs_trust: tuple[str, ...] = ()
+    """Intact values the default load refuses (they need code from the checkpoint to load)."""
 
 
 def verify_checkpoint(
@@ -52,15 +57,17 @@ def verify_checkpoint(
     metadata = reader.read_metadata()
     verified = _has_manifests(reader, metadata)
     tensors = values = nbytes = 0
+    planner = SafeLoadPlanner()
+    planner.refused = [] if verified else None
     for batch in _batches(metadata, batch_bytes):
-        load(batch, path, storage_options=storage_options)
+        load(batch, path, storage_options=storage_options, planner=planner)
         for value in batch.values():
             if isinstance(value, torch.Tensor):
                 tensors += 1
                 nbytes += value.numel() * value.element_size()
             else:
                 values += 1
-    return CheckpointSummary(tensors, values, nbytes, verified)
+    return CheckpointSummary(tensors, values, nbytes, verified, tuple(planner.refused or ()))
 
 
 def _has_manifests(reader: Reader, metadata: Metadata) -> bool:
