@@ -519,3 +519,25 @@ def test_plain_values_under_int_keys_load_into_their_keys(tmp_path):
     load(state, tmp_path / "s")
     assert {k: v for k, v in state.items() if k not in ("w", "l")} == {0: 5, "p": saved["p"]}
     assert state["l"][0] == {2: 8} and state["l"][1].tolist() == [1.0]
+
+
+def _load_other_steps(rank: int, world: int, base: str) -> tuple[str, list[float]]:
+    from tierpoint.dcp import save, step_path
+
+    for step in (1, 2):
+        save({"w": torch.full((4,), float(rank + 10 * step))}, step_path(base, step))
+    state = {"w": torch.zeros(4)}
+    try:
+        load(state, step_path(base, 1 + rank))  # each rank "found" another latest step
+        error = ""
+    except CheckpointingError as e:
+        error = str(e)
+    return error, state["w"].tolist()
+
+
+def test_ranks_loading_different_saves_are_refused_before_anything_is_written(tmp_path):
+    """Rank 0 loading step 1 while rank 1 loads step 2 loaded a mix of the two, silently."""
+    results = run_ranks(_load_other_steps, 2, str(tmp_path))
+    for error, values in results:
+        assert "the ranks read different saves" in error and "nothing was loaded" in error
+        assert values == [0.0] * 4

@@ -32,6 +32,7 @@ import io
 import os
 import re
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -45,7 +46,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..dist import agree, get_rank
+from ..dist import Agreement, agree, get_rank
 from ..errors import (
     CheckpointingError,
     CorruptCheckpointError,
@@ -161,8 +162,15 @@ def load(
         read = None
         try:
             # Every rank checks everything it will read before any rank writes into its state.
-            with _agreement(what):
+            with _agreement(what) as agreement:
                 read, commit = _start_without_collectives(state_dict, reader, planner)
+                agreement.value = _save_digest(reader.read_metadata())
+            if not agreement.same:
+                raise CheckpointingError(
+                    f"{what}: the ranks read different saves (their .metadata files record other "
+                    "save ids), so the state would mix them; nothing was loaded. Every rank must "
+                    "load the same checkpoint: get_latest_complete_checkpoint(base) agrees on one"
+                )
             with _agreement(what):
                 commit()
         finally:
@@ -183,11 +191,19 @@ def load(
         raise _from_torch(e, os.fspath(path)) from e
 
 
+def _save_digest(metadata: Any) -> int:
+    """A digest of the save id torch's and tierpoint's writers record in ``.metadata``: ranks that
+    read different saves (each looked "the latest" up alone, or node-local directories holding
+    different saves) would load a mix of them, so the load compares it before anything is written."""
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None) or ""
+    return zlib.crc32(str(save_id).encode()) & 0x7FFFFFFF
+
+
 @contextmanager
-def _agreement(what: str) -> Iterator[None]:
-    with agree(what):
+def _agreement(what: str) -> Iterator[Agreement]:
+    with agree(what) as agreement:
         try:
-            yield
+            yield agreement
         except CorruptCheckpointError as e:
             # agree() keeps the class only for the classes tierpoint.errors names.
             raise CorruptCheckpointError(e.path, e.reason) from e

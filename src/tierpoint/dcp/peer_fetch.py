@@ -305,7 +305,8 @@ def retrieve_missing(
         logger.warning("%s: some files exist on no rank; the checkpoint is not viable", step_dir)
         return False
     moves = [
-        peers.FileMove(src, dst, os.path.join(step_dir, name), os.path.join(step_dir, name))
+        # (as a DCP writer's files: readable by others where the umask allows)
+        peers.FileMove(src, dst, os.path.join(step_dir, name), os.path.join(step_dir, name), 0o666)
         for src, dst, name in plan["moves"]
     ]
     if moves and tpdist.get_rank() == 0:

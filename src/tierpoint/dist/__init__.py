@@ -29,7 +29,7 @@ Invariants:
 from __future__ import annotations
 
 from .agreement import _MAX_MESSAGE as _MAX_MESSAGE
-from .agreement import agree, failure_status, raise_failures, raise_if_any_failed
+from .agreement import Agreement, agree, failure_status, raise_failures, raise_if_any_failed
 from .group import _SILENT_GRACE_S as _SILENT_GRACE_S
 from .group import _broken as _broken
 from .group import _first_line as _first_line
@@ -66,6 +66,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "NodeGroups",
     "NodeLayout",
+    "Agreement",
     "agree",
     "all_gather_json",
     "barrier",

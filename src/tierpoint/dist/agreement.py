@@ -1,7 +1,8 @@
 """Failure agreement: when a step failed on any rank, every rank raises the same error.
 
 Call order: ``with agree(what):`` around a block without collectives of its own (every rank enters
-it); or :func:`raise_if_any_failed` with this rank's error; or, where the statuses travel inside a
+it; the block may set the yielded :class:`Agreement`'s ``value``, compared across ranks in the same
+all-reduce); or :func:`raise_if_any_failed` with this rank's error; or, where the statuses travel inside a
 gather that runs anyway, :func:`failure_status` on each rank and :func:`raise_failures` on the
 gathered list.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import agreed_error, error_text, failed_on_ranks
@@ -23,14 +25,29 @@ from .messages import all_gather_json, reduce_ints
 _MAX_MESSAGE = 2000
 
 
-def raise_if_any_failed(what: str, error: BaseException | str | None, group: Any = None) -> None:
+def raise_if_any_failed(
+    what: str, error: BaseException | str | None, group: Any = None, value: int = 0
+) -> bool:
     """Collective: if any rank passes an error, every rank raises the same :class:`CheckpointingError`.
 
-    One all-reduce of a flag when no rank failed; only then are the failures' texts gathered."""
+    One all-reduce of a flag when no rank failed; only then are the failures' texts gathered.
+    Returns whether every rank passed the same ``value`` (a non-negative int), compared in that
+    all-reduce."""
     what_agreed = f"{what} (agreeing on the outcome)"
-    (failed,) = reduce_ints([error is not None], "max", what_agreed, group)
+    failed, high, low = reduce_ints([error is not None, value, -value], "max", what_agreed, group)
     if failed:
         raise_failures(what, all_gather_json(failure_status(error), what_agreed, group), error)
+    return high == -low
+
+
+@dataclass
+class Agreement:
+    """What ``with agree(what) as agreement`` compares besides failures: the block sets ``value``
+    (a non-negative int, e.g. a digest); after the block, ``same`` says whether every rank set the
+    same one."""
+
+    value: int = 0
+    same: bool = True
 
 
 def failure_status(error: BaseException | str | None) -> list[str] | None:
@@ -59,15 +76,16 @@ def raise_failures(
 
 
 @contextmanager
-def agree(what: str) -> Iterator[None]:
+def agree(what: str) -> Iterator[Agreement]:
     """Run the block on every rank; if it raised on any rank, raise the same error on all of them.
 
     The block must not run collectives of its own (a failing rank would skip them). Every rank enters
     the agreement, so a rank whose block succeeded still learns that another one failed.
     """
+    agreement = Agreement()
     error: BaseException | None = None
     try:
-        yield
+        yield agreement
     except Exception as e:  # noqa: BLE001 - every failure is reported to all ranks
         error = e
-    raise_if_any_failed(what, error)
+    agreement.same = raise_if_any_failed(what, error, value=agreement.value)

@@ -19,6 +19,8 @@ class FileMove:
     dst: int
     src_path: str
     dst_path: str
+    mode: int = 0o600
+    """The received file's permissions (less the umask); a local tier's parts are private."""
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,15 @@ class Target:
             mapper.forget(entry)
 
 
-def open_target(dst_path: str, nbytes: int, spare: str | None, mapper: Mapper) -> Target:
-    """The dirty file a received file is written into, sized and mapped."""
+def open_target(
+    dst_path: str, nbytes: int, spare: str | None, mapper: Mapper, mode: int = 0o600
+) -> Target:
+    """The dirty file a received file is written into, sized and mapped, with ``mode``."""
     dirty = dirty_name(dst_path)
     dirty.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if spare is not None:
         os.replace(spare, dirty)
-    fd = os.open(dirty, os.O_RDWR | os.O_CREAT | (0 if spare else os.O_TRUNC), 0o600)
+    fd = os.open(dirty, os.O_RDWR | os.O_CREAT | (0 if spare else os.O_TRUNC), mode)
     try:
         reserve(fd, nbytes)  # ENOSPC now, not as SIGBUS while receiving
     except OSError:

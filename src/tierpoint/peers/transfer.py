@@ -186,7 +186,7 @@ def move_files(
             trailer = torch.zeros(1, dtype=torch.int64)  # the digest; a scratch one when draining
             try:
                 spare = reuse(m) if reuse else None
-                target = targets[i] = open_target(m.dst_path, nbytes, spare, mapper)
+                target = targets[i] = open_target(m.dst_path, nbytes, spare, mapper, m.mode)
                 view = target.tensor
                 checks[i] = []
                 if digest:
