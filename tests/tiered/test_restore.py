@@ -313,3 +313,33 @@ def test_plain_values_under_int_keys_restore_from_each_tier(tmp_path, shm_dir):
             assert manager.restore(live) == 1 and manager.last_restore.tier == tier
         assert live == {"w": live["w"], 0: 5, "seen": saved["seen"]}
         assert live["w"].tolist() == [1.0, 1.0]
+
+
+def _save_local_only(rank: int, world: int, root: Path) -> None:
+    node = as_node(rank)
+    state = make_state(rank)
+    with TieredCheckpointManager(str(root / f"node{node}"), None, "job", local_every=2) as manager:
+        assert manager.restore(state) is None
+        for step in range(1, 5):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+
+
+def _restore_at_another_world_size(rank: int, world: int, root: Path) -> str:
+    node = as_node(rank, ranks_per_node=1)
+    with TieredCheckpointManager(str(root / f"node{node}"), None, "job", local_every=2) as manager:
+        with pytest.raises(CheckpointingError, match="none could be restored") as raised:
+            manager.restore(make_state(rank))
+    return str(raised.value)
+
+
+def test_local_steps_of_another_world_size_are_refused_not_started_over(shm_dir):
+    """A job of 2 nodes x 2 ranks with the local tier only, restarted on 2 ranks (a node short):
+    the local tier does not reshard, so nothing can be restored; the restore says so on every rank
+    rather than answer "nothing to restore" (the run would start from step 0, and its first save
+    would remove the 4-rank checkpoints from the directories it shares with them)."""
+    run_ranks(_save_local_only, 4, shm_dir)
+    before = {p: p.read_bytes() for p in shm_dir.rglob("*.safetensors")}
+    messages = run_ranks(_restore_at_another_world_size, 2, shm_dir)
+    assert all("local step 4: saved with world size 4, this job has 2 ranks" in m for m in messages)
+    assert {p: p.read_bytes() for p in shm_dir.rglob("*.safetensors")} == before

@@ -72,6 +72,14 @@ class Discovery:
             (i for i, w in older.items() if w == world_size and i < iteration), reverse=True
         )
 
+    def other_world_parts(self) -> list[tuple[int, int]]:
+        """``(iteration, world size)`` of the committed parts the last :meth:`find_latest` saw that
+        were saved with another world size than this job's, newest first (the same on every rank:
+        the listings are gathered whenever such parts exist). Not collective."""
+        world_size = self.store.world_size
+        seen = {(p[0], p[2]) for listing in self.listings or () for p in listing}
+        return sorted(((i, w) for i, w in seen if w != world_size), reverse=True)
+
     def nothing_complete(self) -> CheckpointingError:
         """The error of a load that found no complete iteration (naming the newest parts' world
         size when that is why)."""

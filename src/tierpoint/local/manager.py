@@ -216,6 +216,12 @@ class LocalCheckpointManager(NVRxFileNames):
             self._replication.setup()  # collective on first use (lazy strategies create their group)
         return self._discovery.find_latest()
 
+    def other_world_parts(self) -> list[tuple[int, int]]:
+        """``(iteration, world size)`` of the parts the last :meth:`find_latest` skipped because
+        they were saved with another world size (the local tier does not reshard), newest first;
+        the same on every rank. Not collective."""
+        return self._discovery.other_world_parts()
+
     def load(self, *, allow_pickle: bool = False) -> tuple[TensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (verified). Collective.
 

@@ -52,6 +52,8 @@ def restore_newest(
     persistent = _persistent_candidates(persistent_dir, storage_options, skipped)
     newest_persistent = persistent[0] if persistent else -1
     local_latest = -1 if local is None else local.find_latest()
+    if local is not None:
+        _note_other_world_parts(local, max(local_latest, newest_persistent), skipped)
     older_local = None  # a local checkpoint loaded, but older than the newest persistent step
     if local is not None and local_latest != -1 and local_latest >= newest_persistent:
         loaded = _load_local(local, skipped)
@@ -106,6 +108,21 @@ def _persistent_candidates(
         logger.warning("restore: cannot list the persistent tier: %s", error)
         return []
     return steps
+
+
+def _note_other_world_parts(local: LocalCheckpointManager, newest: int, skipped: list[str]) -> None:
+    """Local steps newer than ``newest`` (the newest step either tier offers this job) saved with
+    another world size: the local tier does not reshard, so they are skipped, and said so; with
+    nothing else to restore, the restore then refuses to start over (whose first save would remove
+    them) rather than answer "nothing to restore"."""
+    newer = [(i, w) for i, w in local.other_world_parts() if i > newest]
+    if newer:
+        step, world = newer[0]
+        skipped.append(
+            f"local step {step}: saved with world size {world}, this job has "
+            f"{local.world_size} ranks (the local tier does not reshard; restart with "
+            f"{world} ranks, or restore from a persistent checkpoint)"
+        )
 
 
 def _load_local(local: LocalCheckpointManager, skipped: list[str]) -> tuple[Any, Any] | None:
