@@ -87,6 +87,25 @@ def _async_saves(rank: int, world: int, root: str) -> list[list[str]]:
     return seen
 
 
+def _mismatched_settings(rank: int, world: int) -> list[str]:
+    """Ranks 0-1 replicate with jump 2, ranks 2-3 with jump 1; then the factors differ."""
+    as_node(rank)
+    messages = []
+    for jump, factor in (((2 if rank < 2 else 1), 2), (1, (2 if rank % 2 else 4))):
+        with pytest.raises(CheckpointingError, match="different settings") as raised:
+            CliqueReplicationStrategy.from_replication_params(jump, factor)
+        messages.append(str(raised.value))
+    return messages
+
+
+def test_ranks_with_different_replication_settings_are_refused_at_set_up() -> None:
+    """Every rank raises at once, naming the settings (before: each save waited for copies its
+    peers never sent and failed after the coordination timeout, naming no cause)."""
+    for messages in run_ranks(_mismatched_settings, WORLD, timeout=60):
+        assert "replication_jump from 1 to 2, replication_factor from 2 to 2" in messages[0]
+        assert "replication_jump from 1 to 1, replication_factor from 2 to 4" in messages[1]
+
+
 def test_async_saves_replicate_in_the_background(tmp_path: Path) -> None:
     seen = run_ranks(_async_saves, WORLD, str(tmp_path), timeout=180)
     for rank, peer in ((0, 2), (1, 3), (2, 0), (3, 1)):

@@ -123,6 +123,7 @@ class CliqueReplicationStrategy(_ReplicaGroups):
                 )
             jump = sizes.pop()
         factor = self.replication_factor
+        self._check_same_settings(jump, factor)
         if world % (jump * factor):
             raise CheckpointingError(
                 f"world size {world} is not divisible by replication_jump * replication_factor "
@@ -134,6 +135,25 @@ class CliqueReplicationStrategy(_ReplicaGroups):
             self._group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
             self._restore_group = dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
             tpdist.drop_at_exit(self, "_group", "_restore_group")
+
+    @staticmethod
+    def _check_same_settings(jump: int, factor: int) -> None:
+        """Every rank must replicate with the same jump and factor: otherwise the ranks wait for
+        copies their peers never send, and each save fails only after the coordination timeout,
+        naming no cause. One all-reduce of four integers, at set-up; raises on every rank alike."""
+        if not tpdist.is_distributed():
+            return
+        low = tpdist.reduce_ints(
+            [jump, -jump, factor, -factor], "min", "replication: comparing replication settings"
+        )
+        jumps, factors = (low[0], -low[1]), (low[2], -low[3])
+        if jumps[0] != jumps[1] or factors[0] != factors[1]:
+            raise CheckpointingError(
+                "ranks replicate with different settings (replication_jump from "
+                f"{jumps[0]} to {jumps[1]}, replication_factor from {factors[0]} to {factors[1]}; "
+                f"this rank: {jump} and {factor}): every rank must use the same replication_jump "
+                "and replication_factor"
+            )
 
     def _check_nodes(self, node_of_rank: tuple[str, ...]) -> None:
         for clique in self.cliques():
