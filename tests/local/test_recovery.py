@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tierpoint.errors import CheckpointingError
 from tierpoint.local import BasicTensorAwareStateDict
 from tierpoint.local.naming import part_name
 from tierpoint.testing import run_ranks
@@ -49,6 +50,30 @@ def test_wiped_node_is_restored_from_peers(tmp_path: Path) -> None:
     for rank in (0, 1):
         shutil.rmtree(tmp_path / "job" / str(rank))
     assert [it for it, _ in run_ranks(load_latest, WORLD, str(tmp_path))] == [7] * WORLD
+
+
+def _load_expecting_an_error(rank: int, world: int, root: str) -> str:
+    as_node(rank)
+    manager = replicated_manager(root)
+    assert manager.find_latest() == 7
+    with pytest.raises(CheckpointingError, match="could be loaded on every rank") as raised:
+        manager.load()
+    return str(raised.value)
+
+
+def test_a_replaced_node_whose_directory_cannot_be_made_fails_alike_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Node 1 replaced, and rank 2's directory cannot be created (a file in its place): every rank
+    raises the same CheckpointingError naming rank 2's problem (before: rank 2 raised a bare
+    NotADirectoryError and the others "a peer rank is probably gone")."""
+    run_ranks(save_replicated, WORLD, str(tmp_path), [3, 7], False)
+    for rank in (2, 3):
+        shutil.rmtree(tmp_path / "job" / str(rank))
+    (tmp_path / "job" / "2").write_text("not a directory")
+    messages = run_ranks(_load_expecting_an_error, WORLD, str(tmp_path), timeout=90)
+    assert len(set(messages)) == 1
+    assert "rank 2:" in messages[0] and "Not a directory" in messages[0]
 
 
 def _load_then_rank_0_dies(rank: int, world: int, root: str) -> tuple[float, list[str]]:

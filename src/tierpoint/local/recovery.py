@@ -325,7 +325,15 @@ class PartRecovery:
         rank = self.store.rank
         moves = self.store.part_moves(iteration, plan.moves)
         before = {m.dst_path: naming.version_of(m.dst_path) for m in moves if m.dst == rank}
-        self.store.ensure_dir()
+        try:
+            self.store.ensure_dir()
+        except OSError as e:  # the moves to here fail below (their bytes are drained), not the call
+            logger.warning(
+                "retrieving parts of iteration %d: cannot create %s: %s",
+                iteration,
+                self.store.directory,
+                e,
+            )
         try:
             self.store.move_parts(moves, group)
         except CheckpointingError as e:
