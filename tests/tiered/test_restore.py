@@ -343,3 +343,34 @@ def test_local_steps_of_another_world_size_are_refused_not_started_over(shm_dir)
     messages = run_ranks(_restore_at_another_world_size, 2, shm_dir)
     assert all("local step 4: saved with world size 4, this job has 2 ranks" in m for m in messages)
     assert {p: p.read_bytes() for p in shm_dir.rglob("*.safetensors")} == before
+
+
+def _restore_while_the_local_load_times_out(rank: int, world: int, root: Path) -> str:
+    from tierpoint.errors import CoordinationTimeoutError
+    from tierpoint.local import LocalCheckpointManager
+
+    node = as_node(rank)
+    state = make_state(rank)
+    with _manager(root, node) as manager:
+        for step in range(1, 5):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+
+    def stuck(self, **kwargs):
+        raise CoordinationTimeoutError("loading local checkpoint: no word from rank 1 (stopped)")
+
+    LocalCheckpointManager.load = stuck
+    with _manager(root, node) as manager:
+        with pytest.raises(CoordinationTimeoutError, match="no word from rank 1") as raised:
+            manager.restore(make_state(rank))
+    return type(raised.value).__name__
+
+
+def test_a_coordination_timeout_in_the_local_load_is_raised_not_skipped(tmp_path):
+    """A rank stopped during the local load: the restore raises the CoordinationTimeoutError, as it
+    does in the persistent tier, rather than skipping to the persistent steps (whose collectives
+    wait for the stopped rank too) and reporting the checkpoints as unrestorable."""
+    assert (
+        run_ranks(_restore_while_the_local_load_times_out, 2, tmp_path)
+        == ["CoordinationTimeoutError"] * 2
+    )

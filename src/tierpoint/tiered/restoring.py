@@ -129,6 +129,8 @@ def _load_local(local: LocalCheckpointManager, skipped: list[str]) -> tuple[Any,
     """The local tier's newest checkpoint loadable on every rank and its load record, or None."""
     try:
         ta, _ = local.load()
+    except CoordinationTimeoutError:
+        raise  # a rank stopped or too slow: not the checkpoint's fault (later collectives wait too)
     except CheckpointingError as e:
         skipped.append(f"local tier: {e}")
         logger.warning("restore: no local checkpoint could be loaded: %s", e)
