@@ -173,3 +173,44 @@ def test_losing_a_whole_clique_falls_back_or_says_so(tmp_path: Path) -> None:
     results = run_ranks(load_latest, WORLD, str(tmp_path))
     assert [it for it, _ in results] == [-1] * WORLD
     assert any("no older complete iteration" in m for m in results[0][1])
+
+
+def _stale_part_of_an_earlier_save(rank: int, world: int, root: str) -> tuple[int, int, list[str]]:
+    """Run A saves 5 and 6; run B resumes from 5 (A's 6 lost) and saves its own 6; then rank 1's
+    node comes back with A's part of 6. (loaded iteration, its saved step, warnings)."""
+    import torch.distributed as dist
+
+    from tierpoint.local import LocalCheckpointManager
+
+    as_node(rank, 1)
+    root_path = Path(root)
+    manager = LocalCheckpointManager(root, session_id="job", keep_last=2)
+    for it in (5, 6):
+        manager.save(BasicTensorAwareStateDict(make_state(rank, it)), it)
+    part = root_path / "job" / str(rank) / part_name(6, rank)
+    stale = part.read_bytes()
+    dist.barrier()
+    part.unlink()  # run A's 6 is lost on every node
+    dist.barrier()
+    manager = LocalCheckpointManager(root, session_id="job", keep_last=2)
+    assert manager.find_latest() == 5
+    manager.load()
+    manager.save(BasicTensorAwareStateDict(make_state(rank, 60)), 6)  # run B's 6
+    dist.barrier()
+    if rank == 1:
+        part.write_bytes(stale)  # the node that kept run A's part of 6 is back
+    dist.barrier()
+    records = WarningRecords()
+    manager = LocalCheckpointManager(root, session_id="job", keep_last=2)
+    ta, _ = manager.load()
+    assert manager.last_load is not None
+    return manager.last_load.iteration, ta.state_dict["optimizer"]["step"], records.messages
+
+
+def test_parts_of_two_saves_of_one_iteration_are_never_loaded_together(tmp_path: Path) -> None:
+    """Every part of iteration 6 is intact, but rank 0's comes from run B's save and rank 1's from
+    run A's: the load fell back to 5 (it loaded a mix of the two, silently)."""
+    results = run_ranks(_stale_part_of_an_earlier_save, 2, str(tmp_path))
+    for iteration, step, warnings in results:
+        assert (iteration, step) == (5, 5)
+        assert any("different saves" in w for w in warnings)

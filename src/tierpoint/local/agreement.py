@@ -5,7 +5,9 @@ Call order: :meth:`tierpoint.local.saving.PartSaver.save` calls :func:`agree_on_
 all-reduce of a few integers decides (O(1) bytes per rank); otherwise every rank's listing is
 gathered and the complete iterations are computed from them.
 
-Invariants: every rank returns the same set of complete iterations to keep, or raises the same
+Invariants: every rank returns the same set of complete iterations to keep and the same save token
+(rank 0's random one: it tells this save's parts from another save's of the same iteration), or
+raises the same
 :class:`CheckpointingError` (ranks disagree on the iteration; it is not newer than every complete,
 loadable iteration or than an async save still in flight). ``keep_last`` counts the new iteration.
 Nothing is written, except this rank's directory is created.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -25,6 +28,8 @@ from . import naming
 from .store import Listing, PartStore, complete_iterations
 
 logger = logging.getLogger("tierpoint")
+
+_NO_TOKEN = 1 << 62  # what ranks other than 0 offer (the MIN takes rank 0's token, below it)
 
 AfterCommit = tuple[frozenset[int], Listing]
 """What a rank knew after its last commit: the complete iterations then kept, and its sorted
@@ -38,21 +43,27 @@ def agree_on_iteration(
     keep_last: int,
     in_flight: int,
     after_commit: AfterCommit | None,
-) -> set[int]:
+) -> tuple[set[int], str]:
     """Check (on every rank alike) that all ranks save the same, new ``iteration``; return the
-    complete iterations to keep besides it. Collective.
+    complete iterations to keep besides it and the save's token. Collective.
 
     ``in_flight``: the newest async save this rank requested and that is not finalized (-1: none);
     ``after_commit``: what this rank knew after its last commit (``None``: nothing, listings are
     gathered).
     """
-    keep = _agree_unchanged(store, iteration, keep_last, in_flight, after_commit)
-    if keep is not None:
-        return keep
+    offer = random.SystemRandom().randrange(_NO_TOKEN) if store.rank == 0 else _NO_TOKEN
+    agreed = _agree_unchanged(store, iteration, keep_last, in_flight, after_commit, offer)
+    if agreed is not None:
+        return agreed
     gathered = _gather_parts(
         store,
         "save: agreeing on the iteration",
-        {"iteration": iteration, "requested": in_flight, "unloadable": sorted(store.unloadable)},
+        {
+            "iteration": iteration,
+            "requested": in_flight,
+            "unloadable": sorted(store.unloadable),
+            "token": offer,
+        },
     )
     requested = [g["iteration"] for g in gathered]
     if len(set(requested)) != 1:
@@ -75,7 +86,11 @@ def agree_on_iteration(
             iteration,
             ", ".join(map(str, superseded)),
         )
-    return keep
+    return keep, _token_text(gathered[0]["token"])
+
+
+def _token_text(value: int) -> str:
+    return f"{value:016x}"
 
 
 def keep_for(iteration: int, complete: Iterable[int], in_flight: int, keep_last: int) -> set[int]:
@@ -102,14 +117,16 @@ def _agree_unchanged(
     keep_last: int,
     in_flight: int,
     known: AfterCommit | None,
-) -> set[int] | None:
+    offer: int,
+) -> tuple[set[int], str] | None:
     """What to keep when saving ``iteration``, agreed by one all-reduce (O(1) bytes per rank),
     if every rank's committed parts are as its last commit left them (``known``) and every rank
     knows the same complete iterations; ``None`` (listings must be gathered) otherwise, on every
     rank.
 
-    The all-reduce also carries the requested iteration (equal on every rank) and the newest
-    async save still in flight, so the same refusals as with gathered listings follow."""
+    The all-reduce also carries the requested iteration (equal on every rank), the newest
+    async save still in flight, so the same refusals as with gathered listings follow, and the
+    token rank 0 offers."""
     unchanged = known is not None and not store.unloadable
     if unchanged:
         try:
@@ -120,13 +137,13 @@ def _agree_unchanged(
     complete = sorted(known[0]) if known is not None and unchanged else []
     digest = zlib.crc32(json.dumps(complete).encode()) & 0x7FFFFFFF
     low = tpdist.reduce_ints(
-        [unchanged, iteration, -iteration, digest, -digest, -in_flight],
+        [unchanged, iteration, -iteration, digest, -digest, -in_flight, offer],
         "min",
         "save: agreeing on the iteration",
     )
     if not (low[0] == 1 and low[1] == -low[2] and low[3] == -low[4]):
         return None
-    return keep_for(iteration, complete, -low[5], keep_last)
+    return keep_for(iteration, complete, -low[5], keep_last), _token_text(low[6])
 
 
 def _gather_parts(store: PartStore, what: str, payload: dict[str, Any]) -> list[Any]:

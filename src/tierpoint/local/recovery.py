@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -195,9 +196,16 @@ class PartRecovery:
                     )
                 else:
                     bad.append([source, self.store.rank])
-        with tpdist.agree(what):
+        with tpdist.agree(what) as agreement:
             if loaded is None:
                 raise CheckpointingError(reason)
+            agreement.value = zlib.crc32(str(loaded[0].extra.get("save")).encode()) & 0x7FFFFFFF
+        if not agreement.same:  # e.g. a node back with an earlier run's parts of this iteration
+            reason = "its parts come from different saves of this iteration (intact, not loaded)"
+            failures.update(dict.fromkeys(range(self.store.world_size), reason))
+            kinds.add("CheckpointingError")
+            logger.warning("local iteration %d cannot be restored: %s", iteration, reason)
+            return None
         header, tensors = loaded
         flat = FlatState(header.skeleton, tensors, [r.name for r in header.records])
         ta = BasicTensorAwareStateDict.from_flat(

@@ -22,7 +22,8 @@ every rank, agreed).
 Invariants:
 - Complete or invisible: a part becomes visible by renaming its dirty file after fsync; the previous
   complete checkpoint is retired only after every rank agreed that the new one is committed; no
-  iteration is completed by the parts of two saves. A save is refused only below a newer loadable
+  iteration is completed by the parts of two saves (each part records the save's token, agreed
+  with the iteration; the load compares them). A save is refused only below a newer loadable
   iteration (or an async save still in flight).
 - All ranks agree on the iteration, its success or failure (every rank raises the same
   :class:`CheckpointingError` and removes the failed iteration's files).
@@ -104,6 +105,7 @@ class PartSaver:
         self._warming: threading.Thread | None = None
         self.in_place = InPlaceCopies(store)
         self._last_plan: fileformat.PartPlan | None = None  # its layout serves the next save's plan
+        self._save_token = "0" * 16  # the save being made (see local.agreement)
 
     def save(
         self, state: TensorAwareStateDict, iteration: int, is_async: bool = False
@@ -123,7 +125,7 @@ class PartSaver:
         warm_up_timeout = self.join_warm_up()
         if self.replication is not None:
             self.replication.setup()  # collective on first use (lazy strategies create their group)
-        keep = agree_on_iteration(
+        keep, self._save_token = agree_on_iteration(
             self.store,
             iteration,
             keep_last=self.keep_last,
@@ -251,6 +253,7 @@ class PartSaver:
             "rank": self.store.rank,
             "world_size": self.store.world_size,
             "session_id": self.store.session_id,
+            "save": self._save_token,
         }
 
     # ------------------------------------------------------------------------------ commit, abort
