@@ -374,3 +374,42 @@ def test_a_coordination_timeout_in_the_local_load_is_raised_not_skipped(tmp_path
         run_ranks(_restore_while_the_local_load_times_out, 2, tmp_path)
         == ["CoordinationTimeoutError"] * 2
     )
+
+
+def _save_cliques_on_one_node(rank: int, world: int, root: Path) -> None:
+    node = as_node(rank)
+    state = make_state(rank)
+    kwargs = {"local_every": 2, "keep_local": 2, "replication_jump": 1}  # copies on the same node
+    with TieredCheckpointManager(str(root / f"node{node}"), None, "job", **kwargs) as manager:
+        for step in range(1, 5):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+
+
+def _restore_after_a_loss(rank: int, world: int, root: Path, swap: bool) -> str:
+    """Node 1 lost (``swap``: the nodes came back with each other's ranks instead)."""
+    node = as_node(rank)
+    if swap:
+        node = as_node((rank + 2) % world)
+    dist.barrier()
+    if rank == 0 and not swap:
+        wipe(root / "node1")
+    dist.barrier()
+    kwargs = {"local_every": 2, "keep_local": 2, "replication_jump": 1}
+    with TieredCheckpointManager(str(root / f"node{node}"), None, "job", **kwargs) as manager:
+        with pytest.raises(CheckpointingError, match="none could be restored") as raised:
+            manager.restore(make_state(rank))
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_local_checkpoints_that_existed_are_not_taken_for_none(shm_dir, swap):
+    """A whole clique lost (both copies on the lost node), or nodes back with each other's ranks:
+    restore answered None, and the run started over and removed the parts left; it now refuses,
+    saying why."""
+    run_ranks(_save_cliques_on_one_node, 4, shm_dir)
+    before = sorted(p.name for p in (shm_dir / "node0").rglob("*.safetensors"))
+    messages = run_ranks(_restore_after_a_loss, 4, shm_dir, swap)
+    why = "ranks of a node changed" if swap else "local steps 2, 4: the parts of some ranks"
+    assert all(why in m for m in messages), messages[0]
+    assert sorted(p.name for p in (shm_dir / "node0").rglob("*.safetensors")) == before

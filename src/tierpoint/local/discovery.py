@@ -80,6 +80,45 @@ class Discovery:
         seen = {(p[0], p[2]) for listing in self.listings or () for p in listing}
         return sorted(((i, w) for i, w in seen if w != world_size), reverse=True)
 
+    def unusable(self) -> list[str]:
+        """After a :meth:`find_latest` that found nothing complete: why the parts there are cannot
+        be loaded, where they show that a checkpoint existed (none: nothing did, as far as can be
+        told). Collective (one all-reduce); the same on every rank.
+
+        - Parts of two or more incomplete iterations of this world size: a save first removes
+          every incomplete iteration, so an older one was complete once (a whole replication
+          clique lost since); one alone may be a first save that never finished.
+        - No parts in this rank's directory but some in other ranks' on its node: the ranks of a
+          node changed since the save (parts are found by global rank)."""
+        store = self.store
+        listings = self.listings or []
+        complete = complete_iterations(listings)
+        partial = sorted(
+            {p[0] for listing in listings for p in listing}
+            - set(complete)
+            - {p[0] for listing in listings for p in listing if p[2] != store.world_size}
+        )
+        reasons = []
+        if len(partial) >= 2:
+            reasons.append(
+                f"local steps {', '.join(map(str, partial))}: the parts of some ranks exist "
+                "nowhere (more members of a replication clique lost than replicas exist)"
+            )
+        try:
+            elsewhere = not store.holds_parts() and bool(store.other_ranks_with_parts())
+        except OSError:
+            elsewhere = False
+        (found,) = tpdist.reduce_ints(
+            [elsewhere], "max", "find_latest: looking for parts in other ranks' directories"
+        )
+        if found:
+            reasons.append(
+                "local parts are in the directories of other ranks on some node: the ranks of a "
+                "node changed since the save (torchrun numbers nodes anew at each rendezvous "
+                "unless --node-rank is fixed); restart with each node's ranks as they were"
+            )
+        return reasons
+
     def nothing_complete(self) -> CheckpointingError:
         """The error of a load that found no complete iteration (naming the newest parts' world
         size when that is why)."""

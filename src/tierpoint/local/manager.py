@@ -222,6 +222,12 @@ class LocalCheckpointManager(NVRxFileNames):
         the same on every rank. Not collective."""
         return self._discovery.other_world_parts()
 
+    def unusable_parts(self) -> list[str]:
+        """After :meth:`find_latest` returned -1: why the parts found cannot be loaded where they
+        show that a checkpoint existed (a whole clique lost, the ranks of a node changed); empty
+        when none did. Collective."""
+        return self._discovery.unusable()
+
     def load(self, *, allow_pickle: bool = False) -> tuple[TensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (verified). Collective.
 

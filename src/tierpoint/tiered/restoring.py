@@ -54,6 +54,8 @@ def restore_newest(
     local_latest = -1 if local is None else local.find_latest()
     if local is not None:
         _note_other_world_parts(local, max(local_latest, newest_persistent), skipped)
+        if local_latest == -1:  # (the same on every rank)
+            skipped += [f"local tier: {reason}" for reason in local.unusable_parts()]
     older_local = None  # a local checkpoint loaded, but older than the newest persistent step
     if local is not None and local_latest != -1 and local_latest >= newest_persistent:
         loaded = _load_local(local, skipped)
