@@ -175,3 +175,25 @@ def test_a_local_tier_that_fails_does_not_leave_the_persistent_tier_empty(tmp_pa
             assert manager.restore(restored) == step
         assert_same(fingerprint(restored), reference[step])
         shutil.rmtree(persistent / f"step-{step}")
+
+
+def test_a_local_directory_that_cannot_be_made_fails_local_saves_not_training(tmp_path, caplog):
+    """A file where the local tier's directory should be: every local save fails with a WARNING
+    and a failed record, and the persistent tier goes on saving (``maybe_save`` raised, and no
+    persistent checkpoint was ever written)."""
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "job").write_text("in the way")
+    state = make_state(0)
+    kwargs = {"local_every": 1, "persistent_every": 2, "replication_factor": 1}
+    events: list[dict] = []
+    persistent = tmp_path / "persistent"
+    with TieredCheckpointManager(
+        str(tmp_path / "local"), str(persistent), "job", on_event=events.append, **kwargs
+    ) as manager:
+        for step in range(1, 5):
+            train_step(state, 1)
+            manager.maybe_save(step, state)
+    local = [e for e in events if e.get("tier") == "local"]
+    assert [e["ok"] for e in local] == [False] * 4 and "failed" in local[0]["error"]
+    assert sorted(p.name for p in persistent.iterdir()) == ["step-2", "step-4"]
+    assert "the local save of step 1 failed; training goes on" in caplog.text

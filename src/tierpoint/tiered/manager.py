@@ -402,13 +402,3 @@ class TieredCheckpointManager(SavePath):
                 "to go back)"
             )
         return step
-
-    def _agree_on_step(self, step: int) -> None:
-        """One all-reduce of two integers; the steps are gathered only when ranks disagree."""
-        what = "agreeing on the step to save"
-        low, high = tpdist.reduce_ints([step, -step], "min", what)
-        if low != -high:
-            steps = tpdist.all_gather_json(step, what)
-            raise CheckpointingError(
-                f"ranks disagree on the step to save: {dict(enumerate(steps))}"
-            )

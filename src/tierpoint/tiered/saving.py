@@ -44,7 +44,14 @@ from .. import dcp
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue
 from ..dcp.step_dirs import step_path
-from ..errors import CheckpointingError
+from ..errors import (
+    CheckpointingError,
+    CoordinationTimeoutError,
+    SameMachineReplicationException,
+    StateMismatchError,
+    UnsupportedStateError,
+    error_text,
+)
 from ..local import HeldPart, LocalCheckpointManager
 from ..tensor_aware import BasicTensorAwareStateDict
 from . import state as st
@@ -87,6 +94,16 @@ class SavePath:
     _local_failing: bool  # the last local save failed: persistent saves snapshot the state
     _persistent_owed: int | None  # a step whose persistent copy was lost with its local save
     _replica_check: ReplicaCheck
+
+    def _agree_on_step(self, step: int) -> None:
+        """One all-reduce of two integers; the steps are gathered only when ranks disagree."""
+        what = "agreeing on the step to save"
+        low, high = tpdist.reduce_ints([step, -step], "min", what)
+        if low != -high:
+            steps = tpdist.all_gather_json(step, what)
+            raise CheckpointingError(
+                f"ranks disagree on the step to save: {dict(enumerate(steps))}"
+            )
 
     def _make_room(self, tier: str) -> None:
         """Each tier keeps one save in flight: wait (collective) for the previous one."""
@@ -150,7 +167,22 @@ class SavePath:
         local_tree = st.local_form(tree)
         record = SaveRecord("local", step, st.nbytes(local_tree))
         start = time.perf_counter()
-        request = self.local.save(BasicTensorAwareStateDict(local_tree), step, is_async=True)
+        try:
+            request = self.local.save(BasicTensorAwareStateDict(local_tree), step, is_async=True)
+        except (
+            CoordinationTimeoutError,
+            StateMismatchError,
+            UnsupportedStateError,
+            SameMachineReplicationException,
+        ):
+            raise  # a rank gone, or the state or settings to fix: not a save that failed
+        except CheckpointingError as e:  # agreed: every rank is here (its directory, a full disk)
+            self._agree_on_step(step)  # (ranks at other steps: that is raised)
+            logger.warning("the local save of step %d failed; training goes on: %s", step, e)
+            record.ok, record.error = False, f"the local save failed: {error_text(e)}"
+            self._local_failing = True  # (a persistent save of this step goes straight there)
+            self._events.emit(record)
+            return
 
         def committed() -> None:
             record.phases["durable"] = time.perf_counter() - start
