@@ -693,3 +693,17 @@ def test_steady_async_saves_make_no_staging_views(where, tmp_path, shm_dir, monk
             assert_bitwise_equal(loaded.state_dict, state)
     # one buffer on disk; on RAM the part files take turns (one set of views each)
     assert len(made) == len(set(made)) <= (1 if where == "disk" else 3), made
+
+
+def _keep_last_differs(rank: int, world: int, root: str) -> tuple[str, list[str]]:
+    manager = LocalCheckpointManager(root, session_id="job", keep_last=2 + rank)
+    with pytest.raises(CheckpointingError, match="keep_last") as raised:
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 1)), 1)
+    directory = Path(root) / "job" / str(rank)
+    return str(raised.value), [f for f in os.listdir(directory) if f.startswith("iter_")]
+
+
+def test_ranks_keeping_different_numbers_of_checkpoints_are_refused(tmp_path):
+    """keep_last 2 on rank 0 and 3 on rank 1 was accepted: each rank retired other iterations."""
+    for message, parts in run_ranks(_keep_last_differs, 2, str(tmp_path)):
+        assert "{0: 2, 1: 3}" in message and parts == []

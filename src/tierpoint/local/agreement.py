@@ -63,12 +63,19 @@ def agree_on_iteration(
             "requested": in_flight,
             "unloadable": sorted(store.unloadable),
             "token": offer,
+            "keep_last": keep_last,
         },
     )
     requested = [g["iteration"] for g in gathered]
     if len(set(requested)) != 1:
         raise CheckpointingError(
             f"ranks disagree on the iteration to save: {dict(enumerate(requested))}"
+        )
+    kept = [g["keep_last"] for g in gathered]
+    if len(set(kept)) != 1:  # (each rank would retire other iterations)
+        raise CheckpointingError(
+            f"ranks keep different numbers of local checkpoints (keep_last): "
+            f"{dict(enumerate(kept))}; every rank must use the same"
         )
     unloadable = {i for g in gathered for i in g["unloadable"]}
     complete = {
@@ -121,7 +128,7 @@ def _agree_unchanged(
 ) -> tuple[set[int], str] | None:
     """What to keep when saving ``iteration``, agreed by one all-reduce (O(1) bytes per rank),
     if every rank's committed parts are as its last commit left them (``known``) and every rank
-    knows the same complete iterations; ``None`` (listings must be gathered) otherwise, on every
+    knows the same complete iterations and keeps as many; ``None`` (listings must be gathered) otherwise, on every
     rank.
 
     The all-reduce also carries the requested iteration (equal on every rank), the newest
@@ -135,7 +142,7 @@ def _agree_unchanged(
         except (OSError, CheckpointingError):
             unchanged = False  # the gathered path reports it
     complete = sorted(known[0]) if known is not None and unchanged else []
-    digest = zlib.crc32(json.dumps(complete).encode()) & 0x7FFFFFFF
+    digest = zlib.crc32(json.dumps([complete, keep_last]).encode()) & 0x7FFFFFFF
     low = tpdist.reduce_ints(
         [unchanged, iteration, -iteration, digest, -digest, -in_flight, offer],
         "min",
