@@ -413,3 +413,27 @@ def test_local_checkpoints_that_existed_are_not_taken_for_none(shm_dir, swap):
     why = "ranks of a node changed" if swap else "local steps 2, 4: the parts of some ranks"
     assert all(why in m for m in messages), messages[0]
     assert sorted(p.name for p in (shm_dir / "node0").rglob("*.safetensors")) == before
+
+
+def _first_save(rank: int, world: int, root: Path) -> None:
+    as_node(rank)
+    state = make_state(rank)
+    with TieredCheckpointManager(str(root / "node0"), None, "job", local_every=2) as manager:
+        train_step(state, world)
+        manager.maybe_save(2, state)
+
+
+def _restore_on_node0(rank: int, world: int, root: Path) -> object:
+    as_node(rank)
+    with TieredCheckpointManager(str(root / "node0"), None, "job", local_every=2) as manager:
+        return manager.restore(make_state(rank))
+
+
+def test_a_first_save_interrupted_before_every_part_was_in_place_starts_over(shm_dir):
+    """One node, its first local save killed after rank 0's part was renamed into place but before
+    rank 1's: no checkpoint existed, so the restart starts over; rank 0's part in its own directory
+    is not taken for a sign that the node's ranks changed."""
+    run_ranks(_first_save, 2, shm_dir)
+    for part in (shm_dir / "node0" / "job" / "1").iterdir():
+        part.unlink()
+    assert run_ranks(_restore_on_node0, 2, shm_dir) == [None, None]

@@ -83,13 +83,16 @@ class Discovery:
     def unusable(self) -> list[str]:
         """After a :meth:`find_latest` that found nothing complete: why the parts there are cannot
         be loaded, where they show that a checkpoint existed (none: nothing did, as far as can be
-        told). Collective (one all-reduce); the same on every rank.
+        told). Collective (one all-reduce; a gather too where some rank sees parts in other ranks'
+        directories); the same on every rank.
 
         - Parts of two or more incomplete iterations of this world size: a save first removes
           every incomplete iteration, so an older one was complete once (a whole replication
           clique lost since); one alone may be a first save that never finished.
-        - No parts in this rank's directory but some in other ranks' on its node: the ranks of a
-          node changed since the save (parts are found by global rank)."""
+        - No parts in this rank's directory but some in the directory of a rank that sees none of
+          its own (it runs on another node now): the ranks of a node changed since the save (parts
+          are found by global rank). Parts in the directory of a rank that holds them are not
+          (a first save interrupted before every rank's part was in place)."""
         store = self.store
         listings = self.listings or []
         complete = complete_iterations(listings)
@@ -104,13 +107,21 @@ class Discovery:
                 f"local steps {', '.join(map(str, partial))}: the parts of some ranks exist "
                 "nowhere (more members of a replication clique lost than replicas exist)"
             )
+        holds = store.holds_parts()
         try:
-            elsewhere = not store.holds_parts() and bool(store.other_ranks_with_parts())
+            seen = [] if holds else store.other_ranks_with_parts()
         except OSError:
-            elsewhere = False
-        (found,) = tpdist.reduce_ints(
-            [elsewhere], "max", "find_latest: looking for parts in other ranks' directories"
-        )
+            seen = []
+        what = "find_latest: looking for parts in other ranks' directories"
+        (found,) = tpdist.reduce_ints([bool(seen)], "max", what)
+        if found:  # (every rank: the gather below only where some rank saw any)
+            # Only a directory whose rank sees no parts of its own is left behind (that rank runs
+            # elsewhere now); a rank that holds parts beside one that holds none is an interrupted
+            # first save, or a shared root, where the job starts over.
+            gathered = tpdist.all_gather_json([holds, seen], what)
+            found = any(
+                r >= len(gathered) or not gathered[r][0] for _, others in gathered for r in others
+            )
         if found:
             reasons.append(
                 "local parts are in the directories of other ranks on some node: the ranks of a "
