@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tierpoint import dcp as tdcp
 from tierpoint.dcp import step_path
 from tierpoint.dcp import verify as verify_module
 from tierpoint.dcp.verify import verify_checkpoint
@@ -19,10 +20,10 @@ def test_every_item_is_read_in_batches(tmp_path: Path, monkeypatch) -> None:
     state = {"a": torch.ones(100), "b": torch.zeros(50, dtype=torch.int64), "meta": {"lr": 0.1}}
     dcp.save(state, checkpoint_id=path)  # torch's own writer
     loads: list[list[str]] = []
-    real_load = verify_module.load
+    real_load = verify_module.load_here
     monkeypatch.setattr(
         verify_module,
-        "load",
+        "load_here",
         lambda batch, *a, **k: (loads.append(sorted(batch)), real_load(batch, *a, **k)),
     )
     summary = verify_checkpoint(path, batch_bytes=450)
@@ -61,3 +62,17 @@ def test_an_intact_value_the_default_load_refuses_is_named_not_failed(tmp_path: 
     dcp.save(state, checkpoint_id=step_path(tmp_path, 2))
     with pytest.raises(UnsupportedStateError, match="rng"):
         verify_checkpoint(step_path(tmp_path, 2))
+
+
+def _verify_own(rank: int, world: int, root: Path) -> str:
+    return str(verify_checkpoint(str(root / f"ckpt{rank}")).tensors)
+
+
+def test_ranks_of_a_job_verify_checkpoints_of_their_own(tmp_path: Path) -> None:
+    """verify_checkpoint runs no collective, also in a job: ranks that verify different
+    checkpoints (its loads were refused as 'the ranks read different saves') or one rank alone."""
+    from tierpoint.testing import run_ranks
+
+    for rank in range(2):
+        tdcp.save({"w": torch.full((4,), float(rank))}, str(tmp_path / f"ckpt{rank}"))
+    assert run_ranks(_verify_own, 2, tmp_path, timeout=60) == ["1", "1"]

@@ -191,6 +191,25 @@ def load(
         raise _from_torch(e, os.fspath(path)) from e
 
 
+def load_here(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    planner: SafeLoadPlanner,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
+    """:func:`load` in this process alone, whether or not a process group exists: no agreement,
+    no collectives (:func:`~tierpoint.dcp.verify.verify_checkpoint`'s); errors are this rank's."""
+    reader = Reader(path, storage_options=storage_options)
+    read = None
+    try:
+        read, commit = _start_without_collectives(state_dict, reader, planner)
+        commit()
+    finally:
+        if read is not None:
+            read.close()
+
+
 def _save_digest(metadata: Any) -> int:
     """A digest of the save id torch's and tierpoint's writers record in ``.metadata``: ranks that
     read different saves (each looked "the latest" up alone, or node-local directories holding

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .loading import SafeLoadPlanner, load
+from .loading import SafeLoadPlanner, load_here
 from .reader import Reader
 from .safe_pickle import CorruptDCPError
 
@@ -60,7 +60,7 @@ def verify_checkpoint(
     planner = SafeLoadPlanner()
     planner.refused = [] if verified else None
     for batch in _batches(metadata, batch_bytes):
-        load(batch, path, storage_options=storage_options, planner=planner)
+        load_here(batch, path, storage_options=storage_options, planner=planner)
         for value in batch.values():
             if isinstance(value, torch.Tensor):
                 tensors += 1
