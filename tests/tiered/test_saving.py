@@ -16,9 +16,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tierpoint import TieredCheckpointManager, dcp
 from tierpoint.dcp import snapshot as dcp_snapshot
 from tierpoint.dcp import step_path
+from tierpoint.errors import CheckpointingError
 from tierpoint.testing import run_ranks
 
 from .helpers import (
+    as_node,
     assert_same,
     fail_local_writes,
     fail_persistent_writes,
@@ -197,3 +199,23 @@ def test_a_local_directory_that_cannot_be_made_fails_local_saves_not_training(tm
     assert [e["ok"] for e in local] == [False] * 4 and "failed" in local[0]["error"]
     assert sorted(p.name for p in persistent.iterdir()) == ["step-2", "step-4"]
     assert "the local save of step 1 failed; training goes on" in caplog.text
+
+
+def _save_keeping(rank: int, world: int, root: Path) -> str:
+    as_node(rank)
+    state = make_state(rank)
+    kwargs = {"local_every": 1, "keep_local": 1 + rank}
+    with TieredCheckpointManager(str(root / "node0"), None, "job", **kwargs) as manager:
+        train_step(state, world)
+        try:
+            manager.maybe_save(1, state)
+        except CheckpointingError as e:
+            return str(e)
+    return "saved"
+
+
+def test_a_local_save_refused_as_misuse_raises_on_every_rank(shm_dir):
+    """Ranks keeping different numbers of local checkpoints: the local save's refusal is misuse,
+    raised from maybe_save on every rank, not a failed save each step with a WARNING."""
+    messages = run_ranks(_save_keeping, 2, shm_dir)
+    assert all("keep different numbers of local checkpoints" in m for m in messages), messages

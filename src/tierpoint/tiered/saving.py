@@ -176,7 +176,14 @@ class SavePath:
             SameMachineReplicationException,
         ):
             raise  # a rank gone, or the state or settings to fix: not a save that failed
-        except CheckpointingError as e:  # agreed: every rank is here (its directory, a full disk)
+        except CheckpointingError as e:
+            if not e.failures:
+                # Not agreed from a rank's failure: a refusal every rank made alike (ranks at other
+                # iterations or steps, different keep_last or replication settings, an iteration
+                # not newer), or this rank's alone (its peers are elsewhere): raised, and no
+                # collective follows.
+                raise
+            # Agreed: every rank is here (its directory, a full disk).
             self._agree_on_step(step)  # (ranks at other steps: that is raised)
             logger.warning("the local save of step %d failed; training goes on: %s", step, e)
             record.ok, record.error = False, f"the local save failed: {error_text(e)}"
