@@ -61,6 +61,13 @@ from .retention import retire_persistent_steps
 
 logger = logging.getLogger("tierpoint")
 
+_RAISED_FROM_LOCAL_SAVES = (
+    CoordinationTimeoutError,
+    StateMismatchError,
+    UnsupportedStateError,
+    SameMachineReplicationException,
+)
+
 ABORTED = "dropped: the manager was closed by an exception (close(abort=True))"
 """The error of the records of saves in flight when the manager is aborted."""
 
@@ -169,21 +176,10 @@ class SavePath:
         start = time.perf_counter()
         try:
             request = self.local.save(BasicTensorAwareStateDict(local_tree), step, is_async=True)
-        except (
-            CoordinationTimeoutError,
-            StateMismatchError,
-            UnsupportedStateError,
-            SameMachineReplicationException,
-        ):
-            raise  # a rank gone, or the state or settings to fix: not a save that failed
         except CheckpointingError as e:
-            if not e.failures:
-                # Not agreed from a rank's failure: a refusal every rank made alike (ranks at other
-                # iterations or steps, different keep_last or replication settings, an iteration
-                # not newer), or this rank's alone (its peers are elsewhere): raised, and no
-                # collective follows.
+            # Some rank's failure, agreed (its directory, a full disk): a failed save; else raised
+            if not e.failures or isinstance(e, _RAISED_FROM_LOCAL_SAVES):
                 raise
-            # Agreed: every rank is here (its directory, a full disk).
             self._agree_on_step(step)  # (ranks at other steps: that is raised)
             logger.warning("the local save of step %d failed; training goes on: %s", step, e)
             record.ok, record.error = False, f"the local save failed: {error_text(e)}"
