@@ -77,6 +77,7 @@ def _every_tier(rank: int, world: int, root: Path) -> dict:
     step, record, got = _restore(root, node, rank)
     assert_same(got, reference[12])
     out["older"] = (step, record.tier)
+    out["older_skipped"] = record.skipped
 
     _wipe_node(root, node, rank, lost={0, 1})  # every local directory gone
     step, record, got = _restore(root, node, rank)
@@ -96,6 +97,9 @@ def test_restore_takes_the_newest_complete_step_from_each_tier_in_turn(tmp_path,
         assert out["peers"] == (14, "peers")
         # node 1's parts of step 12 went with its directory: they come from node 0's replicas
         assert out["older"] == (12, "peers")
+        assert any(  # why step 14 was passed over, not only that it was
+            "local step 14: rank" in s and "checksum mismatch" in s for s in out["older_skipped"]
+        ), out["older_skipped"]
         assert out["persistent_restore"] == (12, "persistent")
         # keep_persistent=2: of the steps 4, 8 and 12 only the newest two are left
         assert out["persistent"] == ["step-12", "step-8"]

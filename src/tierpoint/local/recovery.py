@@ -29,7 +29,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import dist as tpdist
@@ -49,12 +49,13 @@ logger = logging.getLogger("tierpoint")
 class LoadRecord:
     """What the last successful :meth:`PartRecovery.load` did: the iteration, whether any rank's
     part came from a peer (the same on every rank: the plan is agreed), this rank's bytes and
-    seconds."""
+    seconds, and why each newer iteration tried first could not be loaded."""
 
     iteration: int
     from_peers: bool
     nbytes: int
     seconds: float
+    skipped: tuple[str, ...] = ()
 
 
 class PartRecovery:
@@ -90,11 +91,19 @@ class PartRecovery:
         failures: dict[int, str] = {}
         kinds: set[str] = set()
         candidates = [iteration]
+        skipped: list[str] = []
         while candidates:
             candidate = candidates.pop(0)
+            before = dict(failures)
             loaded = self._load_iteration(candidate, failures, kinds, allow_pickle)
             if loaded is not None:
+                if skipped and self.last_load is not None:
+                    self.last_load = replace(self.last_load, skipped=tuple(skipped))
                 return loaded
+            why = "; ".join(
+                f"rank {r}: {m}" for r, m in sorted(failures.items()) if before.get(r) != m
+            )
+            skipped.append(f"local step {candidate}: {why or 'cannot be loaded on every rank'}")
             self.store.unloadable.add(candidate)  # newer than what the job resumes from: not kept
             if candidate == iteration:
                 # Every rank alike (_load_iteration agrees).

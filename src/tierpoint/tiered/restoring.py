@@ -163,7 +163,7 @@ def _apply_local(
     st.apply(state, tree)
     tier = "peers" if record.from_peers else "local"
     if record.iteration != latest:  # (find_latest again would wait for the replicas)
-        skipped.append(f"newer local steps than {record.iteration}: could not be loaded")
+        skipped += record.skipped or [f"newer local steps than {record.iteration}: not loadable"]
     return RestoreRecord(
         record.iteration, tier, time.perf_counter() - start, record.nbytes, skipped
     )
