@@ -32,7 +32,6 @@ import io
 import os
 import re
 import warnings
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -103,33 +102,32 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def _set_live(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
-    """torch's ``set_element``, except that a dict key is matched by its name: torch names every
-    key by its ``str`` (``{3: x}`` is stored as ``"3"``), and would add the value under ``"3"``
-    beside the live key 3, leaving 3 as it was."""
+    """torch's ``set_element``, except that a dict key is matched by its name (:func:`key_named`):
+    torch would add the value under ``"3"`` beside the live key 3, leaving 3 as it was."""
     container: Any = root
     at = 0
     while at < len(path) - 1:
-        child = container[_live_key(container, path[at])] if _holds(container, path[at]) else None
+        name = path[at]
+        if isinstance(container, Mapping):
+            child = container.get(key_named(container, name))
+        else:
+            child = container[name] if type(name) is int and 0 <= name < len(container) else None
         if not isinstance(child, (Mapping, list)):
             break
         container, at = child, at + 1
-    rest = (_live_key(container, path[at]), *path[at + 1 :])
-    if isinstance(container, Mapping) and len(rest) == 1:
-        container[rest[0]] = value
+    key = key_named(container, path[at]) if isinstance(container, Mapping) else path[at]
+    if isinstance(container, Mapping) and at == len(path) - 1:
+        container[key] = value
     else:
-        set_element(container, rest, value)
+        set_element(container, (key, *path[at + 1 :]), value)
 
 
-def _live_key(container: Any, name: str | int) -> Any:
-    if isinstance(container, Mapping) and type(name) is str and name not in container:
-        return next((k for k in container if str(k) == name), name)
-    return name
-
-
-def _holds(container: Any, name: str | int) -> bool:
-    if isinstance(container, Mapping):
-        return _live_key(container, name) in container
-    return type(name) is int and 0 <= name < len(container)
+def key_named(mapping: Mapping[Any, Any], name: Any) -> Any:
+    """The key of ``mapping`` torch DCP names ``name``: torch names every key by its ``str`` (the
+    int key 3 is ``"3"``); ``name`` itself where it is a key, or where no key is so named."""
+    if name in mapping:
+        return name
+    return next((k for k in mapping if str(k) == str(name)), name)
 
 
 def load(
@@ -164,7 +162,8 @@ def load(
             # Every rank checks everything it will read before any rank writes into its state.
             with _agreement(what) as agreement:
                 read, commit = _start_without_collectives(state_dict, reader, planner)
-                agreement.value = _save_digest(reader.read_metadata())
+                # ranks reading different saves (each looked "the latest" up alone) would mix them
+                agreement.key = _save_id(reader.read_metadata())
             if not agreement.same:
                 raise CheckpointingError(
                     f"{what}: the ranks read different saves (their .metadata files record other "
@@ -210,12 +209,9 @@ def load_here(
             read.close()
 
 
-def _save_digest(metadata: Any) -> int:
-    """A digest of the save id torch's and tierpoint's writers record in ``.metadata``: ranks that
-    read different saves (each looked "the latest" up alone, or node-local directories holding
-    different saves) would load a mix of them, so the load compares it before anything is written."""
-    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None) or ""
-    return zlib.crc32(str(save_id).encode()) & 0x7FFFFFFF
+def _save_id(metadata: Any) -> str:
+    """The save id torch's and tierpoint's writers record in ``.metadata``."""
+    return str(getattr(getattr(metadata, "storage_meta", None), "save_id", None) or "")
 
 
 @contextmanager

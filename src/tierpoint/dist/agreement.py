@@ -1,7 +1,7 @@
 """Failure agreement: when a step failed on any rank, every rank raises the same error.
 
 Call order: ``with agree(what):`` around a block without collectives of its own (every rank enters
-it; the block may set the yielded :class:`Agreement`'s ``value``, compared across ranks in the same
+it; the block may set the yielded :class:`Agreement`'s ``key``, compared across ranks in the same
 all-reduce); or :func:`raise_if_any_failed` with this rank's error; or, where the statuses travel inside a
 gather that runs anyway, :func:`failure_status` on each rank and :func:`raise_failures` on the
 gathered list.
@@ -14,6 +14,7 @@ common tierpoint class (e.g. :class:`CorruptCheckpointError`) when they all rais
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,11 +43,11 @@ def raise_if_any_failed(
 
 @dataclass
 class Agreement:
-    """What ``with agree(what) as agreement`` compares besides failures: the block sets ``value``
-    (a non-negative int, e.g. a digest); after the block, ``same`` says whether every rank set the
-    same one."""
+    """What ``with agree(what) as agreement`` compares besides failures: the block sets ``key``
+    (e.g. the id of the save it read); after the block, ``same`` says whether every rank set the
+    same one (compared by a digest)."""
 
-    value: int = 0
+    key: str = ""
     same: bool = True
 
 
@@ -88,4 +89,5 @@ def agree(what: str) -> Iterator[Agreement]:
         yield agreement
     except Exception as e:  # noqa: BLE001 - every failure is reported to all ranks
         error = e
-    agreement.same = raise_if_any_failed(what, error, value=agreement.value)
+    digest = zlib.crc32(agreement.key.encode()) & 0x7FFFFFFF
+    agreement.same = raise_if_any_failed(what, error, value=digest)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -94,15 +93,14 @@ class PartRecovery:
         skipped: list[str] = []
         while candidates:
             candidate = candidates.pop(0)
-            before = dict(failures)
-            loaded = self._load_iteration(candidate, failures, kinds, allow_pickle)
+            found: dict[int, str] = {}  # this candidate's failures
+            loaded = self._load_iteration(candidate, found, kinds, allow_pickle)
             if loaded is not None:
                 if skipped and self.last_load is not None:
                     self.last_load = replace(self.last_load, skipped=tuple(skipped))
                 return loaded
-            why = "; ".join(
-                f"rank {r}: {m}" for r, m in sorted(failures.items()) if before.get(r) != m
-            )
+            failures.update(found)
+            why = "; ".join(f"rank {r}: {m}" for r, m in sorted(found.items()))
             skipped.append(f"local step {candidate}: {why or 'cannot be loaded on every rank'}")
             self.store.unloadable.add(candidate)  # newer than what the job resumes from: not kept
             if candidate == iteration:
@@ -208,7 +206,7 @@ class PartRecovery:
         with tpdist.agree(what) as agreement:
             if loaded is None:
                 raise CheckpointingError(reason)
-            agreement.value = zlib.crc32(str(loaded[0].extra.get("save")).encode()) & 0x7FFFFFFF
+            agreement.key = str(loaded[0].extra.get("save"))
         if not agreement.same:  # e.g. a node back with an earlier run's parts of this iteration
             reason = "its parts come from different saves of this iteration (intact, not loaded)"
             failures.update(dict.fromkeys(range(self.store.world_size), reason))

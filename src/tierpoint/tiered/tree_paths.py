@@ -3,7 +3,7 @@
 torch DCP names a value by its keys joined with dots, each key as its ``str`` (an int key ``8``
 is ``"8"``, a list index too), and ``flatten_state_dict`` gives those strings as the path: setting
 a value by them would add a key ``"8"`` beside the int key ``8``. :func:`replaced` finds the key
-each part names.
+each part names (:func:`tierpoint.dcp.loading.key_named`, as a persistent load does).
 
 Call order: ``tree = replaced(tree, parts, value)``; :func:`holds` asks whether a checkpoint's
 names hold a value at a name or under it.
@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from ..dcp.loading import key_named
+
 
 def replaced(tree: Any, parts: Sequence[Any], value: Any) -> Any:
     """``tree`` with ``value`` where ``parts`` (keys, or their ``str``) lead."""
@@ -23,7 +25,7 @@ def replaced(tree: Any, parts: Sequence[Any], value: Any) -> Any:
         return value
     part, rest = parts[0], parts[1:]
     if isinstance(tree, Mapping):
-        key = part if part in tree else next(k for k in tree if str(k) == str(part))
+        key = key_named(tree, part)
         return {**tree, key: replaced(tree[key], rest, value)}
     items = list(tree)
     items[int(part)] = replaced(items[int(part)], rest, value)
