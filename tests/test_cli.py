@@ -731,3 +731,15 @@ def test_ls_names_the_ranks_of_a_dcp_step_by_count_or_runs(
         if len(cells := [c.strip() for c in line.split("│")]) > 4 and cells[2].isdigit()
     }
     assert rows == {"1": "1", "2": "0,2-3,5"}
+
+
+def test_piped_output_keeps_long_paths_on_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    session = tmp_path / ("deep" * 40) / ("er" * 60) / "job"  # a path of over 400 characters
+    _part(session / "0" / part_name(3, 0), 3, 0, 1)
+    assert main(["ls", str(session)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"newest restorable (job): local iteration 3: {session}" in lines
+    assert f"checkpoints under {session}" in lines  # the table's title
+    assert any(str(session) in line for line in lines[:-1])  # the table's row, not folded

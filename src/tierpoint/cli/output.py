@@ -26,25 +26,32 @@ class CommandError(Exception):
         self.code = code
 
 
+_UNBOUNDED = 1 << 16  # characters: wider than any line the commands print
+
+
 def make_console(stderr: bool = False) -> Any:
     """A rich console on stdout (or stderr)."""
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    # Not a terminal (a pipe, a file, a test): wide lines, no colours, nothing cut.
-    return Console(file=stream, width=None if stream.isatty() else 200, highlight=False)
+    # Not a terminal (a pipe, a file, a test): no colours, and lines as long as their text (a
+    # table takes its natural width), so that no path is folded or cut.
+    return Console(file=stream, width=None if stream.isatty() else _UNBOUNDED, highlight=False)
 
 
 def make_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
-    """A rich table of ``rows`` (None shows as empty)."""
+    """A rich table of ``rows`` (None shows as empty) under the line ``title``."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title, title_justify="left")
+    table = Table()
     for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*("" if v is None else str(v) for v in row))
-    return table
+    # The title is a line of its own, not the table's: a table's title folds to the table's width.
+    return Group(Text(title, style="italic"), table)
 
 
 def print_json(doc: Any) -> None:
