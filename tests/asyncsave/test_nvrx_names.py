@@ -19,6 +19,7 @@ from tierpoint.asyncsave import (
     abort_nvrx_checkpoint,
 )
 from tierpoint.errors import CheckpointingError
+from tierpoint.testing import run_ranks
 
 
 class NVRxAsyncRequest(NamedTuple):
@@ -116,3 +117,33 @@ def test_abort_nvrx_checkpoint_undoes_pending_calls_and_the_queue_goes_on(tmp_pa
     queue.maybe_finalize_async_calls(blocking=True)
     assert (tmp_path / "after").read_text() == "2"
     queue.close()
+
+
+def _rank_zero_saves_alone(rank: int, world: int, directory: str) -> list[float]:
+    ckpt = TorchAsyncCheckpoint()
+    path = Path(directory) / "model.pt"
+    if rank == 0:  # NVRx's no_dist=True default: rank 0 saves and finalizes, the others do not
+        for step in range(3):  # the second and third saves wait for the previous one
+            ckpt.async_save({"w": torch.arange(4.0) + step}, path)
+        ckpt.finalize_async_save(blocking=True)
+    ckpt.finalize_async_save(blocking=True, terminate=True)
+    torch.distributed.barrier()
+    return torch.load(path)["w"].tolist()
+
+
+def _every_rank_agrees(rank: int, world: int, directory: str) -> int:
+    ckpt = TorchAsyncCheckpoint()
+    for step in range(2):
+        ckpt.async_save({"w": torch.full((4,), float(rank + step))}, Path(directory) / f"{rank}.pt")
+        ckpt.finalize_async_save(blocking=False, no_dist=False)
+    ckpt.finalize_async_save(blocking=True, no_dist=False, terminate=True)
+    return int(torch.load(Path(directory) / f"{rank}.pt")["w"][0])
+
+
+def test_torch_async_checkpoint_on_some_ranks_alone_needs_no_collective(tmp_path):
+    # The queue made a gloo group (collective) at its first schedule and waited for a previous save
+    # with a collective round: rank 0 saving alone hung, then failed with torch's DistStoreError.
+    env = {"TIERPOINT_TIMEOUT": "15"}
+    results = run_ranks(_rank_zero_saves_alone, 2, str(tmp_path), env=env, timeout=60)
+    assert results == [[2.0, 3.0, 4.0, 5.0]] * 2
+    assert run_ranks(_every_rank_agrees, 2, str(tmp_path), env=env, timeout=60) == [1, 2]

@@ -1,7 +1,8 @@
 """The finalize rounds of :class:`~tierpoint.asyncsave.AsyncCallsQueue`: what the ranks agree on.
 
 Call order (inside the queue's finalize, every rank at the same point): :func:`new_group` once,
-before the first call is scheduled; then per round :func:`agree_progress` (how many leading calls
+in the first round that agrees (scheduling and ``no_dist`` rounds run no collective, so a queue
+used by some ranks alone with ``no_dist=True`` needs no group); then per round :func:`agree_progress` (how many leading calls
 finished everywhere, and how late the latest rank is), and for each call finished everywhere
 :func:`agree_outcome` (every rank's outcome of it).
 
@@ -40,8 +41,12 @@ class RoundFailed(Exception):
 
 
 def new_group() -> Any:
-    """The queue's own gloo group (its rounds never interleave with the trainer's collectives)."""
-    return dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
+    """The queue's own gloo group (its rounds never interleave with the trainer's collectives).
+    Collective over every rank; :class:`RoundFailed` when a rank does not join in time."""
+    try:
+        return dist.new_group(backend="gloo", timeout=tpdist.default_timeout())
+    except RuntimeError as e:  # torch's DistStoreError: a rank did not join within the timeout
+        raise RoundFailed(f"ranks could not create the queue's group ({e})") from e
 
 
 def agree_progress(group: Any, ready: int, late: int) -> tuple[int, int]:

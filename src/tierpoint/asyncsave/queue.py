@@ -183,7 +183,7 @@ class AsyncCallsQueue:
 
     def _make_room(self) -> None:
         """Ready to take one more call: open, earlier calls finalized down to ``max_in_flight - 1``
-        (collective), the group and a live worker there."""
+        (collective) and a live worker there."""
         if self._closed:
             raise CheckpointingError("the AsyncCallsQueue is closed")
         if self._gave_up is not None:
@@ -194,9 +194,6 @@ class AsyncCallsQueue:
             self._finalize(
                 blocking=True, no_dist=False, limit=len(self._calls) - self.max_in_flight + 1
             )
-        if tpdist.is_distributed() and self._group is None:
-            self._group = agreement.new_group()
-            tpdist.drop_at_exit(self, "_group")
         if self._worker is None or self._worker.exitcode is not None:
             logger.warning("starting a new background worker (the previous one exited)")
             self._worker = self._new_worker()
@@ -269,6 +266,9 @@ class AsyncCallsQueue:
             ready = self._calls.ready_count()  # leading calls finished on this rank
             wait_until = None if wait is None else start + wait
             late = lateness(blocking, time.monotonic(), self._deadline(start), wait_until)
+            if not no_dist and self._group is None and tpdist.is_distributed():
+                self._group = self._agreed(agreement.new_group)
+                tpdist.drop_at_exit(self, "_group")
             if not (no_dist or self._group is None):
                 ready, late = self._agreed(agreement.agree_progress, self._group, ready, late)
             if ready == 0:

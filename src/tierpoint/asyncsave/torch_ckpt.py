@@ -13,8 +13,14 @@ into a staging buffer reused from save to save (:mod:`tierpoint.staging`); what 
 travels as the skeleton of :func:`tierpoint.tree.flatten`, objects it cannot express pickled (this
 is the caller's own data in memory, never read from a file). The worker rebuilds the state on the
 staging memory and calls ``torch.save(state, *args, **kwargs)``, so the file is an ordinary
-``torch.save`` file (``torch.load`` reads it). Back-pressure is the queue's: a second save waits
-for the first (at most one in flight), so the buffer is never overwritten while the worker reads it.
+``torch.save`` file (``torch.load`` reads it). A second save waits for the first (at most one in
+flight), so the buffer is never overwritten while the worker reads it.
+
+As with NVRx, ``finalize_async_save``'s ``no_dist=True`` (the default) checks this rank's worker
+alone: then no call here is collective, and a rank may save files the others do not (rank 0 alone,
+say). The wait for the previous save before the next follows the ``no_dist`` of the last
+``finalize_async_save`` (the queue's collective back-pressure when it was ``False``, or when the
+queue was given as ``queue=``).
 """
 
 from __future__ import annotations
@@ -55,8 +61,10 @@ class TorchAsyncCheckpoint:
                 "TorchAsyncCheckpoint reuses one staging buffer from save to save: give it a queue "
                 f"with max_in_flight=1, not {queue.max_in_flight}"
             )
+        self._own_queue = queue is None
         self._async_calls_queue = queue if queue is not None else AsyncCallsQueue()
         self._stager = Stager()
+        self._no_dist = True  # that of the last finalize_async_save (NVRx's default before one)
 
     def async_save(self, state_dict: Any, *args: Any, **kwargs: Any) -> int:
         """``torch.save(state_dict, *args, **kwargs)`` in the background; returns the call id.
@@ -70,6 +78,11 @@ class TorchAsyncCheckpoint:
         flat = flatten(state_dict, allow_pickle=True)
         plan = plan_part(flat)
         stager = self._stager
+        queue = self._async_calls_queue
+        if self._own_queue and self._no_dist and queue.get_num_unfinalized_calls():
+            # The staging buffer is this rank's: wait for this rank's worker alone, as the caller's
+            # no_dist finalizing does (the queue's own back-pressure would be collective).
+            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
 
         def snapshot() -> dict[str, Any]:
             # Runs inside schedule_async_request, after the previous save was finalized.
@@ -83,7 +96,7 @@ class TorchAsyncCheckpoint:
             preload_fn=snapshot,
             description=f"async torch.save to {os.fspath(target)}",
         )
-        return self._async_calls_queue.schedule_async_request(request)
+        return queue.schedule_async_request(request)
 
     async_torch_save = async_save
     """Another name for :meth:`async_save` (NVRx's method is ``async_save``)."""
@@ -92,7 +105,11 @@ class TorchAsyncCheckpoint:
         self, blocking: bool = False, no_dist: bool = True, terminate: bool = False
     ) -> list[int]:
         """Finalize the saves that finished (all of them, waiting, with ``blocking``); with
-        ``terminate``, close the queue afterwards. Returns the finalized call ids."""
+        ``terminate``, close the queue afterwards. Returns the finalized call ids.
+
+        ``no_dist=True`` (NVRx's default): this rank's saves alone, no collective; ``False``: every
+        rank calls it at the same point and the saves are finalized when every rank finished."""
+        self._no_dist = bool(no_dist)
         done = self._async_calls_queue.maybe_finalize_async_calls(blocking, no_dist=no_dist)
         if terminate:
             self._async_calls_queue.close()
