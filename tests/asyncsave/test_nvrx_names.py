@@ -4,6 +4,7 @@ own NamedTuple, TorchAsyncCheckpoint and abort_nvrx_checkpoint."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -147,3 +148,27 @@ def test_torch_async_checkpoint_on_some_ranks_alone_needs_no_collective(tmp_path
     results = run_ranks(_rank_zero_saves_alone, 2, str(tmp_path), env=env, timeout=60)
     assert results == [[2.0, 3.0, 4.0, 5.0]] * 2
     assert run_ranks(_every_rank_agrees, 2, str(tmp_path), env=env, timeout=60) == [1, 2]
+
+
+def test_a_torch_save_killed_midway_leaves_the_previous_file_intact(tmp_path):
+    # torch.save wrote in place: a worker killed midway (it dies with its trainer) left a truncated
+    # file where the previous save's good one was.
+    ckpt = TorchAsyncCheckpoint()
+    path = tmp_path / "latest.pt"
+    ckpt.async_save({"w": torch.arange(4.0)}, path)
+    ckpt.finalize_async_save(blocking=True)
+    good_size = path.stat().st_size
+    ckpt.async_save({"w": torch.ones(50_000_000)}, str(path))  # 200 MB
+    dirty = tmp_path / "latest.pt.dirty"
+    deadline = time.monotonic() + 60
+    while not dirty.exists() and path.stat().st_size == good_size:
+        assert time.monotonic() < deadline, "the save never started writing"
+        time.sleep(0.001)
+    os.kill(ckpt._async_calls_queue._worker.process.pid, signal.SIGKILL)
+    with pytest.raises(CheckpointingError, match="worker process died"):
+        ckpt.finalize_async_save(blocking=True)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(4.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt"]  # the dirty file undone
+    ckpt.async_save({"w": torch.zeros(3)}, f=path)  # torch.save's keyword works too
+    ckpt.finalize_async_save(blocking=True, terminate=True)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.zeros(3))

@@ -13,7 +13,9 @@ into a staging buffer reused from save to save (:mod:`tierpoint.staging`); what 
 travels as the skeleton of :func:`tierpoint.tree.flatten`, objects it cannot express pickled (this
 is the caller's own data in memory, never read from a file). The worker rebuilds the state on the
 staging memory and calls ``torch.save(state, *args, **kwargs)``, so the file is an ordinary
-``torch.save`` file (``torch.load`` reads it). A second save waits for the first (at most one in
+``torch.save`` file (``torch.load`` reads it). It is written under the name plus ``.dirty``, then
+renamed: a save that fails or is killed midway (the worker dies with its trainer) leaves the file a
+previous save wrote at that path intact (NVRx's ``torch.save`` in place truncated it). A second save waits for the first (at most one in
 flight), so the buffer is never overwritten while the worker reads it.
 
 As with NVRx, ``finalize_async_save``'s ``no_dist=True`` (the default) checks this rank's worker
@@ -25,12 +27,14 @@ queue was given as ``queue=``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
 
 import torch
 
+from .. import files
 from ..fileformat import DTYPES, PartPlan, plan_part
 from ..staging import Stager
 from ..tree import flatten, unflatten
@@ -75,6 +79,8 @@ class TorchAsyncCheckpoint:
                 "TorchAsyncCheckpoint.async_save needs a file path (str or os.PathLike) to save to, "
                 f"got {type(target).__name__}: the background worker opens the file itself"
             )
+        final = os.path.realpath(target)  # through a link, as torch.save writes
+        args, kwargs = ((final, *args[1:]), kwargs) if args else ((), {**kwargs, "f": final})
         flat = flatten(state_dict, allow_pickle=True)
         plan = plan_part(flat)
         stager = self._stager
@@ -94,6 +100,7 @@ class TorchAsyncCheckpoint:
             [],
             dict(kwargs),
             preload_fn=snapshot,
+            abort_fns=[functools.partial(files.unlink_quietly, files.dirty_name(final))],
             description=f"async torch.save to {os.fspath(target)}",
         )
         return queue.schedule_async_request(request)
@@ -120,7 +127,8 @@ class TorchAsyncCheckpoint:
 def torch_save_staged(
     part_plan: PartPlan, *args: Any, _staged: BufferRef | None = None, **kwargs: Any
 ) -> None:
-    """Worker side: rebuild the state on the staging memory and ``torch.save`` it."""
+    """Worker side: rebuild the state on the staging memory and ``torch.save`` it, under a dirty
+    name first (see the module docstring)."""
     data = resolve_buffer(_staged) if _staged is not None else memoryview(b"")
     tensors = []
     for (begin, end), dtype_name, shape in zip(
@@ -134,4 +142,14 @@ def torch_save_staged(
             if end > begin
             else torch.empty(shape, dtype=dtype)
         )
-    torch.save(unflatten(part_plan.skeleton, tensors, allow_pickle=True), *args, **kwargs)
+    state = unflatten(part_plan.skeleton, tensors, allow_pickle=True)
+    final, args = (args[0], args[1:]) if args else (kwargs.pop("f"), ())
+    dirty = files.dirty_name(final)
+    try:
+        torch.save(state, dirty, *args, **kwargs)
+        files.fsync_file(dirty)
+        os.replace(dirty, final)
+    except BaseException:
+        files.unlink_quietly(dirty)
+        raise
+    files.fsync_dir(os.path.dirname(final))
