@@ -39,3 +39,29 @@ def test_a_dangling_link_or_link_loop_named_as_a_part_is_skipped_and_cleaned_up(
     state, _ = again.load()
     assert again.find_latest() == 7 and torch.equal(state.state_dict["w"], torch.full((2,), 2.0))
     assert not any(p.is_symlink() for p in directory.iterdir())  # retired with iteration 1
+
+
+def test_a_link_or_directory_named_as_a_spare_is_never_written_through(tier_root):
+    # A spare_<n>.free link was taken for a spare: the next save wrote its part through it into the
+    # file it pointed to (outside the tier) and committed the link; warm_up mapped that file
+    # writable. A directory of that name failed every save (IsADirectoryError).
+    outside = tier_root.parent / f"{tier_root.name}-outside.txt"
+    outside.write_bytes(b"precious" * 1000)
+    try:
+        manager = LocalCheckpointManager(tier_root, session_id="s")
+        state = BasicTensorAwareStateDict({"w": torch.arange(100.0)})
+        manager.save(state, 1)
+        directory = manager.local_ckpt_dir
+        (directory / "spare_0.free").symlink_to(outside)
+        (directory / "spare_1.free").mkdir()
+        (directory / "iter_0000009_0_local.safetensors.dirty").symlink_to(outside)
+        manager.warm_up(state, wait=True)
+        for iteration in (2, 3):
+            manager.save(state, iteration)
+        assert outside.read_bytes() == b"precious" * 1000
+        part = directory / "iter_0000003_0_local.safetensors"
+        assert part.is_file() and not part.is_symlink()
+        loaded, _ = LocalCheckpointManager(tier_root, session_id="s").load()
+        assert torch.equal(loaded.state_dict["w"], torch.arange(100.0))
+    finally:
+        outside.unlink()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -215,12 +216,10 @@ class PartStore:
             del self._held[key]
 
     def _reusable(self, path: str) -> bool:
-        """Whether the file's pages may be rewritten: not mapped by live tensors, not held."""
-        if fileformat.is_mapped(path):
-            return False
-        try:
-            st = os.stat(path)
-        except OSError:
+        """Whether the file's pages may be rewritten: a regular file (not a link, which a save
+        would write through), not mapped by live tensors, not held."""
+        st = _regular_file(path)
+        if st is None or fileformat.is_mapped(path):
             return False
         return (st.st_dev, st.st_ino) not in self._held
 
@@ -273,7 +272,8 @@ class PartStore:
             spares.append(name)
             made += 1
         for name in spares:
-            if os.stat(directory / name).st_size == nbytes:
+            st = _regular_file(directory / name)
+            if st is not None and st.st_size == nbytes:
                 entry = self.mappings.map(str(directory / name), nbytes, writable=True)
                 if pin_for is not None:
                     self.mappings.pin(entry, pin_for)
@@ -311,6 +311,16 @@ class PartStore:
             except OSError:
                 present = []
             self.mappings.retain(present)
+
+
+def _regular_file(path: str | os.PathLike) -> os.stat_result | None:
+    """``path``'s status when it is a regular file itself; ``None`` for a link (to anything: a spare
+    written through it would overwrite a file outside the tier), a directory or a missing name."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def _unused_spare_name(spares: list[str]) -> str:
