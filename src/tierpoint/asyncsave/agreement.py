@@ -2,9 +2,9 @@
 
 Call order (inside the queue's finalize, every rank at the same point): :func:`new_group` once,
 in the first round that agrees (scheduling and ``no_dist`` rounds run no collective, so a queue
-used by some ranks alone with ``no_dist=True`` needs no group); then per round :func:`agree_progress` (how many leading calls
-finished everywhere, and how late the latest rank is), and for each call finished everywhere
-:func:`agree_outcome` (every rank's outcome of it).
+used by some ranks alone with ``no_dist=True`` needs no group); then per round
+:func:`agree_progress` (how many leading calls finished everywhere, and how late the latest rank
+is), and for each call finished everywhere :func:`agree_outcome` (every rank's outcome of it).
 
 Invariants:
 - Every round is O(1) bytes per rank when nothing failed: one all-reduce of two integers for the

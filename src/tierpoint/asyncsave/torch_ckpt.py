@@ -15,8 +15,9 @@ is the caller's own data in memory, never read from a file). The worker rebuilds
 staging memory and calls ``torch.save(state, *args, **kwargs)``, so the file is an ordinary
 ``torch.save`` file (``torch.load`` reads it). It is written under the name plus ``.dirty``, then
 renamed: a save that fails or is killed midway (the worker dies with its trainer) leaves the file a
-previous save wrote at that path intact (NVRx's ``torch.save`` in place truncated it). A second save waits for the first (at most one in
-flight), so the buffer is never overwritten while the worker reads it.
+previous save wrote at that path intact (NVRx's ``torch.save`` in place truncated it). A second
+save waits for the first (at most one in flight), so the buffer is never overwritten while the
+worker reads it.
 
 As with NVRx, ``finalize_async_save``'s ``no_dist=True`` (the default) checks this rank's worker
 alone: then no call here is collective, and a rank may save files the others do not (rank 0 alone,
