@@ -38,6 +38,7 @@ def dtype_spec(dtype: np.dtype) -> Any:
 
 
 _MAX_FIELDS = 1024
+_MAX_ITEMSIZE = 1 << 31
 
 
 def numpy_dtype(spec: Any, depth: int = 0) -> np.dtype:
@@ -60,11 +61,16 @@ def numpy_dtype(spec: Any, depth: int = 0) -> np.dtype:
         lists = [names, formats, offsets]
         if not all(isinstance(v, list) and len(v) == len(names) <= _MAX_FIELDS for v in lists):
             raise SkeletonError("a structured numpy dtype needs names, formats and offsets alike")
-        if not all(isinstance(n, str) for n in names) or not all(type(o) is int for o in offsets):
-            raise SkeletonError("bad structured numpy dtype")
+        itemsize = spec["itemsize"]
+        if (
+            not all(isinstance(n, str) for n in names)
+            or not all(type(o) is int and 0 <= o < _MAX_ITEMSIZE for o in offsets)
+            or not (type(itemsize) is int and 0 <= itemsize < _MAX_ITEMSIZE)
+        ):  # numpy takes C ints here: a larger one would raise OverflowError
+            raise SkeletonError("bad structured numpy dtype (offsets or itemsize)")
         formats = [numpy_dtype(f, depth + 1) for f in formats]
         fields = {"names": names, "formats": formats, "offsets": offsets}
-        dtype = np.dtype({**fields, "itemsize": spec["itemsize"]})
+        dtype = np.dtype({**fields, "itemsize": itemsize})
     else:
         raise SkeletonError(f"bad numpy dtype {str(spec)[:40]!r}")
     if dtype.hasobject:

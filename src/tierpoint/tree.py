@@ -243,7 +243,7 @@ def unflatten(
             if tag not in _DECODERS:
                 raise SkeletonError(f"unknown skeleton tag {tag!r}") from None
             raise SkeletonError(f"skeleton node {tag!r} lacks field {e}") from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             if isinstance(e, SkeletonError):
                 raise
             raise SkeletonError(f"malformed {tag!r} node: {e}") from None

@@ -249,8 +249,17 @@ def test_pickle_payload_in_a_file_never_runs_by_default(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "skeleton",
-    [{"~": "tensor", "i": 5}, {"~": "nope"}, {"~": "dict", "k": ["a"], "v": []}],
-    ids=["index", "tag", "dict"],
+    [
+        {"~": "tensor", "i": 5},
+        {"~": "nope"},
+        {"~": "dict", "k": ["a"], "v": []},
+        {  # numpy takes a C int: a larger itemsize was an OverflowError, not a corrupt file
+            "~": "npscalar",
+            "dtype": {"names": ["a"], "formats": ["<f4"], "offsets": [0], "itemsize": 2**70},
+            "v": "",
+        },
+    ],
+    ids=["index", "tag", "dict", "numpy_itemsize"],
 )
 def test_verify_rebuilds_the_skeleton_as_a_load_would(tmp_path: Path, skeleton: Any) -> None:
     path = tmp_path / "part"
