@@ -118,7 +118,10 @@ def rebuild(local: torch.Tensor, desc: Any) -> Any:
     shape, stride, _ = check_description(local, desc)
     mesh = _mesh(desc)
     placements = _placements(desc.get("placements"), mesh.ndim, len(shape))
-    expected, _ = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    try:
+        expected, _ = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    except (RuntimeError, OverflowError) as e:  # sizes beyond int64 once sharded
+        raise _bad(f"DTensor shape {str(shape)[:60]} cannot be sharded on its mesh ({e})") from None
     if tuple(expected) != tuple(local.shape):
         raise SkeletonError(
             f"the local shard is {list(local.shape)}, but a {shape} DTensor sharded as "
@@ -149,6 +152,13 @@ def _mesh(desc: dict[str, Any]) -> Any:
             "",
             "the part holds DTensors: loading them needs torch.distributed initialised with the "
             "ranks of their device mesh",
+        )
+    backend = getattr(torch, device_type, None)
+    if device_type in ("cuda", "xpu") and not (backend is not None and backend.is_available()):
+        raise UnsupportedStateError(  # DeviceMesh would fail an assertion
+            "",
+            f"the part holds DTensors on a {device_type} device mesh, and this process has no "
+            f"{device_type} device",
         )
     flat_ranks = _flat_ranks(ranks, 0)
     world = dist.get_world_size()
