@@ -188,6 +188,35 @@ def test_shared_planner_data_is_checked_once_per_container(ckpt: Path) -> None:
     assert top == [1]
 
 
+def _one_chunk_list_under_many_tensors(md) -> None:
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    chunks = [ChunkStorageMetadata(torch.Size([i]), torch.Size([1])) for i in range(1500)]
+    shared = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([1500]), chunks)
+    md.state_dict_metadata.update({f"t{i}": shared for i in range(1500)})
+
+
+def _one_plan_for_many_ranks(md) -> None:
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+    item = WriteItem(index=MetadataIndex("step"), type=WriteItemType.BYTE_IO)
+    md.all_local_plans = [SavePlan([item] * 2000)] * 2000
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("share", [_one_chunk_list_under_many_tensors, _one_plan_for_many_ranks])
+def test_records_shared_to_multiply_the_work_are_refused(ckpt: Path, share) -> None:
+    """A 'billion laughs' of records: a few hundred kilobytes of pickle whose records, shared
+    through the memo, stand for millions (each path a record of its own to check and build: minutes
+    of work and gigabytes of objects at a few megabytes). Refused, in time linear in its size."""
+    md = metadata_of(ckpt)
+    share(md)
+    data = pickle.dumps(md)
+    assert len(data) < 300_000
+    with pytest.raises(CorruptCheckpointError, match="more records than the pickle has bytes"):
+        safe_loads(data, "meta")
+
+
 def test_non_utf8_storage_file_names_are_refused(ckpt: Path) -> None:
     """A lone surrogate cannot be turned into a path: clear error instead of UnicodeEncodeError."""
     md = metadata_of(ckpt)

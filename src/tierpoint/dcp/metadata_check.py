@@ -8,11 +8,15 @@ exactly once, storage file names that are plain names, non-negative offsets and 
 duplicates and the rules across fields of :mod:`tierpoint.dcp.metadata_rules`) and only then
 builds the real torch objects with this module's own code.
 
-Call order: ``check_metadata(root, whole_tensors=...)`` -> ``Metadata``, or :class:`BadField`
-naming the field and what is wrong with it.
+Call order: ``check_metadata(root, whole_tensors=..., budget=...)`` -> ``Metadata``, or
+:class:`BadField` naming the field and what is wrong with it.
 
 Invariants: nothing from the pickle is called; messages quote hostile values only through
-:func:`~tierpoint.dcp.restricted_pickle.brief` and are formatted only on failure.
+:func:`~tierpoint.dcp.restricted_pickle.brief` and are formatted only on failure; the work is
+bounded by the pickle's size: a record reached through a path of its own costs at least a byte of
+the pickle, so a file that reaches more records than it has bytes (``budget``) shares them (one
+chunk list under every tensor, one plan for every rank) to multiply the work and the objects built
+from them, and is refused.
 """
 
 from __future__ import annotations
@@ -54,10 +58,11 @@ MAX_PLANS = 1 << 20
 """Most local plans accepted in ``Metadata.all_local_plans`` (one per rank)."""
 
 
-def check_metadata(root: Any, *, whole_tensors: bool = True) -> Metadata:
+def check_metadata(root: Any, *, whole_tensors: bool = True, budget: int | None = None) -> Metadata:
     """The ``Metadata`` the records under ``root`` describe; raises :class:`BadField`.
-    ``whole_tensors``: each tensor's chunks must tile it (not so in a rank-local file)."""
-    return _Converter(whole_tensors=whole_tensors).metadata(root)
+    ``whole_tensors``: each tensor's chunks must tile it (not so in a rank-local file);
+    ``budget``: the most records that may be visited (the pickle's size; None: no limit)."""
+    return _Converter(whole_tensors=whole_tensors, budget=budget).metadata(root)
 
 
 def _int(value: Any, field: str) -> int:
@@ -81,12 +86,20 @@ class _Converter:
     callers pass cheap pieces (the fqn) and messages are only formatted on failure.
     ``whole_tensors``: each tensor's chunks must tile it."""
 
-    def __init__(self, *, whole_tensors: bool = True) -> None:
+    def __init__(self, *, whole_tensors: bool = True, budget: int | None = None) -> None:
         self.whole_tensors = whole_tensors
+        self.budget = budget
 
     def _state(self, obj: Any, real: type, where: str) -> dict[str, Any]:
         if type(obj) is not RECORDS[real]:
             raise BadField(f"{where} is {describe(obj)}, want {real.__name__}")
+        if self.budget is not None:
+            self.budget -= 1
+            if self.budget < 0:
+                raise BadField(
+                    f"{where}: more records than the pickle has bytes (records shared to"
+                    " multiply the work of reading it)"
+                )
         state = getattr(obj, "state", None)
         if state is None:
             return {}

@@ -66,7 +66,7 @@ def safe_loads(data: bytes, what: str, *, rank_local: bool = False) -> Metadata:
     if end != len(data):
         raise CorruptDCPError(what, f"{len(data) - end} stray bytes after the end of the pickle")
     try:
-        return check_metadata(root, whole_tensors=not rank_local)
+        return check_metadata(root, whole_tensors=not rank_local, budget=len(data))
     except BadField as e:
         raise CorruptDCPError(what, str(e)) from None
 
