@@ -96,7 +96,9 @@ from tierpoint.local import (
     LocalCheckpointManager,
 )
 from tierpoint.local.naming import part_name
-from tierpoint.peers import transfer
+from tierpoint.local.recovery import PartRecovery
+from tierpoint.peers import buckets, receiving, transfer
+from tierpoint.peers.mapping_cache import MappingCache, OneShotMappings
 from tierpoint.testing import run_ranks
 
 WORLD = 4
@@ -146,7 +148,7 @@ SENDER_MAP = "sender: map own part file"
 OPEN_TARGET = "receiver: open dirty file (spare rename, fallocate, map)"
 WAIT_HEADERS = "wait: headers (includes waiting for the peer)"
 WAIT_DATA = "wait: bytes on the wire (gloo isend/irecv)"
-COMMIT = "commit: unmap (rest of _commit)"
+COMMIT = "commit: unmap (rest of commit)"
 VERIFY = "verify checksums as buckets land (PartVerifier)"
 FSYNC = "commit: fsync file"
 RENAME = "commit: rename"
@@ -273,19 +275,20 @@ def instrument(clock: PhaseClock) -> list[str]:
 
     wrap(transfer, "move_files", on_move)
     wrap(transfer, "_wait", on_wait)
-    wrap(transfer, "_map", on_map)
-    wrap(transfer, "_open_target", on_open)
-    wrap(transfer, "_commit", lambda a, k: COMMIT)
-    wrap(transfer, "fsync_dir", lambda a, k: FSYNC_DIR if clock.inside(COMMIT) else None)
+    wrap(MappingCache, "map", on_map)
+    wrap(OneShotMappings, "map", on_map)
+    wrap(transfer, "open_target", on_open)
+    wrap(transfer, "commit", lambda a, k: COMMIT)
+    wrap(receiving, "fsync_dir", lambda a, k: FSYNC_DIR if clock.inside(COMMIT) else None)
     wrap(fileformat.PartVerifier, "advance", lambda a, k: VERIFY)
-    wrap(LocalCheckpointManager, "_read_own", lambda a, k: READ_OWN)
+    wrap(PartRecovery, "read_own", lambda a, k: READ_OWN)
     wrap(tpdist, "all_gather_json", lambda a, k: COLLECTIVES)
     wrap(tpdist, "broadcast_json", lambda a, k: COLLECTIVES)
-    for name, proxy in (("os", _TimedOs), ("dist", _TimedDist)):
-        if hasattr(transfer, name):
-            setattr(transfer, name, proxy(getattr(transfer, name), clock))
+    for module, name, proxy in ((receiving, "os", _TimedOs), (buckets, "dist", _TimedDist)):
+        if hasattr(module, name):
+            setattr(module, name, proxy(getattr(module, name), clock))
         else:
-            missing.append(f"tierpoint.peers.{name}")
+            missing.append(f"{module.__name__}.{name}")
     return missing
 
 
@@ -500,10 +503,11 @@ def bench_rank(
     for rep in range(reps):
         say(f"replication repetition {rep + 1}/{reps}")
         iteration += 1
-        repl.last_replication = None
+        before = repl.last_replication  # a read-only property: this save's stats replace it
         clock.reset()
         series["save_repl"].append(save(repl))
-        stats = getattr(repl, "last_replication", None)
+        stats = repl.last_replication
+        stats = None if stats is before else stats
         moved = clock.seconds.copy()
         series["repl"].append(stats.seconds if stats is not None else sum(moved.values()))
         series["repl_bytes"].append(float(stats.received_bytes if stats else clock.received))
