@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from floor import preallocate, raw_read, raw_write, tensors_of
+from machine import cpu_sample, machine_line
 
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tierpoint.testing import run_ranks
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="tierpoint-local-bench-", dir="/dev/shm")
+    start = cpu_sample()
     try:
         per_rank = run_ranks(
             bench_rank, WORLD, root, args.mib, args.reps, timeout=3600, pg_timeout=600
@@ -107,6 +109,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(per_rank, args.reps)
+    print(f"\n{machine_line(start)}")
 
 
 def report(per_rank: list[dict[str, list[float]]], reps: int) -> None:
@@ -126,9 +129,11 @@ def report(per_rank: list[dict[str, list[float]]], reps: int) -> None:
         f"\nlocal tier, {WORLD} ranks x {total / WORLD / 2**20:.0f} MiB, {reps} interleaved repetitions (medians)"
     )
     print(f"{'contender':34s} {'seconds':>8s} {'GB/s':>7s}")
+    # The third save is the first to rewrite an expired file; fewer repetitions have none.
+    steady_label = f"tierpoint save ({'steady, recycled' if reps >= 3 else 'none recycled yet'})"
     rows = [
         ("tierpoint save (first, new files)", "tp_save_first"),
-        ("tierpoint save (steady, recycled)", "tp_save_steady"),
+        (steady_label, "tp_save_steady"),
         ("torch.save (new file)", "torch_save"),
         ("raw os.write floor (new file)", "raw_write"),
         ("tierpoint load (verified)", "tp_load"),

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from machine import cpu_sample, machine_line  # noqa: E402 - benchmarks/ is the script's directory
 
 
 def make_state(mib: float) -> dict[str, Any]:
@@ -179,6 +180,7 @@ def main() -> int:
     figures: dict[str, list[float]] = {k: [] for k in
         ("tp_block", "tp_durable", "torch_block", "torch_durable", "floor")}  # fmt: skip
     step_s = args.step_ms / 1000
+    start = cpu_sample()
     try:
         for rep in range(args.reps):
             block, durable = run_tierpoint(f"s3://{bucket}/tp{rep}", options, state,
@@ -213,6 +215,7 @@ def main() -> int:
     for who, what, seconds in rows:
         table.add_row(who, what, f"{seconds:.3f}", f"{seconds / floor:.2f}x")
     Console().print(table)
+    print(machine_line(start))
     if args.json:
         Path(args.json).write_text(json.dumps({"medians": med, "all": figures}, indent=2))
     return 0

@@ -37,3 +37,9 @@ def test_replication_bench_runs_and_every_phase_hook_exists() -> None:
     assert "replication figure from manager.last_replication" in output
     assert "hooks missing" not in output, output
     assert "each wiped rank receives 4 MiB before load returns" in output
+
+
+def test_local_bench_runs_and_says_what_else_the_machine_did() -> None:
+    output = _bench("local", "tierpoint-local-bench-", "--mib", "12", "--reps", "1")
+    assert "tierpoint save (none recycled yet)" in output  # one save: nothing was recycled
+    assert "machine: " in output and "other processes" in output
