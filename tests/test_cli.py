@@ -402,6 +402,9 @@ def test_convert_a_local_iteration_and_refuse_unsafe_files(
     (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 5)
     assert main(["convert", str(tmp_path / "junk.safetensors"), str(tmp_path / "y.pt")]) == 1
     _one_line_error(capsys.readouterr().err, "junk.safetensors")
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "z.pt")]) == 1
+    _one_line_error(capsys.readouterr().err, "empty: no complete iteration to convert")
 
 
 class _Unsafe:

@@ -33,6 +33,7 @@ _QUICK_ARGS = {
     "gpu": ["--reps", "1"],
     "local": ["--mib", "32", "--reps", "3"],  # its third save is the first recycled one
     "replication": ["--mib", "32", "--reps", "2"],
+    "scale": ["--worlds", "2", "4"],  # its default goes to 16 ranks
 }
 """Small sizes for benches without ``--quick`` (from their docstrings' quick runs)."""
 

@@ -140,7 +140,7 @@ def _read_iteration(root: str, iteration: int | None, rank: int | None) -> tuple
         raise CommandError(f"{root}: holds sessions {sorted(sessions)}: name one's directory")
     complete = [r for r in rows if r.status == "complete" or (rank is not None and rank in r.ranks)]
     if not complete:
-        which = f"iteration {iteration}" if iteration is not None else "a complete iteration"
+        which = f"iteration {iteration}" if iteration is not None else "complete iteration"
         raise CommandError(f"{root}: no {which} to convert")
     row = max(complete, key=lambda r: r.step)
     parts: dict[int, Path] = {}
