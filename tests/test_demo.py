@@ -84,6 +84,19 @@ def test_bad_failure_lists_are_refused_before_anything_runs() -> None:
         assert "failure" in proc.stderr
 
 
+def test_bad_sizes_are_refused_before_anything_runs() -> None:
+    """Each once ran the whole demo and failed at its end, or crashed in every rank."""
+    for bad in ("--steps=0", "--local-every=0", "--persistent-every=0", "--layers=0", "--width=6"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "tierpoint.demo", bad],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2 and not proc.stdout, (bad, proc.stdout)
+        assert bad.split("=")[0] in proc.stderr.splitlines()[-1], (bad, proc.stderr)
+
+
 def _remove_new_demo_dirs(shm: Path, before: set[Path]) -> None:
     if shm.is_dir():
         for leftover in set(shm.glob("tierpoint-demo-*")) - before:

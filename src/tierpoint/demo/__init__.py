@@ -6,9 +6,9 @@ where an uninterrupted run ends.
 on ``--nodes`` torchruns of ``--ranks-per-node`` ranks on 127.0.0.1 (CPU, gloo), each node with its
 own local root (its "RAM disk") and one shared persistent directory (or ``--persistent s3://...``).
 For each failure of ``--failures`` (``KIND@STEP``, KIND: ``rank`` the last rank, ``node`` the last
-node, ``all`` every rank) the job is launched, the ranks named SIGKILL themselves right after the
-save of STEP was scheduled (it is in flight), and what a real failure takes with it is wiped (the
-node's local root; every local root); then the job is relaunched and resumes from the newest
+node, ``all`` every rank) the job is launched, the ranks named SIGKILL themselves right after
+``maybe_save(STEP)`` returned (a save of STEP or of an earlier step may then be in flight), and
+what a real failure takes with it is wiped (the node's local root; every local root); then the job is relaunched and resumes from the newest
 checkpoint complete anywhere. A last launch finishes, the same training runs once without
 checkpoints as the reference, and the final parameters are compared bit for bit. The report says,
 per failure, the steps lost, where the restore came from and how long it took, and per tier the
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         "--failures",
         default="node@13,all@22",
         help="KIND@STEP,...: SIGKILL 'rank' (the last), 'node' (the last) or 'all' right after "
-        "the save of STEP was scheduled (default node@13,all@22: resumes from peers, then from "
-        "the persistent tier)",
+        "maybe_save(STEP) returned (default node@13,all@22: resumes from peers, then from the "
+        "persistent tier)",
     )
     p.add_argument("--persistent", help="persistent tier: a path or s3:// URL (default: temporary)")
     p.add_argument("--endpoint-url", help="S3 endpoint for an s3:// --persistent")
@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.nodes < 2 or args.ranks_per_node < 1:
         p.error("need --nodes >= 2 (a lost node's parts live on another) and --ranks-per-node >= 1")
+    if min(args.steps, args.local_every, args.persistent_every, args.layers) < 1:
+        p.error(
+            "need --steps, --local-every, --persistent-every and --layers >= 1 (each tier saves)"
+        )
+    if args.width < 4 or args.width % 4:
+        p.error(
+            f"--width must be a positive multiple of 4 (the blocks' attention heads), got {args.width}"
+        )
     try:
         failures = parse_failures(args.failures, args.steps)
     except ValueError as e:

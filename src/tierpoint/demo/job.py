@@ -8,7 +8,7 @@ Run by torchrun (one per simulated node; see :mod:`tierpoint.demo`)::
 Everything that decides the next step is in the checkpoint: parameters, AdamW moments, the LR
 schedule, each rank's data-loader position and generator, and each rank's global RNG (dropout), so
 a resumed run continues bit for bit. ``--kill STEP`` makes the ranks of ``--kill-ranks`` SIGKILL
-themselves right after ``maybe_save(STEP)`` returned (a save is then in flight). Rank 0 writes a
+themselves right after ``maybe_save(STEP)`` returned (a save may then be in flight). Rank 0 writes a
 JSON report (where it resumed from, the manager's records) and the final parameters (``--result``,
 a tierpoint part file).
 """
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"  step {step:3d}  loss {loss:.4f}  saved to {' + '.join(saved)}", flush=True
                 )
         if step == args.kill and str(rank) in args.kill_ranks.split(","):
-            print(f"  [rank {rank}] step {step}: SIGKILL (a save is in flight)", flush=True)
+            print(f"  [rank {rank}] step {step}: SIGKILL", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     report["train_seconds"] = time.perf_counter() - started
     if manager is not None:
