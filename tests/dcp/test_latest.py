@@ -32,6 +32,7 @@ def make(base, step: int, *names: str) -> None:
 
 def test_names_and_markers():
     assert step_of("step-12") == 12 and step_of("step-abc") is None and step_of("step-1x") is None
+    assert step_of("step-\u0661\u0662") is None  # other scripts' digits: int() would read 12
     assert step_path("s3://b/run", 3) == "s3://b/run/step-3"
     assert marker_name(4) == ".unfinished-4"
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
+from tierpoint import fileformat
+from tierpoint.errors import CheckpointingError
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tierpoint.local.store import PartStore
 
@@ -65,3 +68,21 @@ def test_a_link_or_directory_named_as_a_spare_is_never_written_through(tier_root
         assert torch.equal(loaded.state_dict["w"], torch.arange(100.0))
     finally:
         outside.unlink()
+
+
+def test_names_and_metadata_take_ascii_digits_and_integers_only(tmp_path):
+    manager = LocalCheckpointManager(tmp_path, session_id="s")
+    manager.save(BasicTensorAwareStateDict({"w": torch.ones(2)}), 1)
+    session = tmp_path / "s"
+    (session / "\u00b2").mkdir()  # a digit int() refuses: listing other ranks' directories failed
+    (session / "\u0661").mkdir()  # an Arabic-Indic 1: int() reads it as rank 1's directory
+    part = session / "0" / "iter_0000001_0_local.safetensors"
+    # a crafted part of iteration 1 whose metadata says iteration True (== 1 in Python)
+    fileformat.write(
+        part, {"w": torch.zeros(2)}, extra={"iteration": True, "rank": 0, "world_size": 1}
+    )
+    again = LocalCheckpointManager(tmp_path, session_id="s")
+    assert again.find_latest() == -1  # the part is not taken for iteration 1's
+    with pytest.raises(CheckpointingError, match="no complete local checkpoint"):
+        again.load()
+    assert again.unusable_parts() == []

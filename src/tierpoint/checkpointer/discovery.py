@@ -45,7 +45,7 @@ logger = logging.getLogger("tierpoint")
 CHECKPOINT_DIR = "step{step}"
 MODEL_AND_OPTIM = "model_and_optim"
 DCP_METADATA = ".metadata"
-_STEP = re.compile(r"^step(\d+)$")
+_STEP = re.compile(r"^step([0-9]+)$")
 
 
 def checkpoint_dirname(step: int) -> str:

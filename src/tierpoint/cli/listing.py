@@ -38,7 +38,7 @@ from .locate import (
 from .olmo import step_status
 from .output import CommandError, human_age, human_size, make_console, make_table, print_json
 
-_DATA_FILE = re.compile(r"^__(\d+)_\d+(?:\.[0-9a-f]+)?\.distcp$")
+_DATA_FILE = re.compile(r"^__([0-9]+)_[0-9]+(?:\.[0-9a-f]+)?\.distcp$")
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 from .output import CommandError
 
-_OLMO_STEP = re.compile(r"^step(\d+)$")
+_OLMO_STEP = re.compile(r"^step([0-9]+)$")
 OLMO_DCP = "model_and_optim"
 
 

@@ -34,7 +34,7 @@ from typing import Any
 from ..errors import CheckpointingError
 from .files import load_pt
 
-_TRAINER_FILE = re.compile(r"^rank(\d+)\.(safetensors|pt)$")
+_TRAINER_FILE = re.compile(r"^rank([0-9]+)\.(safetensors|pt)$")
 
 Check = tuple[str, str, Callable[[], tuple[str, str]]]
 """One check for ``verify``: its target, its kind and what runs it (returns status and detail)."""

@@ -51,8 +51,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 """Largest manifest accepted (about a million items)."""
 MAX_OFFSET = 1 << 62
 
-_DATA_FILE = re.compile(r"^__(\d{1,9})_\d{1,9}\.([0-9a-z]{1,64})\.distcp$")
-_MANIFEST = re.compile(r"^\.checksums-\d{1,9}\.[0-9a-z]{1,64}\.json$")
+_DATA_FILE = re.compile(r"^__([0-9]{1,9})_[0-9]{1,9}\.([0-9a-z]{1,64})\.distcp$")
+_MANIFEST = re.compile(r"^\.checksums-[0-9]{1,9}\.[0-9a-z]{1,64}\.json$")
 _HEX = re.compile(r"^[0-9a-f]{16}$")
 _HASH_PIECE = 8 << 20
 

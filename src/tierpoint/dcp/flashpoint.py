@@ -53,7 +53,7 @@ from .step_dirs import METADATA_NAME, complete_checkpoints
 
 logger = logging.getLogger("tierpoint")
 
-_STEP = re.compile(r"^step-(\d+)(?:_ckpt)?$")
+_STEP = re.compile(r"^step-([0-9]+)(?:_ckpt)?$")
 
 
 def default_metadata_object_name() -> str:

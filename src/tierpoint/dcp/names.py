@@ -25,11 +25,11 @@ STEP_PREFIX = "step-"
 METADATA_NAME = ".metadata"
 MARKER_PREFIX = ".unfinished-"
 
-_STEP = re.compile(r"^step-(\d+)$")
-_MARKER = re.compile(r"^\.unfinished-(\d+)$")
-_FLASHPOINT_STEP = re.compile(r"^step-(\d+)_ckpt$")
-_FLASHPOINT_MARKER = re.compile(r"^(step-\d+_ckpt)(.+)unfinished$")
-_LOCAL_RANK = re.compile(r"__(\d+)__")
+_STEP = re.compile(r"^step-([0-9]+)$")
+_MARKER = re.compile(r"^\.unfinished-([0-9]+)$")
+_FLASHPOINT_STEP = re.compile(r"^step-([0-9]+)_ckpt$")
+_FLASHPOINT_MARKER = re.compile(r"^(step-[0-9]+_ckpt)(.+)unfinished$")
+_LOCAL_RANK = re.compile(r"__([0-9]+)__")
 UNKNOWN_RANK = -1
 """The rank recorded for an unfinished marker whose name gives none."""
 

@@ -53,7 +53,7 @@ from .reader import read_metadata
 
 logger = logging.getLogger("tierpoint")
 
-_WRITER = re.compile(r"^__(\d+)_")
+_WRITER = re.compile(r"^__([0-9]+)_")
 
 
 def _writer_of(name: str) -> int | None:
@@ -210,7 +210,7 @@ def _gather_listings(step_dir: str, layout: tpdist.NodeLayout) -> list[dict[str,
     return [v for v in seen if v is not None]
 
 
-_RANKED = (re.compile(r"^(__)(\d+)(_.*)$"), re.compile(r"^(\.checksums-)(\d+)(\..*)$"))
+_RANKED = (re.compile(r"^(__)([0-9]+)(_.*)$"), re.compile(r"^(\.checksums-)([0-9]+)(\..*)$"))
 
 
 def _merge_node_listings(reports: list[dict[str, Any]]) -> list[list[Any]]:

@@ -27,8 +27,8 @@ from ..errors import CheckpointingError, CorruptCheckpointError
 from ..files import DIRTY_SUFFIX
 
 EXTENSION = ".safetensors"
-_PART_RE = re.compile(r"iter_(\d{7,})_(\d+)_local" + re.escape(EXTENSION))
-_SPARE_RE = re.compile(r"spare_(\d+)\.free")
+_PART_RE = re.compile(r"iter_([0-9]{7,})_([0-9]+)_local" + re.escape(EXTENSION))
+_SPARE_RE = re.compile(r"spare_([0-9]+)\.free")
 _SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]*")
 NO_CHECKPOINT = -1
 """What ``find_latest`` returns when no iteration is complete."""
@@ -95,11 +95,18 @@ def spare_name(n: int) -> str:
     return f"spare_{n}.free"
 
 
+def metadata_names(meta: dict, iteration: int, rank: int) -> bool:
+    """Whether a part's header metadata names ``iteration`` and ``rank`` (as integers: ``true``
+    or ``1.0`` in a crafted header is not rank 1)."""
+    found = (meta.get("iteration"), meta.get("rank"))
+    return all(type(v) is int for v in found) and found == (iteration, rank)
+
+
 def part_world_size(path: str | os.PathLike, iteration: int, origin: int) -> int:
     """The world size a part file was saved with, once its header is valid and its metadata agrees
     with its name; :class:`CorruptCheckpointError` otherwise."""
     meta = fileformat.read_header(path).extra
-    if meta.get("iteration") != iteration or meta.get("rank") != origin:
+    if not metadata_names(meta, iteration, origin):
         raise CorruptCheckpointError(str(path), "file name disagrees with its metadata")
     world = meta.get("world_size")
     if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:

@@ -131,7 +131,7 @@ class PartRecovery:
         try:
             header, tensors = fileformat.read_flat(path, verify=verify, mmap=mmap)
             meta = header.extra
-            if meta.get("iteration") != iteration or meta.get("rank") != self.store.rank:
+            if not naming.metadata_names(meta, iteration, self.store.rank):
                 # another part under this name (swapped or copied over): intact, but not this one
                 raise CorruptCheckpointError(str(path), "file name disagrees with its metadata")
             # validates the skeleton before use; DTensors are built (on their mesh, which may create

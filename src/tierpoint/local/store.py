@@ -145,7 +145,8 @@ class PartStore:
         return sorted(
             int(d.name)
             for d in os.scandir(self.session_dir)
-            if d.name.isdigit()
+            if d.name.isascii()
+            and d.name.isdigit()
             and int(d.name) != self.rank
             and any(naming.parse_part_name(n) for n in os.listdir(d.path))
         )
@@ -367,7 +368,7 @@ class ReceivedPart(fileformat.PartVerifier):
         header = super().finish()
         expected = naming.parse_part_name(Path(self.move.dst_path).name)
         meta = header.extra
-        if expected is None or (meta.get("iteration"), meta.get("rank")) != expected:
+        if expected is None or not naming.metadata_names(meta, *expected):
             raise CorruptCheckpointError(
                 self.move.dst_path,
                 f"rank {self.move.src} sent a part whose metadata does not match its name",
