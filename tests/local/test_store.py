@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tierpoint import fileformat
+from tierpoint.cli import main
 from tierpoint.errors import CheckpointingError
-from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
+from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager, naming
 from tierpoint.local.store import PartStore
 
 
@@ -86,3 +87,25 @@ def test_names_and_metadata_take_ascii_digits_and_integers_only(tmp_path):
     with pytest.raises(CheckpointingError, match="no complete local checkpoint"):
         again.load()
     assert again.unusable_parts() == []
+
+
+def test_a_default_root_that_is_not_this_users_own_directory_is_refused(monkeypatch, tmp_path):
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 4242)  # a user whose root someone else made
+    root = naming.default_root()
+    assert not os.path.lexists(root)
+    try:
+        root.symlink_to(tmp_path)  # a link to a directory of someone else's choosing
+        with pytest.raises(CheckpointingError, match="is not a directory, not this user's"):
+            LocalCheckpointManager(session_id="s")
+        root.unlink()
+        root.mkdir()  # made by another user (the real uid)
+        with pytest.raises(CheckpointingError, match=f"owned by uid {uid}"):
+            LocalCheckpointManager(session_id="s")
+        assert main(["ls"]) == 1
+    finally:
+        if root.is_symlink():
+            root.unlink()
+        elif root.exists():
+            root.rmdir()
+    assert list(tmp_path.iterdir()) == []  # nothing was written through the link

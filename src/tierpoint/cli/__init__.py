@@ -136,7 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "ls" and args.path is None:
         from ..local.naming import default_root
 
-        args.path = str(default_root())
+        try:
+            args.path = str(default_root())
+        except CheckpointingError as e:
+            print(f"tierpoint ls: {e}", file=sys.stderr)
+            return 1
         if not os.path.isdir(args.path):
             print(f"tierpoint ls: no local tier at the default root {args.path}; name a PATH or "
                   "URL", file=sys.stderr)  # fmt: skip

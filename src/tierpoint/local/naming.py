@@ -16,6 +16,7 @@ from __future__ import annotations
 import numbers
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
@@ -45,9 +46,24 @@ class CkptID(NamedTuple):
 
 
 def default_root() -> Path:
-    """``/dev/shm/tierpoint-<uid>`` where a RAM disk exists, else the temp directory."""
+    """``/dev/shm/tierpoint-<uid>`` where a RAM disk exists, else the temp directory.
+
+    Both are shared by every user of the machine, so the root, where it exists, must be this
+    user's own directory (not a link): one another user made first could have its entries swapped
+    for theirs. :class:`CheckpointingError` otherwise."""
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-    return base / f"tierpoint-{os.getuid()}"
+    root = base / f"tierpoint-{os.getuid()}"
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return root
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        what = "not a directory" if not stat.S_ISDIR(st.st_mode) else f"owned by uid {st.st_uid}"
+        raise CheckpointingError(
+            f"the default local tier root {root} is {what}, not this user's (uid {os.getuid()}) "
+            "directory: another user may have made it. Remove it, or pass a root of your own"
+        )
+    return root
 
 
 def validate_session_id(session_id: str) -> str:
