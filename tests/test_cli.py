@@ -746,3 +746,40 @@ def test_piped_output_keeps_long_paths_on_one_line(
     assert f"newest restorable (job): local iteration 3: {session}" in lines
     assert f"checkpoints under {session}" in lines  # the table's title
     assert any(str(session) in line for line in lines[:-1])  # the table's row, not folded
+
+
+def test_verify_a_torch_save_file_checks_its_records_crcs(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(1000.0), "step": 3}, good)
+    data = good.read_bytes()
+    flipped = tmp_path / "flipped.pt"
+    at = data.index(torch.arange(1000.0).numpy().tobytes()) + 100
+    flipped.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
+    (tmp_path / "short.pt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "other.pt").write_bytes(b"not a checkpoint")
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)
+    from torch.utils.serialization import config
+
+    monkeypatch.setattr(config.save, "compute_crc32", False)
+    torch.save({"w": torch.ones(3)}, tmp_path / "nocrc.pt")
+
+    assert main(["verify", "--json", str(good)]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert result["status"] == "ok" and "matches its CRC-32" in result["detail"]
+    for name, why in (
+        ("flipped.pt", "record model/data/0 fails its CRC-32"),
+        ("short.pt", "a damaged torch.save file"),
+        ("other.pt", "not a torch.save file"),
+    ):
+        assert main(["verify", "--json", str(tmp_path / name)]) == 1
+        (result,) = json.loads(capsys.readouterr().out)["results"]
+        assert result["status"] == "FAIL" and why in result["detail"], result
+    for name in ("legacy.pt", "nocrc.pt"):
+        assert main(["verify", "--json", str(tmp_path / name)]) == 0
+        (result,) = json.loads(capsys.readouterr().out)["results"]
+        assert result["status"] == "unverified", result
+        assert main(["verify", "--strict", str(tmp_path / name)]) == 1
+        capsys.readouterr()

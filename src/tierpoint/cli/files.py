@@ -4,7 +4,8 @@ safetensors files.
 Call order: :func:`kind_of_file` by the name's suffix; then :func:`safetensors_header` /
 :func:`safetensors_metadata` (the JSON header, its length checked against the file first;
 :func:`is_part_metadata` tells tierpoint's part files, :func:`is_plain_safetensors` other writers'
-intact ones) or :func:`load_pt` (``torch.load(weights_only=True)``).
+intact ones) or :func:`load_pt` (``torch.load(weights_only=True)``); :func:`check_pt_crcs` checks a
+``torch.save`` file's zip records against their CRC-32s (what ``tierpoint verify`` can check of it).
 
 Invariants: no code in a file runs; a damaged file is a :class:`~tierpoint.cli.output.CommandError`
 naming it.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from typing import Any
 
 from .output import CommandError
@@ -95,3 +97,30 @@ def load_pt(path: str) -> Any:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - a damaged or unsafe file: one line
         raise CommandError(f"{path}: cannot load with weights_only=True: {e}") from e
+
+
+def check_pt_crcs(path: str) -> tuple[str, str]:
+    """``tierpoint verify`` of a ``torch.save`` file: ``(status, detail)``: ``ok`` when every zip
+    record matches its CRC-32; ``unverified`` when there are none (torch's ``compute_crc32`` off, or
+    the legacy pickle format); ``FAIL`` for a mismatch, a damaged or truncated archive or another
+    kind of file. Nothing is unpickled."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic[:1] == b"\x80":  # a pickle: torch.save's legacy format
+        return (
+            "unverified",
+            "a legacy (pickle) torch.save file, without checksums: nothing to verify",
+        )
+    if magic != b"PK\x03\x04":
+        return "FAIL", "not a torch.save file (neither a zip archive nor a pickle)"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+            if records and all(r.CRC == 0 for r in records if r.file_size):
+                return "unverified", "a torch.save file saved without CRC-32s: nothing to verify"
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, ValueError) as e:  # truncated, or its directory damaged
+        return "FAIL", f"a damaged torch.save file: {e}"
+    if bad is not None:
+        return "FAIL", f"a damaged torch.save file: record {bad} fails its CRC-32"
+    return "ok", f"a torch.save file: every one of its {len(records)} records matches its CRC-32"

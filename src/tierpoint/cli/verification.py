@@ -9,7 +9,8 @@ directory is its trainer-state files), runs them with a progress bar, prints one
 
 Invariants: a path that cannot be checked is one line on stderr and the others go on; a DCP step
 without checksum manifests (plain torch) is read completely and reported unverified, as is another
-writer's intact safetensors file (no checksums); unverified fails only with ``--strict``, and then
+writer's intact safetensors file (no checksums); a ``torch.save`` file's zip records are checked
+against their CRC-32s; unverified fails only with ``--strict``, and then
 its line is marked ``FAIL``.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointingError
-from .files import is_plain_safetensors
+from .files import check_pt_crcs, is_plain_safetensors, kind_of_file
 from .listing import dcp_rows
 from .locate import OLMO_DCP, classify, find_dcp_dir, store_options
 from .olmo import is_train_dir, step_checks, train_dir_checks
@@ -136,6 +137,8 @@ def _verify_part(path: str) -> tuple[str, str]:
     from .. import fileformat
     from ..local.naming import parse_part_name, part_world_size
 
+    if kind_of_file(path) == "pt":
+        return check_pt_crcs(path)
     try:
         header = fileformat.verify(path)
     except CheckpointingError:
