@@ -783,3 +783,17 @@ def test_verify_a_torch_save_file_checks_its_records_crcs(
         assert result["status"] == "unverified", result
         assert main(["verify", "--strict", str(tmp_path / name)]) == 1
         capsys.readouterr()
+
+
+def test_convert_writes_files_the_umask_allows_others_to_read(tmp_path: Path) -> None:
+    # a state safetensors cannot hold (complex) is written by tierpoint.fileformat, which made its
+    # files private like a local tier's parts, where torch.save and safetensors follow the umask
+    source = tmp_path / "s.pt"
+    torch.save({"z": torch.ones(3, dtype=torch.complex64), "w": torch.ones(2)}, source)
+    umask = os.umask(0o022)
+    try:
+        for name in ("out.safetensors", "out.pt"):
+            assert main(["convert", str(source), str(tmp_path / name)]) == 0
+            assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
+    finally:
+        os.umask(umask)

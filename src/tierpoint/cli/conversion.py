@@ -176,7 +176,8 @@ def _write_safetensors(state: Any, dst: str) -> str:
     except ImportError:
         save_file = None
     if save_file is None or any(t.dtype not in NATIVE_CODES for t in flat.tensors):
-        fileformat.write(dst, state)  # the same layout, with tierpoint's checksums and skeleton
+        # the same layout, with checksums and skeleton; readable by others as the umask allows
+        fileformat.write(dst, state, mode=0o666)
         return "safetensors layout, by tierpoint.fileformat"
     metadata = {
         "format": "pt",
