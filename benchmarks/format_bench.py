@@ -55,14 +55,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import safetensors
-import safetensors.torch
 import torch
 from floor import preallocate, raw_read, raw_write
 from machine import CpuSample, cpu_sample, machine_line, others_cpu_seconds
 
 from tierpoint import fileformat
 from tierpoint.tree import flatten
+
+try:  # a contender where installed (./run bench installs it)
+    import safetensors
+    import safetensors.torch
+except ImportError:
+    safetensors = None
 
 GIB = 1 << 30
 PAGE = 4096
@@ -282,26 +286,39 @@ def write_contenders(
 ) -> list[Contender]:
     flat_dict = dict(zip(names, tensors, strict=True))
     tp, pt, st, raw = files.tierpoint, files.torch, files.safetensors, files.raw
-    return [
-        Contender(
-            "tierpoint write", lambda: fileformat.write(tp, state), lambda: unlink(tp), tp, "fsync"
-        ),
-        Contender("torch.save", lambda: torch.save(state, pt), lambda: unlink(pt), pt),
-        Contender(
-            "safetensors save_file",
-            lambda: safetensors.torch.save_file(flat_dict, str(st)),
-            lambda: unlink(st),
-            st,
-        ),
-        Contender(
-            "raw os.write (floor)",
-            lambda: raw_write(raw, tensors),
-            lambda: unlink(raw),
-            raw,
-            "fsync",
-        ),
-        Contender("memcpy copy_ (context)", lambda: copy_into(targets, tensors), note="reused mem"),
-    ]
+    return installed(
+        [
+            Contender(
+                "tierpoint write",
+                lambda: fileformat.write(tp, state),
+                lambda: unlink(tp),
+                tp,
+                "fsync",
+            ),
+            Contender("torch.save", lambda: torch.save(state, pt), lambda: unlink(pt), pt),
+            Contender(
+                "safetensors save_file",
+                lambda: safetensors.torch.save_file(flat_dict, str(st)),
+                lambda: unlink(st),
+                st,
+            ),
+            Contender(
+                "raw os.write (floor)",
+                lambda: raw_write(raw, tensors),
+                lambda: unlink(raw),
+                raw,
+                "fsync",
+            ),
+            Contender(
+                "memcpy copy_ (context)", lambda: copy_into(targets, tensors), note="reused mem"
+            ),
+        ]
+    )
+
+
+def installed(contenders: list[Contender]) -> list[Contender]:
+    """``contenders`` less those of a library that is not installed."""
+    return [c for c in contenders if safetensors is not None or "safetensors" not in c.name]
 
 
 def load_mmap_and_copy(path: Path, targets: list[torch.Tensor]) -> None:
@@ -352,48 +369,52 @@ def read_contenders(
     files: Files, names: list[str], tensors: list[torch.Tensor], targets: list[torch.Tensor]
 ) -> list[Contender]:
     tp, pt, st, raw = files.tierpoint, files.torch, files.safetensors, files.raw
-    return [
-        Contender(
-            "tierpoint read_flat verify",
-            lambda: fileformat.read_flat(tp, verify=True, targets=targets),
-            note="into targets",
-        ),
-        Contender(
-            "tierpoint read_flat no-verify",
-            lambda: fileformat.read_flat(tp, verify=False, targets=targets),
-            note="into targets",
-        ),
-        Contender(
-            "tierpoint verify + page stores",
-            lambda: read_then_store(tp, targets),
-            note="targets: no faults",
-        ),
-        *tierpoint_mmap_contenders(tp),
-        Contender("tierpoint read", lambda: fileformat.read(tp), note="fresh, verify"),
-        Contender("torch.load", lambda: torch.load(pt, weights_only=True), note="fresh"),
-        Contender(
-            "torch.load mmap",
-            lambda: torch.load(pt, mmap=True, weights_only=True),
-            note="lazy: copies nothing",
-        ),
-        Contender(
-            "torch.load mmap + copy_",
-            lambda: load_mmap_and_copy(pt, targets),
-            note="into targets",
-        ),
-        Contender(
-            "safetensors load_file",
-            lambda: safetensors.torch.load_file(st),
-            note=f"lazy in v{safetensors.__version__} (mmap)",
-        ),
-        Contender(
-            "safetensors load_file + copy_",
-            lambda: load_safetensors_and_copy(st, names, targets),
-            note="into targets",
-        ),
-        Contender("raw readinto (floor)", lambda: raw_read(raw, targets), note="into targets"),
-        Contender("memcpy copy_ (context)", lambda: copy_into(targets, tensors), note="reused mem"),
-    ]
+    return installed(
+        [
+            Contender(
+                "tierpoint read_flat verify",
+                lambda: fileformat.read_flat(tp, verify=True, targets=targets),
+                note="into targets",
+            ),
+            Contender(
+                "tierpoint read_flat no-verify",
+                lambda: fileformat.read_flat(tp, verify=False, targets=targets),
+                note="into targets",
+            ),
+            Contender(
+                "tierpoint verify + page stores",
+                lambda: read_then_store(tp, targets),
+                note="targets: no faults",
+            ),
+            *tierpoint_mmap_contenders(tp),
+            Contender("tierpoint read", lambda: fileformat.read(tp), note="fresh, verify"),
+            Contender("torch.load", lambda: torch.load(pt, weights_only=True), note="fresh"),
+            Contender(
+                "torch.load mmap",
+                lambda: torch.load(pt, mmap=True, weights_only=True),
+                note="lazy: copies nothing",
+            ),
+            Contender(
+                "torch.load mmap + copy_",
+                lambda: load_mmap_and_copy(pt, targets),
+                note="into targets",
+            ),
+            Contender(
+                "safetensors load_file",
+                lambda: safetensors.torch.load_file(st),
+                note=f"lazy in v{getattr(safetensors, '__version__', '?')} (mmap)",
+            ),
+            Contender(
+                "safetensors load_file + copy_",
+                lambda: load_safetensors_and_copy(st, names, targets),
+                note="into targets",
+            ),
+            Contender("raw readinto (floor)", lambda: raw_read(raw, targets), note="into targets"),
+            Contender(
+                "memcpy copy_ (context)", lambda: copy_into(targets, tensors), note="reused mem"
+            ),
+        ]
+    )
 
 
 def run_interleaved(contenders: Sequence[Contender], reps: int, phase: str) -> None:
