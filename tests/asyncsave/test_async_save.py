@@ -381,6 +381,59 @@ def test_a_failing_call_raises_and_runs_abort_fns():
     queue.close()
 
 
+class _UserFinalizeError(Exception):
+    pass
+
+
+def _raise_user_error() -> None:
+    raise _UserFinalizeError("user finalize failed")
+
+
+def test_every_finalize_fn_runs_and_the_first_error_is_raised():
+    queue = AsyncCallsQueue()
+    ran: list[str] = []
+
+    def second() -> None:
+        ran.append("second")
+        raise OSError("second failed too")
+
+    queue.schedule_async_request(
+        AsyncRequest(_slow, (0.0,), [_raise_user_error, second, lambda: ran.append("third")])
+    )
+    with pytest.raises(_UserFinalizeError, match="user finalize failed"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert ran == ["second", "third"]
+    assert queue.get_num_unfinalized_calls() == 0
+    queue.close()
+
+
+def test_a_user_finalize_fn_raising_first_leaves_no_save_in_flight(tmp_path):
+    """A user's finalize function put before the local tier's commit raises: the save is still
+    committed (the error is raised), and later async saves go on. The commit used to be skipped:
+    the tier kept iteration 1 in flight for good and refused every later save."""
+    manager = LocalCheckpointManager(tmp_path, session_id="j", keep_last=1)
+    queue = AsyncCallsQueue()
+    first = make_state(0, 1)
+    request = manager.save(BasicTensorAwareStateDict(first), 1, is_async=True)
+    request.finalize_fns = [_raise_user_error, *request.finalize_fns]
+    queue.schedule_async_request(request)
+    with pytest.raises(_UserFinalizeError):
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert manager.find_latest() == 1
+    for iteration in (2, 3):
+        state = make_state(0, iteration)
+        queue.schedule_async_request(
+            manager.save(BasicTensorAwareStateDict(state), iteration, is_async=True)
+        )
+        queue.maybe_finalize_async_calls(blocking=True)
+        loaded, _ = manager.load()
+        assert flat_bytes(loaded.state_dict) == flat_bytes(state)
+    queue.close()
+    assert sorted(p.name for p in (tmp_path / "j" / "0").glob("iter_*")) == [
+        "iter_0000003_0_local.safetensors"
+    ]
+
+
 def test_sync_save_while_async_pending_is_refused(tmp_path):
     manager = LocalCheckpointManager(tmp_path, session_id="j")
     queue = AsyncCallsQueue()

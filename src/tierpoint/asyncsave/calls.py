@@ -14,6 +14,8 @@ Invariants:
   result is known and, with a ``background_fn``, once that step ran; a failed snapshot or step is
   this rank's outcome of the call, agreed like any other.
 - Clean-up functions (``abort_fns``) never raise: what they fail to do is logged.
+- Every finalize function of a concluded call runs, also after one raised (the first error is
+  raised once all ran): a tier's own commit is never skipped by a user's function.
 - A call dropped unfinalized is always named in a WARNING on the ``tierpoint`` logger.
 """
 
@@ -219,8 +221,9 @@ def run_background_step(call: Call, worker: Outcome | None) -> None:
 
 
 def conclude(call: Call, statuses: dict[int, tuple[bool, str, str | None]]) -> None:
-    """Every rank's outcome of ``call`` is known (agreed): run its finalize functions, or, if any
-    rank failed, its ``abort_fns`` and raise the agreed error."""
+    """Every rank's outcome of ``call`` is known (agreed): run its finalize functions (each of
+    them, also after one raised; the first error is raised once all ran), or, if any rank failed,
+    its ``abort_fns`` and raise the agreed error."""
     failures = {rank: msg for rank, (ok, msg, _) in statuses.items() if not ok}
     request = call.request
     if failures:
@@ -231,8 +234,18 @@ def conclude(call: Call, statuses: dict[int, tuple[bool, str, str | None]]) -> N
             failed_on_ranks(request.description, failures),
             failures,
         )
+    first: Exception | None = None
     for fn in request.finalize_fns:
-        fn()
+        # Each runs, also after one raised: a user's function put before the tier's own must
+        # not leave the save committed nowhere (the local tier then refused every later save).
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - raised below, after the other functions ran
+            if first is not None:
+                logger.warning("%s: a finalize function raised too: %s", request.description, e)
+            first = first or e
+    if first is not None:
+        raise first
     logger.debug(
         "%s finalized %.3f s after scheduling",
         request.description,

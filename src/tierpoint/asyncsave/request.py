@@ -1,7 +1,8 @@
 """AsyncRequest: one unit of background work and what to do when every rank has finished it.
 
 Field names follow NVRx: ``async_fn(*async_fn_args, **async_fn_kwargs)`` runs in the background worker
-process; ``finalize_fns`` run in the training process once every rank's ``async_fn`` succeeded;
+process; ``finalize_fns`` run in the training process once every rank's ``async_fn`` succeeded
+(in order, each also after an earlier one raised; the first error is raised once all ran);
 ``preload_fn`` runs in the training process when the request is scheduled, before ``async_fn`` is
 dispatched (tierpoint uses it for the snapshot into staging memory); a dict it returns is merged into
 ``async_fn_kwargs``. tierpoint adds ``abort_fns``: run on every rank when the call failed on any rank
