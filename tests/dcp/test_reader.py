@@ -153,6 +153,22 @@ def test_conjugate_views_go_through_the_weights_only_fallback(tmp_path: Path) ->
     assert torch.equal(target["c"], c.conj().resolve_conj())
 
 
+@pytest.mark.parametrize("numel", [6, 300 * 1000])  # read whole, and read in place in pieces
+def test_destinations_that_are_conjugate_or_negative_views(tmp_path: Path, numel: int) -> None:
+    """A lazy conjugate or negation is filled through ``copy_`` as torch's reader does (its
+    memory holds other values than it shows: reading the bytes into it failed)."""
+    g = torch.Generator().manual_seed(5)
+    c, r = torch.randn(numel, dtype=torch.complex64, generator=g), torch.randn(numel, generator=g)
+    dcp.save({"c": c, "r": r}, checkpoint_id=tmp_path, no_dist=True)
+    target = {
+        "c": torch.zeros(numel, dtype=torch.complex64).conj(),
+        "r": torch.zeros(numel)._neg_view(),
+    }
+    load(target, tmp_path)
+    assert target["c"].is_conj() and torch.equal(target["c"], c)
+    assert target["r"].is_neg() and torch.equal(target["r"], r)
+
+
 def test_read_metadata_equals_torchs(checkpoint: tuple[Path, dict]) -> None:
     path, _ = checkpoint
     ours = read_metadata(path)
