@@ -14,8 +14,8 @@ Invariants:
   result is known and, with a ``background_fn``, once that step ran; a failed snapshot or step is
   this rank's outcome of the call, agreed like any other.
 - Clean-up functions (``abort_fns``) never raise: what they fail to do is logged.
-- Every finalize function of a concluded call runs, also after one raised (the first error is
-  raised once all ran): a tier's own commit is never skipped by a user's function.
+- After a finalize function raised, only tierpoint's own commits (``Commit``) still run, then the
+  first error is raised: a user's function never skips a tier's commit nor runs after a failure.
 - A call dropped unfinalized is always named in a WARNING on the ``tierpoint`` logger.
 """
 
@@ -38,7 +38,7 @@ from ..errors import (
     failed_on_ranks,
 )
 from ..staging import SourceFile
-from .request import AsyncRequest
+from .request import AsyncRequest, Commit
 from .worker import SHARED, Worker
 
 logger = logging.getLogger("tierpoint")
@@ -221,9 +221,9 @@ def run_background_step(call: Call, worker: Outcome | None) -> None:
 
 
 def conclude(call: Call, statuses: dict[int, tuple[bool, str, str | None]]) -> None:
-    """Every rank's outcome of ``call`` is known (agreed): run its finalize functions (each of
-    them, also after one raised; the first error is raised once all ran), or, if any rank failed,
-    its ``abort_fns`` and raise the agreed error."""
+    """Every rank's outcome of ``call`` is known (agreed): run its finalize functions (after one
+    raised, only the :class:`~tierpoint.asyncsave.request.Commit` ones, then raise the first
+    error), or, if any rank failed, its ``abort_fns`` and raise the agreed error."""
     failures = {rank: msg for rank, (ok, msg, _) in statuses.items() if not ok}
     request = call.request
     if failures:
@@ -236,11 +236,14 @@ def conclude(call: Call, statuses: dict[int, tuple[bool, str, str | None]]) -> N
         )
     first: Exception | None = None
     for fn in request.finalize_fns:
-        # Each runs, also after one raised: a user's function put before the tier's own must
-        # not leave the save committed nowhere (the local tier then refused every later save).
+        if first is not None and not isinstance(fn, Commit):
+            logger.warning(
+                "%s: finalize function %r not run (one before it raised)", request.description, fn
+            )
+            continue
         try:
             fn()
-        except Exception as e:  # noqa: BLE001 - raised below, after the other functions ran
+        except Exception as e:  # noqa: BLE001 - raised below, once the commits after it ran
             if first is not None:
                 logger.warning("%s: a finalize function raised too: %s", request.description, e)
             first = first or e

@@ -2,7 +2,9 @@
 
 Field names follow NVRx: ``async_fn(*async_fn_args, **async_fn_kwargs)`` runs in the background worker
 process; ``finalize_fns`` run in the training process once every rank's ``async_fn`` succeeded
-(in order, each also after an earlier one raised; the first error is raised once all ran);
+(in order; after one raised, only tierpoint's own commits still run, :class:`Commit`, and the first
+error is raised once they ran: a user's function can neither skip a tier's commit nor run after a
+failed one);
 ``preload_fn`` runs in the training process when the request is scheduled, before ``async_fn`` is
 dispatched (tierpoint uses it for the snapshot into staging memory); a dict it returns is merged into
 ``async_fn_kwargs``. tierpoint adds ``abort_fns``: run on every rank when the call failed on any rank
@@ -34,6 +36,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointingError
+
+
+class Commit:
+    """A finalize function of tierpoint's own (a tier's commit, the release of what a save holds):
+    it runs even after an earlier finalize function raised, so that a user's function put first
+    cannot leave a save committed on some ranks and in flight on others."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> Any:
+        return self.fn()
 
 
 @dataclass

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue, AsyncRequest
+from ..asyncsave.request import Commit
 from ..errors import CheckpointingError
 from .options import SaveOptions, takes_save_options
 from .state_dict_saver import save_state_dict_async_finalize, save_state_dict_async_plan
@@ -139,7 +140,7 @@ def _request(state_dict: dict[str, Any], path: Any, options: SaveOptions) -> Asy
     return AsyncRequest(
         async_fn,
         args,
-        [finalize],
+        [Commit(finalize)],
         preload_fn=preload_fn,
         abort_fns=[abort],
         description=f"DCP save to {writer.path}",

@@ -50,7 +50,7 @@ from typing import Any
 
 from .. import dist as tpdist
 from .. import fileformat, peers
-from ..asyncsave.request import AsyncRequest
+from ..asyncsave.request import AsyncRequest, Commit
 from ..device_snapshot import OVERWRITTEN, DeviceSnapshot, Ticket
 from ..errors import CheckpointingError
 from ..files import in_memory_filesystem
@@ -376,7 +376,7 @@ class PartSaver:
         return AsyncRequest(
             seal_staged_part if in_place else write_staged_part,
             (str(path), plan),
-            [lambda: self.commit(iteration, keep, plan.data_size, start)],
+            [Commit(lambda: self.commit(iteration, keep, plan.data_size, start))],
             preload_fn=snapshot,
             abort_fns=[lambda: self.abort(iteration), *([ticket.release] if ticket else [])],
             state_copied=ticket is not None,

@@ -13,14 +13,13 @@ the first step not saved, ``_with_owed_copy`` at every step)::
 Invariants: each tier keeps one save in flight (:meth:`_make_room` waits for the previous one, so at
 most two calls are in flight); a persistent copy is made from the local part's bytes only after the
 local save of its step is committed on every rank, and is dropped if that save failed; it costs the
-training thread the planning and no copy: the part is held
-(:meth:`~tierpoint.local.LocalCheckpointManager.hold_own_part`: never recycled, so its bytes stay
-those of its step) and the worker writes its bytes into the DCP files
-(:class:`~tierpoint.staging.SourceFile`), until the save is finalized or aborted, which releases
-the hold (explicitly: the order of the one worker's jobs would protect it too); the
-persistent copy lost with its local save is made up for: the manager's next step is saved to the
-persistent tier from the state, and while local saves fail, persistent saves snapshot the state
-(no tier is left without checkpoints because the other one is full); the
+training thread the planning and no copy: the part is held (never recycled, so its bytes stay
+those of its step: :meth:`~tierpoint.local.LocalCheckpointManager.hold_own_part`) and the worker
+writes its bytes into the DCP files (:class:`~tierpoint.staging.SourceFile`), until the save is
+finalized or aborted, which releases the hold (explicitly: the order of the one worker's jobs
+would protect it too); the persistent copy lost with its local save is made up for: the manager's
+next step is saved to the persistent tier from the state, and while local saves fail, persistent
+saves snapshot the state (no tier is left without checkpoints because the other one is full); the
 persistent tier retires older steps (:mod:`.retention`) only after a newer one is committed, on a
 thread of rank 0 (listing and removing on an object store takes round trips the training thread
 need not wait for), only steps older than the one just committed (the saves that follow are newer:
@@ -43,6 +42,7 @@ from typing import Any
 from .. import dcp
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue
+from ..asyncsave.request import Commit
 from ..dcp.step_dirs import step_path
 from ..errors import (
     CheckpointingError,
@@ -249,7 +249,7 @@ class SavePath:
                 staging_pool=self._staging_pool,
             )
             if held is not None:  # finalized or aborted: the worker read the part (or never will)
-                request.finalize_fns = [held.release, *request.finalize_fns]
+                request.finalize_fns = [Commit(held.release), *request.finalize_fns]
                 request.abort_fns = [*request.abort_fns, held.release]
             self._schedule("persistent", request, record, committed, failed)
         except CheckpointingError as e:  # planning failed on some rank (agreed): skip this save
