@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -707,3 +708,33 @@ def test_ranks_keeping_different_numbers_of_checkpoints_are_refused(tmp_path):
     """keep_last 2 on rank 0 and 3 on rank 1 was accepted: each rank retired other iterations."""
     for message, parts in run_ranks(_keep_last_differs, 2, str(tmp_path)):
         assert "{0: 2, 1: 3}" in message and parts == []
+
+
+def _save_while_the_previous_one_is_written(rank: int, world: int, root: str) -> tuple:
+    manager = LocalCheckpointManager(root, session_id="job", keep_last=2)
+    queue = AsyncCallsQueue()
+    first = manager.save(BasicTensorAwareStateDict(make_state(rank, 1)), 1, is_async=True)
+    if rank == 0:  # rank 0's part of iteration 1 is written, rank 1's not yet
+        queue.schedule_async_request(first)
+        part, deadline = Path(manager.local_ckpt_dir) / part_name(1, 0), time.monotonic() + 60
+        while not part.exists():
+            assert time.monotonic() < deadline, "the worker never wrote the part"
+            time.sleep(0.01)
+    records = WarningRecords()
+    second = manager.save(BasicTensorAwareStateDict(make_state(rank, 2)), 2, is_async=True)
+    if rank == 1:
+        queue.schedule_async_request(first)
+    queue.schedule_async_request(second)  # waits for the first to be finalized
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+    queue.close()
+    kept = sorted(p.name for p in Path(manager.local_ckpt_dir).glob("iter_*"))
+    return records.messages, kept
+
+
+def test_a_save_requested_while_the_previous_one_is_written_keeps_it(tmp_path):
+    """The previous async save, committed on some ranks only when the next one is agreed on, was
+    named as removed (it is in flight: kept, and counted by keep_last)."""
+    results = run_ranks(_save_while_the_previous_one_is_written, 2, str(tmp_path), timeout=120)
+    for rank, (warnings, kept) in enumerate(results):
+        assert not any("removes iteration" in m for m in warnings), warnings
+        assert kept == [part_name(1, rank), part_name(2, rank)]

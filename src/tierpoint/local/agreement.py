@@ -83,8 +83,9 @@ def agree_on_iteration(
         for i, world in complete_iterations([g["parts"] for g in gathered]).items()
         if world == store.world_size and i not in unloadable
     }
-    keep = keep_for(iteration, complete, max(g["requested"] for g in gathered), keep_last)
-    listed = {p[0] for g in gathered for p in g["parts"]}
+    in_flight = max(g["requested"] for g in gathered)
+    keep = keep_for(iteration, complete, in_flight, keep_last)
+    listed = {p[0] for g in gathered for p in g["parts"]} - {in_flight}  # (committed since: kept)
     superseded = sorted(i for i in listed if i >= iteration or i not in complete)
     if superseded and store.rank == 0:
         logger.warning(

@@ -97,8 +97,9 @@ class TieredCheckpointManager(SavePath):
         device_snapshot: each local save first copies the state within its devices' memory (on
             GPUs: in the training stream's order, a few milliseconds for 4 GB on an H100), so the
             state is free as soon as ``maybe_save`` returns and the optimizers' hooks wait for
-            nothing;
-            costs as much memory on each device as the state holds there (see
+            nothing (a step saved to the persistent tier alone is still copied as
+            ``overlap_snapshot`` says); costs as much memory on each device as the state holds
+            there (see
             :class:`~tierpoint.local.LocalCheckpointManager`).
 
     Collective: construction (node layout), ``restore``, ``maybe_save``, ``save``, ``wait``,
