@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -488,6 +489,39 @@ def test_a_rank_that_cannot_create_its_directory_fails_every_rank_at_once(tmp_pa
     assert len(set(results)) == 1, results  # the same error, not a timeout on rank 0
     assert results[0].startswith("CheckpointingError: save: agreeing on the iteration failed")
     assert "rank 1:" in results[0] and "not a directory" in results[0].lower()
+
+
+def _directory_gone_before_the_commit(rank: int, world: int, root: str) -> list[str]:
+    manager = LocalCheckpointManager(root, session_id="job")
+    errors = []
+    with AsyncCallsQueue() as queue:
+        for it in (1, 2, 3):
+            state = BasicTensorAwareStateDict(make_state(rank, it))
+            queue.schedule_async_request(manager.save(state, it, is_async=True))
+            if rank == 1 and it == 2:  # the part is written; its directory vanishes before commit
+                deadline = time.monotonic() + 60
+                while not queue._calls.ready_count() and time.monotonic() < deadline:
+                    queue._pump(0.05)
+                shutil.rmtree(manager.local_ckpt_dir)
+            try:
+                queue.maybe_finalize_async_calls(blocking=True)
+            except CheckpointingError as e:
+                errors.append(str(e))
+    return errors
+
+
+def test_a_directory_gone_before_the_commit_fails_no_rank_alone(tmp_path):
+    # The commit's retirement of older files raised FileNotFoundError on rank 1 alone, after every
+    # rank had agreed on the commit: rank 0 went on and waited for rank 1 until the timeout.
+    results = run_ranks(
+        _directory_gone_before_the_commit,
+        2,
+        str(tmp_path),
+        env={"TIERPOINT_TIMEOUT": "20"},
+        timeout=90,
+    )
+    assert results == [[], []]
+    assert run_ranks(_load_latest, 2, str(tmp_path)) == [3, 3]
 
 
 def _mixed_calls(rank: int, world: int, root: str) -> str:

@@ -26,7 +26,9 @@ Invariants:
   with the iteration; the load compares them). A save is refused only below a newer loadable
   iteration (or an async save still in flight).
 - All ranks agree on the iteration, its success or failure (every rank raises the same
-  :class:`CheckpointingError` and removes the failed iteration's files).
+  :class:`CheckpointingError` and removes the failed iteration's files); the commit after that
+  agreement never raises on one rank alone (a directory gone or read-only: a WARNING, the next
+  commit retires what this one could not).
 - Recycling: a file no complete checkpoint needs any more becomes a spare whose pages the next save
   rewrites (several times faster on tmpfs than filling a new file).
 - Async snapshots on a RAM tier go straight into the pending part's dirty file (a recycled spare,
@@ -272,7 +274,10 @@ class PartSaver:
         store.latest = iteration
         self.after_commit = None
         copies = self.replication.replication_factor if self.replication is not None else 1
-        store.retire(keep | {iteration}, max_spares=copies if self.recycle else 0)
+        try:
+            store.retire(keep | {iteration}, max_spares=copies if self.recycle else 0)
+        except OSError as e:  # clean-up after an agreed commit: never this rank's failure alone
+            logger.warning("iteration %d committed; older files not retired: %s", iteration, e)
         store.remember_own_part(iteration)
         with contextlib.suppress(OSError, CheckpointingError):  # else the next save gathers
             self.after_commit = (frozenset(keep | {iteration}), sorted(store.scan()))
