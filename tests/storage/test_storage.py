@@ -13,6 +13,8 @@ import pytest
 from tierpoint import storage
 from tierpoint.errors import CheckpointingError
 
+from ..mounts import small_tmpfs
+
 
 def test_write_file_writes_views_back_to_back(tmp_path):
     big = os.urandom(3 << 20)
@@ -41,6 +43,18 @@ def test_publish_is_atomic_and_leaves_no_temporary(tmp_path):
     storage.publish(target, b"v2")
     assert target.read_bytes() == b"v2"
     assert storage.listdir(tmp_path / "d") == [".metadata"]
+
+
+def test_a_publish_that_fills_the_disk_leaves_no_temporary_and_the_old_content(tmp_path):
+    with small_tmpfs(tmp_path / "small", "1m") as small:
+        target = small / ".metadata"
+        storage.publish(target, b"v1")
+        with pytest.raises(CheckpointingError, match="No space left"):
+            storage.publish(target, os.urandom(2 << 20))
+        assert storage.listdir(small) == [".metadata"]  # no .metadata.tmp holding the space
+        assert target.read_bytes() == b"v1"
+        storage.publish(target, b"v2")  # the space is back
+        assert target.read_bytes() == b"v2"
 
 
 def test_touch_remove_exists_listdir(tmp_path):

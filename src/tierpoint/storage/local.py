@@ -8,7 +8,7 @@ Invariants:
   syncs later), and so is the directory that names it after a create, rename or remove. Large files
   that are fsynced anyway bypass the page cache on disk file systems (:mod:`.direct`).
 - :meth:`LocalStore.publish` writes a ``.tmp`` file, fsyncs it and renames it over the target, so
-  a reader sees the old content or the new.
+  a reader sees the old content or the new; a publish that fails leaves no ``.tmp`` file.
 """
 
 from __future__ import annotations
@@ -67,8 +67,12 @@ class LocalStore(Store):
     def publish(self, url: str, data: bytes) -> None:
         path = local_path(url)
         tmp = f"{path}.tmp"
-        _write_local(tmp, [data], fsync=True)
-        os.replace(tmp, path)
+        try:
+            _write_local(tmp, [data], fsync=True)
+            os.replace(tmp, path)
+        except BaseException:  # a full disk: what was written would hold its pages
+            files.unlink_quietly(tmp)
+            raise
         _sync_parent(path)
 
     def touch(self, url: str) -> None:
