@@ -6,6 +6,7 @@ step and a worker slowed down, so that its reads of a part come after the next s
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from tierpoint.dcp import step_path
 from tierpoint.errors import CheckpointingError
 from tierpoint.testing import run_ranks
 
+from ..mounts import small_tmpfs
 from .helpers import (
     as_node,
     assert_same,
@@ -219,3 +221,39 @@ def test_a_local_save_refused_as_misuse_raises_on_every_rank(shm_dir):
     raised from maybe_save on every rank, not a failed save each step with a WARNING."""
     messages = run_ranks(_save_keeping, 2, shm_dir)
     assert all("keep different numbers of local checkpoints" in m for m in messages), messages
+
+
+def test_a_persistent_commit_that_fills_the_disk_is_a_failed_save_on_record(tmp_path, caplog):
+    """The data files fit, ``.metadata`` does not: the commit (a finalize step) fails. That save
+    is a failed record with the reason and a WARNING like any failed save (no record at all was
+    emitted), step 1 stays restorable, and once there is room the next save commits."""
+    state, events = make_state(0), []
+    with small_tmpfs(tmp_path / "persistent", "2m") as persistent:
+        with TieredCheckpointManager(
+            None, str(persistent), "job", local_every=0, persistent_every=1, on_event=events.append
+        ) as manager:
+            train_step(state, 1)
+            manager.maybe_save(1, state)
+            manager.wait()
+            step_one = fingerprint(state)
+            files = [p for p in (persistent / "step-1").iterdir() if p.name != ".metadata"]
+            data = sum(p.stat().st_blocks * 512 for p in files)  # step 2 but for its .metadata
+            free = os.statvfs(persistent)
+            (persistent / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize - data))
+            train_step(state, 1)
+            manager.maybe_save(2, state)
+            manager.wait()
+            assert sorted(p.name for p in persistent.iterdir()) == ["filler", "step-1"]
+            (persistent / "filler").unlink()
+            train_step(state, 1)
+            manager.maybe_save(3, state)
+            manager.wait()
+            shutil.rmtree(persistent / "step-3")
+            restored = make_state(0)
+            assert manager.restore(restored) == 1
+            assert_same(fingerprint(restored), step_one)
+    saves = [(e["tier"], e["step"], e["ok"]) for e in events if e["kind"] == "save"]
+    assert saves == [("persistent", 1, True), ("persistent", 2, False), ("persistent", 3, True)]
+    (failed,) = [e for e in events if e.get("step") == 2]
+    assert ".metadata" in failed["error"] and "No space left" in failed["error"], failed
+    assert "persistent checkpoint of step 2 failed; training goes on" in caplog.text

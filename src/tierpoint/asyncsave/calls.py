@@ -38,7 +38,7 @@ from ..errors import (
     failed_on_ranks,
 )
 from ..staging import SourceFile
-from .request import AsyncRequest, Commit
+from .request import AsyncRequest, run_finalize_fns
 from .worker import SHARED, Worker
 
 logger = logging.getLogger("tierpoint")
@@ -234,21 +234,7 @@ def conclude(call: Call, statuses: dict[int, tuple[bool, str, str | None]]) -> N
             failed_on_ranks(request.description, failures),
             failures,
         )
-    first: Exception | None = None
-    for fn in request.finalize_fns:
-        if first is not None and not isinstance(fn, Commit):
-            logger.warning(
-                "%s: finalize function %r not run (one before it raised)", request.description, fn
-            )
-            continue
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - raised below, once the commits after it ran
-            if first is not None:
-                logger.warning("%s: a finalize function raised too: %s", request.description, e)
-            first = first or e
-    if first is not None:
-        raise first
+    run_finalize_fns(request.finalize_fns, request.description)
     logger.debug(
         "%s finalized %.3f s after scheduling",
         request.description,

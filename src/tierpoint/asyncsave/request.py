@@ -31,12 +31,14 @@ travel as shared memory (by descriptor), not as bytes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointingError
 
+logger = logging.getLogger("tierpoint")
 
 class Commit:
     """A finalize function of tierpoint's own (a tier's commit, the release of what a save holds):
@@ -48,6 +50,24 @@ class Commit:
 
     def __call__(self) -> Any:
         return self.fn()
+
+
+def run_finalize_fns(fns: Sequence[Callable[[], Any]], description: str) -> None:
+    """Run a call's finalize functions in order; after one raised, only the :class:`Commit` ones,
+    then raise the first error (what the others raise is logged)."""
+    first: Exception | None = None
+    for fn in fns:
+        if first is not None and not isinstance(fn, Commit):
+            logger.warning("%s: finalize function %r not run (one before it raised)", description, fn)
+            continue
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - raised below, once the commits after it ran
+            if first is not None:
+                logger.warning("%s: a finalize function raised too: %s", description, e)
+            first = first or e
+    if first is not None:
+        raise first
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """What the tiered manager reports: one record per save and per restore, and their summary.
 
 Call order: the manager builds a :class:`SaveRecord` when it schedules a save and completes it when
-the save is committed (or failed), a :class:`RestoreRecord` when a restore ends; each finished record
-goes to :meth:`EventLog.emit`, which logs it at INFO, hands it to the user's ``on_event`` callback and
-keeps the counts behind :meth:`EventLog.summary` (``manager.stats()``).
+the save is committed (or failed, also in its finalize steps: :func:`finalize_or_fail`), a
+:class:`RestoreRecord` when a restore ends; each finished record goes to :meth:`EventLog.emit`,
+which logs it at INFO, hands it to the user's ``on_event`` callback and keeps the counts behind
+:meth:`EventLog.summary` (``manager.stats()``).
 
 Invariant: a callback that raises is logged and otherwise ignored: monitoring never fails a save.
 """
@@ -16,7 +17,33 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..asyncsave.request import run_finalize_fns
+from ..errors import error_text
+
 logger = logging.getLogger("tierpoint")
+
+
+def finalize_or_fail(
+    fns: list[Callable[[], Any]],
+    record: SaveRecord,
+    committed: Callable[[], None],
+    failed: Callable[[], None],
+) -> Callable[[], None]:
+    """A save's one finalize function: ``fns`` (as the queue runs them), then ``committed``. When
+    one of them raises (a commit that failed on every rank: ``.metadata`` on a full disk), the
+    queue runs no abort function; ``failed`` runs instead, ``record.error`` saying why, and the
+    error goes on."""
+
+    def run() -> None:
+        try:
+            run_finalize_fns(fns, record.tier + " save")
+        except Exception as e:
+            record.error = error_text(e)
+            failed()
+            raise
+        committed()
+
+    return run
 
 
 @dataclass

@@ -24,10 +24,10 @@ persistent tier retires older steps (:mod:`.retention`) only after a newer one i
 thread of rank 0 (listing and removing on an object store takes round trips the training thread
 need not wait for), only steps older than the one just committed (the saves that follow are newer:
 they run beside it), and :meth:`wait` (so ``restore``, ``final_save`` and ``close``) waits for it; a
-failed persistent save is a WARNING and a failed record, training goes on.
+failed persistent save (its commit too) is a WARNING and a failed record, training goes on.
 
-:class:`SavePath` is a mixin of the manager: it holds no state of its own, it uses the manager's
-(the attributes annotated below, all set by the manager's constructor).
+:class:`SavePath` is a mixin of the manager, holding no state of its own (it uses the attributes
+annotated below, all set by the manager's constructor).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from ..errors import (
 from ..local import HeldPart, LocalCheckpointManager
 from ..tensor_aware import BasicTensorAwareStateDict
 from . import state as st
-from .events import EventLog, SaveRecord
+from .events import EventLog, SaveRecord, finalize_or_fail
 from .replicas import ReplicaCheck
 from .retention import retire_persistent_steps
 
@@ -162,9 +162,9 @@ class SavePath:
 
             return run
 
-        request.preload_fn = timed_snapshot
-        request.background_fn = after_worker
-        request.add_finalize_fn(done(committed))
+        request.preload_fn, request.background_fn = timed_snapshot, after_worker
+        outcomes = done(committed), done(failed)
+        request.finalize_fns = [finalize_or_fail(request.finalize_fns, record, *outcomes)]
         request.abort_fns = [*request.abort_fns, done(failed)]
         self._in_flight[tier] = self.queue.schedule_async_request(request)
 
@@ -195,7 +195,7 @@ class SavePath:
             self._events.emit(record)
 
         def failed() -> None:
-            record.ok, record.error = False, "the local save failed on some rank"
+            record.ok, record.error = False, record.error or "the local save failed on some rank"
             if self._aborting:
                 record.error, self._deferred = ABORTED, None
             self._local_failing = True
@@ -230,7 +230,8 @@ class SavePath:
             self._events.emit(record)
 
         def failed() -> None:
-            record.ok, record.error = False, f"the save to {path} failed on some rank"
+            why = f"the save to {path} failed on some rank"
+            record.ok, record.error = False, record.error or why
             if self._aborting:
                 record.error = ABORTED
             else:
