@@ -6,6 +6,7 @@ damaged ones are damaged on disk. Failures must be one line on stderr and a non-
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -25,6 +26,8 @@ from tierpoint import dcp, fileformat
 from tierpoint.cli import main
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager
 from tierpoint.local.naming import part_name
+
+from .mounts import small_tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -334,6 +337,34 @@ def test_convert_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     assert main(["verify", dcp.step_path(tmp_path / "base", 2)]) == 0
     assert main(["convert", str(pt), str(pt)]) == 1
     _one_line_error(capsys.readouterr().err, "exists (--force to replace it)")
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_convert_onto_a_full_disk_leaves_no_partial_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture, suffix: str
+) -> None:
+    """A .pt file was written straight to its name: a full disk left a truncated file there (and
+    --force destroyed the file it was to replace), with torch's obscure error."""
+    part = tmp_path / "p.safetensors"
+    fileformat.write(part, {"w": torch.randn(600_000), "step": 3})  # 2.4 MB
+    with small_tmpfs(tmp_path / "small", "1m") as small:
+        dst = small / f"out{suffix}"
+        assert main(["convert", str(part), str(dst)]) == 1
+        err = capsys.readouterr().err
+        _one_line_error(err, "nothing written")
+        assert "no space left on device" in err.lower(), err
+        assert os.listdir(small) == []
+        old = tmp_path / f"old{suffix}"
+        fileformat.write(tmp_path / "small.safetensors", {"w": torch.ones(4), "step": 1})
+        assert main(["convert", str(tmp_path / "small.safetensors"), str(old)]) == 0
+        shutil.copy(old, dst)
+        assert main(["convert", str(part), str(dst), "--force"]) == 1
+        assert os.listdir(small) == [dst.name] and dst.read_bytes() == old.read_bytes()
+        dst.unlink()
+        assert main(["convert", str(tmp_path / "small.safetensors"), str(dst)]) == 0  # room again
+        assert os.listdir(small) == [dst.name]
+        assert main(["convert", str(dst), str(tmp_path / f"back{suffix}")]) == 0  # it reads back
+        gc.collect()  # the tensors read map the file: the mount would stay busy
 
 
 def test_convert_into_missing_directories_then_ls_and_verify_the_results(

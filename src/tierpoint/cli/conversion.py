@@ -6,7 +6,7 @@ Call order: :func:`cmd_convert` reads the source's state (its kind from
 ``DST``'s suffix (none: a DCP checkpoint) and prints one line.
 
 Invariants: nothing is replaced or written into without ``--force`` (a DCP ``DST`` must be missing
-or an empty directory); ``.safetensors`` and ``.pt`` files are
+or an empty directory); a file ``DST`` appears whole or not at all (dirty name, fsync, rename); ``.safetensors`` and ``.pt`` files are
 written locally only; every kind of ``DST`` gets its missing parent directories; a safetensors
 file written here keeps the state's structure in its metadata, so converting it back restores the
 same tree.
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointingError
+from ..files import dirty_name, fsync_dir, fsync_file, unlink_quietly
 from .files import is_part_metadata, kind_of_file, load_pt, safetensors_metadata
 from .listing import local_rows
 from .locate import classify, find_dcp_dir, store_options
@@ -46,15 +47,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     state, source = _read_state(args, options)
     if out_kind != "dcp":  # missing parent directories are made, as a DCP save makes them
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-    if out_kind == "safetensors":
-        how = _write_safetensors(state, dst)
-    elif out_kind == "pt":
-        import torch
-
-        torch.save(state, dst)
-        how = "torch.save"
-    else:
+    if out_kind == "dcp":
         how = _write_dcp(state, dst, options, args.force)
+    else:
+        how = _write_file(state, dst, out_kind)
     tensors, nbytes = _count_tensors(state)
     print(f"{source} -> {dst} ({how}): {tensors} tensors, {nbytes} bytes")
     return 0
@@ -161,6 +157,30 @@ def _read_iteration(root: str, iteration: int | None, rank: int | None) -> tuple
         return fileformat.read(parts[rank]), f"iteration {row.step}, rank {rank}"
     state = {f"rank{r}": fileformat.read(parts[r]) for r in ranks}
     return state, f"iteration {row.step}, ranks {ranks[0]}..{ranks[-1]}"
+
+
+def _write_file(state: Any, dst: str, kind: str) -> str:
+    """``state`` as a ``.safetensors`` or ``.pt`` file under a dirty name, fsynced, renamed over
+    ``dst`` once whole: a failure (a full disk) leaves no partial file at ``dst`` and the file
+    ``--force`` was to replace intact."""
+    tmp = str(dirty_name(dst))
+    try:
+        if kind == "safetensors":
+            how = _write_safetensors(state, tmp)
+        else:
+            import torch
+
+            torch.save(state, tmp)
+            how = "torch.save"
+        fsync_file(tmp)
+        os.replace(tmp, dst)
+    except Exception as e:
+        stat = os.statvfs(os.path.dirname(os.path.abspath(tmp)))
+        full = "no space left on device; " if stat.f_bavail == 0 else ""
+        unlink_quietly(tmp)
+        raise CommandError(f"writing {dst} failed ({full}nothing written): {e}") from e
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    return how
 
 
 def _write_safetensors(state: Any, dst: str) -> str:
