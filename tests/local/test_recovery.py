@@ -16,6 +16,7 @@ from tierpoint.local import BasicTensorAwareStateDict
 from tierpoint.local.naming import part_name
 from tierpoint.testing import run_ranks
 
+from ..mounts import small_tmpfs
 from .helpers import (
     WarningRecords,
     as_node,
@@ -74,6 +75,20 @@ def test_a_replaced_node_whose_directory_cannot_be_made_fails_alike_on_every_ran
     messages = run_ranks(_load_expecting_an_error, WORLD, str(tmp_path), timeout=90)
     assert len(set(messages)) == 1
     assert "rank 2:" in messages[0] and "Not a directory" in messages[0]
+
+
+def test_a_replaced_rank_with_a_full_disk_says_so_on_every_rank(tmp_path: Path) -> None:
+    """Rank 2's parts are gone and its disk is full: the copies of its part cannot be written
+    there. Every rank's error says so (it said only "...: missing", as if no copy existed)."""
+    run_ranks(save_replicated, WORLD, str(tmp_path), [3, 7], False)
+    shutil.rmtree(tmp_path / "job" / "2")
+    with small_tmpfs(tmp_path / "job" / "2", "1m") as full:
+        free = os.statvfs(full)
+        (full / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize))
+        messages = run_ranks(_load_expecting_an_error, WORLD, str(tmp_path), timeout=90)
+        assert sorted(os.listdir(full)) == ["filler"]  # no half-written copy left
+    assert len(set(messages)) == 1
+    assert "rank 2:" in messages[0] and "No space left on device" in messages[0], messages[0]
 
 
 def _load_then_rank_0_dies(rank: int, world: int, root: str) -> tuple[float, list[str]]:

@@ -76,6 +76,7 @@ class PartRecovery:
         self.mmap_load = mmap_load
         self.last_load: LoadRecord | None = None
         self._restore: threading.Thread | None = None
+        self._fetch_error = ""  # why the last fetch wrote nothing here (a full disk), if it did not
 
     def load(
         self, iteration: int, older: Callable[[int], list[int]], *, allow_pickle: bool = False
@@ -203,6 +204,10 @@ class PartRecovery:
                     )
                 else:
                     bad.append([source, self.store.rank])
+            elif (
+                loaded is None and self._fetch_error
+            ):  # the copy arrived, this rank could not keep it
+                reason = f"{first_reason}; fetching a copy failed: {self._fetch_error}"
         with tpdist.agree(what) as agreement:
             if loaded is None:
                 raise CheckpointingError(reason)
@@ -337,12 +342,13 @@ class PartRecovery:
         A move succeeded only if a new file took the destination's name: a corrupt part that a
         failed transfer left in place is not a fetched one.
         """
-        rank = self.store.rank
+        rank, self._fetch_error = self.store.rank, ""
         moves = self.store.part_moves(iteration, plan.moves)
         before = {m.dst_path: naming.version_of(m.dst_path) for m in moves if m.dst == rank}
         try:
             self.store.ensure_dir()
         except OSError as e:  # the moves to here fail below (their bytes are drained), not the call
+            self._fetch_error = str(e)
             logger.warning(
                 "retrieving parts of iteration %d: cannot create %s: %s",
                 iteration,
@@ -352,6 +358,7 @@ class PartRecovery:
         try:
             self.store.move_parts(moves, group)
         except CheckpointingError as e:
+            self._fetch_error = self._fetch_error or str(e)
             logger.warning("retrieving parts of iteration %d: %s", iteration, e)
         self.store.forget_scans()
         return [
