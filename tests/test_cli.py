@@ -780,7 +780,7 @@ def test_piped_output_keeps_long_paths_on_one_line(
 
 
 def test_verify_a_torch_save_file_checks_its_records_crcs(
-    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     good = tmp_path / "model.pt"
     torch.save({"w": torch.arange(1000.0), "step": 3}, good)
@@ -794,8 +794,8 @@ def test_verify_a_torch_save_file_checks_its_records_crcs(
     torch.save({"w": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)
     from torch.utils.serialization import config
 
-    monkeypatch.setattr(config.save, "compute_crc32", False)
-    torch.save({"w": torch.ones(3)}, tmp_path / "nocrc.pt")
+    with config.patch({"save.compute_crc32": False}):
+        torch.save({"w": torch.ones(3)}, tmp_path / "nocrc.pt")
 
     assert main(["verify", "--json", str(good)]) == 0
     (result,) = json.loads(capsys.readouterr().out)["results"]

@@ -40,6 +40,7 @@ from ..errors import CheckpointingError
 
 logger = logging.getLogger("tierpoint")
 
+
 class Commit:
     """A finalize function of tierpoint's own (a tier's commit, the release of what a save holds):
     it runs even after an earlier finalize function raised, so that a user's function put first
@@ -58,7 +59,9 @@ def run_finalize_fns(fns: Sequence[Callable[[], Any]], description: str) -> None
     first: Exception | None = None
     for fn in fns:
         if first is not None and not isinstance(fn, Commit):
-            logger.warning("%s: finalize function %r not run (one before it raised)", description, fn)
+            logger.warning(
+                "%s: finalize function %r not run (one before it raised)", description, fn
+            )
             continue
         try:
             fn()

@@ -163,9 +163,8 @@ class SavePath:
             return run
 
         request.preload_fn, request.background_fn = timed_snapshot, after_worker
-        outcomes = done(committed), done(failed)
-        request.finalize_fns = [finalize_or_fail(request.finalize_fns, record, *outcomes)]
-        request.abort_fns = [*request.abort_fns, done(failed)]
+        finalize = finalize_or_fail(request.finalize_fns, record, done(committed), done(failed))
+        request.finalize_fns, request.abort_fns = [finalize], [*request.abort_fns, done(failed)]
         self._in_flight[tier] = self.queue.schedule_async_request(request)
 
     def _save_local(self, step: int, tree: dict[str, Any]) -> None:
