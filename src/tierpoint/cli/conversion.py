@@ -6,10 +6,10 @@ Call order: :func:`cmd_convert` reads the source's state (its kind from
 ``DST``'s suffix (none: a DCP checkpoint) and prints one line.
 
 Invariants: nothing is replaced or written into without ``--force`` (a DCP ``DST`` must be missing
-or an empty directory); a file ``DST`` appears whole or not at all (dirty name, fsync, rename); ``.safetensors`` and ``.pt`` files are
-written locally only; every kind of ``DST`` gets its missing parent directories; a safetensors
-file written here keeps the state's structure in its metadata, so converting it back restores the
-same tree.
+or an empty directory); a file ``DST`` appears whole or not at all (dirty name, fsync, rename);
+``.safetensors`` and ``.pt`` files are written locally only; every kind of ``DST`` gets its missing
+parent directories; a safetensors file written here keeps the state's structure in its metadata,
+so converting it back restores the same tree.
 """
 
 from __future__ import annotations
