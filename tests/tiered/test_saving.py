@@ -170,6 +170,8 @@ def test_a_local_tier_that_fails_does_not_leave_the_persistent_tier_empty(tmp_pa
             reference[step] = fingerprint(state)
     saved = {(e["tier"], e["step"], e["ok"]) for e in events if e["kind"] == "save"}
     assert {("local", 2, True), ("local", 4, False), ("local", 6, False)} <= saved
+    (failed,) = [e for e in events if e.get("tier") == "local" and e["step"] == 4]
+    assert "No space left on device" in failed["error"], failed  # the reason, not only "failed"
     steps = sorted(int(p.name.removeprefix("step-")) for p in persistent.iterdir())
     assert len(steps) == 2 and steps[0] in (5, 6, 7) and steps[1] == 8, steps
     assert ("persistent", 4, True) not in saved

@@ -227,13 +227,15 @@ def conclude(call: Call, statuses: dict[int, tuple[bool, str, str | None]]) -> N
     failures = {rank: msg for rank, (ok, msg, _) in statuses.items() if not ok}
     request = call.request
     if failures:
-        run_all(request.abort_fns)
         kinds = {statuses[r][2] for r in failures}
-        raise agreed_error(
+        error = agreed_error(
             kinds.pop() if len(kinds) == 1 and None not in kinds else "",
             failed_on_ranks(request.description, failures),
             failures,
         )
+        request.failure = error_text(error)
+        run_all(request.abort_fns)
+        raise error
     run_finalize_fns(request.finalize_fns, request.description)
     logger.debug(
         "%s finalized %.3f s after scheduling",

@@ -92,6 +92,9 @@ class AsyncRequest:
     read the caller's tensors, so :meth:`AsyncCallsQueue.wait_for_snapshot` does not wait for it."""
     scheduled: bool = field(default=False, init=False, repr=False, compare=False)
     """Set when a queue accepted the request."""
+    failure: str = field(default="", init=False, repr=False, compare=False)
+    """Why the call failed (the agreed error, every rank's reason), set before its ``abort_fns``
+    run: they take no argument (NVRx's), and a record of the save can say it."""
 
     def validate(self) -> None:
         """Raise ``TypeError`` naming the first field that does not hold what it should."""

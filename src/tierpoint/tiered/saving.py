@@ -151,6 +151,7 @@ class SavePath:
         def done(outcome: Callable[[], None]) -> Callable[[], None]:
             def run() -> None:
                 self._in_flight.pop(tier, None)
+                record.error = record.error or request.failure  # (a failed call's agreed error)
                 now = time.perf_counter()
                 if "snapshot" in marks and "worker" in marks:
                     record.phases["write"] = max(0.0, marks["worker"] - marks["snapshot"])
@@ -317,8 +318,7 @@ class SavePath:
                 held.release()
             logger.warning("the persistent copy of step %d is not made: %s", deferred.step, e)
             self._persistent_owed = deferred.step
-            record = SaveRecord("persistent", deferred.step, 0)
-            record.ok, record.error = False, str(e)
+            record = SaveRecord("persistent", deferred.step, 0, ok=False, error=str(e))
             self._events.emit(record)
             return
         tree = dict(held.tree)
