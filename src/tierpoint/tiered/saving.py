@@ -291,7 +291,7 @@ class SavePath:
         if owed is None or "persistent" in tiers:
             return tiers
         logger.warning(
-            "saving step %d to the persistent tier (step %d's copy was lost with its local save)",
+            "saving step %d to the persistent tier (the persistent copy of step %d was not made)",
             step,
             owed,
         )
