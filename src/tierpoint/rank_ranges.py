@@ -23,6 +23,11 @@ def ranges(values: Iterable[int]) -> list[list[int]]:
     return out
 
 
+def text(values: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 4, 5, 7]`` -> ``"0-5,7"``."""
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges(values))
+
+
 def expand(spans: Iterable[list[int]]) -> Iterator[int]:
     """The inverse of :func:`ranges`."""
     for first, last in spans:

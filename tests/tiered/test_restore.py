@@ -441,3 +441,32 @@ def test_a_first_save_interrupted_before_every_part_was_in_place_starts_over(shm
     for part in (shm_dir / "node0" / "job" / "1").iterdir():
         part.unlink()
     assert run_ranks(_restore_on_node0, 2, shm_dir) == [None, None]
+
+
+def _save_two_steps(rank: int, world: int, root: Path) -> None:
+    as_node(rank)
+    state = make_state(rank)
+    kwargs = {"local_every": 2, "keep_local": 2}
+    with TieredCheckpointManager(str(root / "node0"), None, "job", **kwargs) as manager:
+        for step in (2, 4):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+
+
+def _restore_and_say_why(rank: int, world: int, root: Path) -> tuple:
+    as_node(rank)
+    kwargs = {"local_every": 2, "keep_local": 2}
+    with TieredCheckpointManager(str(root / "node0"), None, "job", **kwargs) as manager:
+        step = manager.restore(make_state(rank))
+        return step, manager.last_restore.skipped
+
+
+def test_a_newer_local_step_left_incomplete_is_named_in_the_restore_record(shm_dir):
+    """Step 4's save killed before rank 1's part was in place: step 2 restores, and the record
+    says why step 4 did not (it was said only in the log)."""
+    run_ranks(_save_two_steps, 2, shm_dir)
+    for part in (shm_dir / "node0" / "job" / "1").glob("*0000004*"):
+        part.unlink()
+    for step, skipped in run_ranks(_restore_and_say_why, 2, shm_dir):
+        assert step == 2
+        assert skipped == ["local step 4: incomplete (no copy of the parts of ranks 1 anywhere)"]

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import rank_ranges
 from ..errors import CheckpointingError
-from ..rank_ranges import ranges
 from .locate import (
     Entry,
     classify,
@@ -126,7 +126,7 @@ def _ranks_text(row: Row) -> str:
         return "-"
     if row.ranks == list(range(len(row.ranks))):
         return str(len(row.ranks))
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges(row.ranks))
+    return rank_ranges.text(row.ranks)
 
 
 def local_rows(root: str) -> list[Row]:

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from .. import dist as tpdist
+from .. import rank_ranges
 from ..errors import CheckpointingError
 from . import naming, node_reports
 from .store import Listing, PartStore, complete_iterations
@@ -35,6 +36,9 @@ class Discovery:
         self.listings: list[Listing] | None = []
         # The newest part seen by the last find_latest: (iteration, origin rank, world size).
         self.newest_seen: tuple[int, int, int] | None = None
+        # (iteration, why) of each iteration of this world size newer than the latest complete one
+        # (some ranks' parts exist nowhere), newest first, as of the last find_latest.
+        self.incomplete: list[tuple[int, str]] = []
 
     def find_latest(self) -> int:
         """The newest iteration complete on every rank, or -1 (also recorded as ``store.latest``).
@@ -43,11 +47,12 @@ class Discovery:
         start = time.perf_counter()
         intact = self._latest_if_intact()
         if intact is not None:
-            store.latest, self.listings = intact, None
+            store.latest, self.listings, self.incomplete = intact, None, []
             self.newest_seen = (intact, store.rank, store.world_size)
             logger.debug("find_latest: %d (%.3f s)", intact, time.perf_counter() - start)
             return intact
         self.listings = listings = self.gather_listings()
+        self.incomplete = []
         complete = complete_iterations(listings)
         usable = [i for i, world in complete.items() if world == store.world_size]
         latest = store.latest = max(usable, default=naming.NO_CHECKPOINT)
@@ -234,6 +239,8 @@ class Discovery:
                 )
                 continue
             missing = sorted(set(range(world_size)) - {p[1] for p in parts})
+            why = f"incomplete (no copy of the parts of ranks {rank_ranges.text(missing)} anywhere)"
+            self.incomplete.append((iteration, f"local step {iteration}: {why}"))
             logger.warning(
                 "local iteration %d is incomplete: no copy of the part%s of rank%s %s anywhere "
                 "(an interrupted save, or more members of a replication clique lost than replicas "

@@ -222,6 +222,12 @@ class LocalCheckpointManager(NVRxFileNames):
         the same on every rank. Not collective."""
         return self._discovery.other_world_parts()
 
+    def incomplete_parts(self) -> list[tuple[int, str]]:
+        """``(iteration, why)`` of each iteration newer than the one the last :meth:`find_latest`
+        found (of this world size) that is incomplete, newest first; the same on every rank. Not
+        collective."""
+        return list(self._discovery.incomplete)
+
     def unusable_parts(self) -> list[str]:
         """After :meth:`find_latest` returned -1: why the parts found cannot be loaded where they
         show that a checkpoint existed (a whole clique lost, the ranks of a node changed); empty

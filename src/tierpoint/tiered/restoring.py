@@ -8,7 +8,8 @@ caller gives fresh optimizers their empty state back (:func:`reset`).
 
 Invariants: every rank gets the same answer (each decision is agreed); a step that cannot be loaded
 on every rank (missing everywhere, failing verification) is skipped with its reason (logged and
-kept in the record's ``skipped``); a local step older than the newest persistent one is tried
+kept in the record's ``skipped``, as is a newer local step left incomplete once an older step was
+restored); a local step older than the newest persistent one is tried
 after every persistent step failed; when checkpoints exist (or a tier cannot be listed) but none
 loads, :class:`CheckpointingError` says why on every rank, never "nothing to restore" (the run
 would start over and save over them); a different state structure raises
@@ -48,6 +49,20 @@ def restore_newest(
 ) -> RestoreRecord:
     """Load the newest checkpoint complete in either tier into ``state`` (``tree`` its template);
     the record's ``step`` is ``None`` when there is none. Collective."""
+    record = _restore_newest(state, tree, local, persistent_dir, storage_options, start)
+    if record.step is not None and local is not None:  # (an interrupted save alone starts over)
+        record.skipped[:0] = [why for i, why in local.incomplete_parts() if i > record.step]
+    return record
+
+
+def _restore_newest(
+    state: dict[str, Any],
+    tree: dict[str, Any],
+    local: LocalCheckpointManager | None,
+    persistent_dir: str | None,
+    storage_options: dict[str, Any],
+    start: float,
+) -> RestoreRecord:
     skipped: list[str] = []
     persistent = _persistent_candidates(persistent_dir, storage_options, skipped)
     newest_persistent = persistent[0] if persistent else -1
