@@ -49,20 +49,6 @@ def restore_newest(
 ) -> RestoreRecord:
     """Load the newest checkpoint complete in either tier into ``state`` (``tree`` its template);
     the record's ``step`` is ``None`` when there is none. Collective."""
-    record = _restore_newest(state, tree, local, persistent_dir, storage_options, start)
-    if record.step is not None and local is not None:  # (an interrupted save alone starts over)
-        record.skipped[:0] = [why for i, why in local.incomplete_parts() if i > record.step]
-    return record
-
-
-def _restore_newest(
-    state: dict[str, Any],
-    tree: dict[str, Any],
-    local: LocalCheckpointManager | None,
-    persistent_dir: str | None,
-    storage_options: dict[str, Any],
-    start: float,
-) -> RestoreRecord:
     skipped: list[str] = []
     persistent = _persistent_candidates(persistent_dir, storage_options, skipped)
     newest_persistent = persistent[0] if persistent else -1
@@ -75,9 +61,10 @@ def _restore_newest(
     if local is not None and local_latest != -1 and local_latest >= newest_persistent:
         loaded = _load_local(local, skipped)
         if loaded is not None and loaded[1].iteration >= newest_persistent:
-            return _apply_local(
+            record = _apply_local(
                 loaded, tree, state, latest=local_latest, skipped=skipped, start=start
             )
+            return _with_incomplete(record, local)
         if loaded is not None:
             skipped.append(
                 f"local steps newer than {loaded[1].iteration}: cannot be loaded on every rank"
@@ -89,13 +76,14 @@ def _restore_newest(
             persistent_dir, storage_options, state, tree, step, skipped, start
         )
         if record is not None:
-            return record
+            return _with_incomplete(record, local)
     if local is not None and older_local is None and -1 < local_latest < newest_persistent:
         older_local = _load_local(local, skipped)
     if older_local is not None:  # every persistent step failed: the newest left is local
-        return _apply_local(
+        record = _apply_local(
             older_local, tree, state, latest=local_latest, skipped=skipped, start=start
         )
+        return _with_incomplete(record, local)
     if skipped:
         raise CheckpointingError(
             "checkpoints exist but none could be restored (starting over would save over them): "
@@ -103,6 +91,15 @@ def _restore_newest(
             + ". Mend or move them away to start from scratch"
         )
     return RestoreRecord(None, None, time.perf_counter() - start, 0, skipped)
+
+
+def _with_incomplete(record: RestoreRecord, local: LocalCheckpointManager | None) -> RestoreRecord:
+    """``record`` naming first each local step newer than the one restored that a killed save left
+    incomplete (said only once a step was restored: an interrupted first save starts over)."""
+    if local is not None:
+        assert record.step is not None
+        record.skipped[:0] = [why for i, why in local.incomplete_parts() if i > record.step]
+    return record
 
 
 def _persistent_candidates(
