@@ -618,6 +618,24 @@ def test_request_runs_synchronously_with_added_finalize_fns():
     assert calls == ["work", "finalize", "added"]
 
 
+def test_a_request_run_synchronously_still_commits_after_a_users_finalize_fn_raised(tmp_path):
+    # execute_sync ran finalize functions in a plain loop: a user's function put before the local
+    # tier's commit skipped it, and every later save failed as 'not finalized yet'.
+    manager = LocalCheckpointManager(tmp_path, session_id="j")
+    state = BasicTensorAwareStateDict(make_state(0, 1, 64))
+    request = manager.save(state, 1, is_async=True)
+
+    def user_fn() -> None:
+        raise ValueError("the user's finalize function")
+
+    request.finalize_fns = [user_fn, *request.finalize_fns]
+    with pytest.raises(ValueError, match="the user's finalize function"):
+        request.execute_sync()
+    assert manager.find_latest() == 1
+    manager.save(state, 2)
+    assert manager.find_latest() == 2
+
+
 def test_a_changed_layout_releases_the_old_staging_buffer_in_the_worker(tmp_path):
     manager = LocalCheckpointManager(tmp_path, session_id="j")
     queue = AsyncCallsQueue()

@@ -174,15 +174,15 @@ class AsyncRequest:
         )
 
     def execute_sync(self) -> Any:
-        """Run the whole request in this process (no worker): preload, call, finalize."""
+        """Run the whole request in this process (no worker): preload, call, finalize (after a
+        finalize function raised, only the :class:`Commit` ones, as in the queue)."""
         kwargs = dict(self.async_fn_kwargs or {})
         if self.preload_fn is not None:
             kwargs.update(self.preload_fn() or {})
         result = self.async_fn(*self.async_fn_args, **kwargs) if self.async_fn is not None else None
         if self.background_fn is not None:
             self.background_fn(True)
-        for fn in self.finalize_fns:
-            fn()
+        run_finalize_fns(self.finalize_fns, self.description)  # the queue's rule
         return result
 
 
