@@ -8,7 +8,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -172,3 +172,25 @@ def test_a_torch_save_killed_midway_leaves_the_previous_file_intact(tmp_path):
     ckpt.async_save({"w": torch.zeros(3)}, f=path)  # torch.save's keyword works too
     ckpt.finalize_async_save(blocking=True, terminate=True)
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.zeros(3))
+
+
+def _rank_zero_terminates_without_waiting(rank: int, world: int, directory: str) -> list[Any]:
+    ckpt = TorchAsyncCheckpoint()
+    path = Path(directory) / "model.pt"
+    start = time.monotonic()
+    if rank == 0:  # the save may still run: terminate waits for it on this rank alone
+        ckpt.async_save({"w": torch.arange(1 << 18, dtype=torch.float32)}, path)
+        ckpt.finalize_async_save(blocking=False, terminate=True)
+    torch.distributed.barrier()
+    return [time.monotonic() - start < 8, torch.load(path)["w"][-1].item()]
+
+
+def test_terminate_with_no_dist_makes_no_collective_either(tmp_path):
+    # finalize_async_save(terminate=True) closed the queue, whose close() finalized the save still
+    # in flight with a collective round: rank 0 alone waited TIERPOINT_TIMEOUT for the others to
+    # create the queue's group, then the queue gave up and dropped the save.
+    env = {"TIERPOINT_TIMEOUT": "10"}
+    results = run_ranks(
+        _rank_zero_terminates_without_waiting, 2, str(tmp_path), env=env, timeout=90
+    )
+    assert results == [[True, float((1 << 18) - 1)]] * 2

@@ -113,14 +113,18 @@ class TorchAsyncCheckpoint:
         self, blocking: bool = False, no_dist: bool = True, terminate: bool = False
     ) -> list[int]:
         """Finalize the saves that finished (all of them, waiting, with ``blocking``); with
-        ``terminate``, close the queue afterwards. Returns the finalized call ids.
+        ``terminate``, close the queue afterwards (waiting for this rank's saves first when
+        ``no_dist``). Returns the finalized call ids.
 
         ``no_dist=True`` (NVRx's default): this rank's saves alone, no collective; ``False``: every
         rank calls it at the same point and the saves are finalized when every rank finished."""
         self._no_dist = bool(no_dist)
-        done = self._async_calls_queue.maybe_finalize_async_calls(blocking, no_dist=no_dist)
+        queue = self._async_calls_queue
+        done = queue.maybe_finalize_async_calls(blocking, no_dist=no_dist)
         if terminate:
-            self._async_calls_queue.close()
+            if no_dist:  # close() would finalize what is left with a collective round
+                done += queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            queue.close()
             self._stager.close()
         return done
 
