@@ -816,6 +816,30 @@ def test_verify_a_torch_save_file_checks_its_records_crcs(
         capsys.readouterr()
 
 
+def test_verify_a_torch_save_file_whose_record_method_or_flags_are_damaged_fails_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # zipfile's testzip raises NotImplementedError for a compression method it does not know and
+    # RuntimeError for a record flagged encrypted: verify ended on that error instead of a FAIL line
+    import struct
+
+    data = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(10.0)}, data)
+    whole = data.read_bytes()
+    entry = whole.index(b"PK\x01\x02")  # the first record's central directory entry
+    for name, offset, value, why in (
+        ("method.pt", 10, 99, "compression method"),
+        ("flags.pt", 8, 1, "encrypted"),
+    ):
+        damaged = bytearray(whole)
+        damaged[entry + offset : entry + offset + 2] = struct.pack("<H", value)
+        (tmp_path / name).write_bytes(bytes(damaged))
+        assert main(["verify", "--json", str(tmp_path / name)]) == 1
+        (result,) = json.loads(capsys.readouterr().out)["results"]
+        assert result["status"] == "FAIL", result
+        assert "a damaged torch.save file" in result["detail"] and why in result["detail"], result
+
+
 def test_convert_writes_files_the_umask_allows_others_to_read(tmp_path: Path) -> None:
     # a state safetensors cannot hold (complex) is written by tierpoint.fileformat, which made its
     # files private like a local tier's parts, where torch.save and safetensors follow the umask

@@ -119,7 +119,9 @@ def check_pt_crcs(path: str) -> tuple[str, str]:
             if records and all(r.CRC == 0 for r in records if r.file_size):
                 return "unverified", "a torch.save file saved without CRC-32s: nothing to verify"
             bad = archive.testzip()
-    except (zipfile.BadZipFile, EOFError, ValueError) as e:  # truncated, or its directory damaged
+    # truncated, or its directory damaged (a record's compression method or flags: torch writes
+    # records stored and unencrypted, so another is damage too)
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, RuntimeError) as e:
         return "FAIL", f"a damaged torch.save file: {e}"
     if bad is not None:
         return "FAIL", f"a damaged torch.save file: record {bad} fails its CRC-32"
