@@ -21,6 +21,7 @@ import ctypes
 import functools
 import logging
 import os
+import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -118,6 +119,20 @@ def write_views(fd: int, views: Iterable[bytes | bytearray | memoryview]) -> int
                 flush()
     flush()
     return total
+
+
+def open_own(path: str | os.PathLike, flags: int, mode: int = 0o600) -> int:
+    """``os.open(path, flags, mode)`` of a file to write (a dirty name): a link or other entry
+    that is neither a regular file nor a directory under that name is removed first, and the open
+    never follows a link: writing through a link would change a file outside the directory."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            os.unlink(path)
+    return os.open(path, flags | os.O_NOFOLLOW, mode)
 
 
 def unlink_quietly(path: str | os.PathLike) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tierpoint import fileformat
+from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.cli import main
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager, naming
@@ -109,3 +110,33 @@ def test_a_default_root_that_is_not_this_users_own_directory_is_refused(monkeypa
         elif root.exists():
             root.rmdir()
     assert list(tmp_path.iterdir()) == []  # nothing was written through the link
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_link_under_the_dirty_name_of_the_iteration_saved_is_never_written_through(
+    tier_root, is_async
+):
+    # Only a link taken for a spare was refused: a leftover link under the dirty name of the very
+    # iteration being saved was opened (O_TRUNC) and written through, the outside file truncated
+    # and overwritten, and the link committed as the part.
+    outside = tier_root.parent / f"{tier_root.name}-outside.txt"
+    outside.write_bytes(b"precious" * 1000)
+    try:
+        manager = LocalCheckpointManager(tier_root, session_id="s")
+        state = BasicTensorAwareStateDict({"w": torch.arange(100.0)})
+        directory = manager.local_ckpt_dir
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "iter_0000001_0_local.safetensors.dirty").symlink_to(outside)
+        if is_async:
+            with AsyncCallsQueue() as queue:
+                queue.schedule_async_request(manager.save(state, 1, is_async=True))
+                queue.maybe_finalize_async_calls(blocking=True)
+        else:
+            manager.save(state, 1)
+        assert outside.read_bytes() == b"precious" * 1000
+        part = directory / "iter_0000001_0_local.safetensors"
+        assert part.is_file() and not part.is_symlink()
+        loaded, _ = LocalCheckpointManager(tier_root, session_id="s").load()
+        assert torch.equal(loaded.state_dict["w"], torch.arange(100.0))
+    finally:
+        outside.unlink()

@@ -26,7 +26,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointingError
-from ..files import SMALL, dirty_name, fsync_dir, reserve, unlink_quietly, write_all
+from ..files import SMALL, dirty_name, fsync_dir, open_own, reserve, unlink_quietly, write_all
 from ..files import write_views as _write_data  # looked up at each call: crash tests replace it
 from ..tree import FlatState, flatten
 from .plan import PartPlan, plan_part
@@ -136,9 +136,9 @@ def write_planned(
     dirty = Path(dirty_path) if dirty_path is not None else dirty_name(path)
     order = plan.file_order
     if _recycled_as(recycle, dirty):
-        fd = os.open(dirty, os.O_WRONLY)
-    else:
-        fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        fd = open_own(dirty, os.O_WRONLY)
+    else:  # (a link under the dirty name, a leftover, is replaced, never written through)
+        fd = open_own(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         os.lseek(fd, plan.data_start(), os.SEEK_SET)
         if checksums is not None:
@@ -179,7 +179,7 @@ def prepare_planned(
     dirty = Path(dirty_path)
     total = plan.file_size()
     _recycled_as(recycle, dirty)
-    fd = os.open(dirty, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = open_own(dirty, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         reserve(fd, total)
     except BaseException:

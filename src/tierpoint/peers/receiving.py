@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import dirty_name, fsync_dir, reserve
+from ..files import dirty_name, fsync_dir, open_own, reserve
 from ..files import unlink_quietly as _unlink
 from .checks import ReceiveCheck
 from .mapping_cache import Mapper
@@ -52,7 +52,7 @@ def open_target(
     dirty.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if spare is not None:
         os.replace(spare, dirty)
-    fd = os.open(dirty, os.O_RDWR | os.O_CREAT | (0 if spare else os.O_TRUNC), mode)
+    fd = open_own(dirty, os.O_RDWR | os.O_CREAT | (0 if spare else os.O_TRUNC), mode)
     try:
         reserve(fd, nbytes)  # ENOSPC now, not as SIGBUS while receiving
     except OSError:
