@@ -97,7 +97,7 @@ def test_a_default_root_that_is_not_this_users_own_directory_is_refused(monkeypa
     assert not os.path.lexists(root)
     try:
         root.symlink_to(tmp_path)  # a link to a directory of someone else's choosing
-        with pytest.raises(CheckpointingError, match="is not a directory, not this user's"):
+        with pytest.raises(CheckpointingError, match="is a symbolic link, not this user's"):
             LocalCheckpointManager(session_id="s")
         root.unlink()
         root.mkdir()  # made by another user (the real uid)

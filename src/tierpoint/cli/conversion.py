@@ -175,10 +175,13 @@ def _write_file(state: Any, dst: str, kind: str) -> str:
         fsync_file(tmp)
         os.replace(tmp, dst)
     except Exception as e:
-        stat = os.statvfs(os.path.dirname(os.path.abspath(tmp)))
-        full = "no space left on device; " if stat.f_bavail == 0 else ""
+        try:
+            full = os.statvfs(os.path.dirname(os.path.abspath(tmp))).f_bavail == 0
+        except OSError:
+            full = False
         unlink_quietly(tmp)
-        raise CommandError(f"writing {dst} failed ({full}nothing written): {e}") from e
+        why = "no space left on device; " if full else ""
+        raise CommandError(f"writing {dst} failed ({why}nothing written): {e}") from e
     fsync_dir(os.path.dirname(os.path.abspath(dst)))
     return how
 

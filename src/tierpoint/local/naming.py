@@ -58,7 +58,13 @@ def default_root() -> Path:
     except FileNotFoundError:
         return root
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        what = "not a directory" if not stat.S_ISDIR(st.st_mode) else f"owned by uid {st.st_uid}"
+        what = (
+            "a symbolic link"
+            if stat.S_ISLNK(st.st_mode)
+            else "not a directory"
+            if not stat.S_ISDIR(st.st_mode)
+            else f"owned by uid {st.st_uid}"
+        )
         raise CheckpointingError(
             f"the default local tier root {root} is {what}, not this user's (uid {os.getuid()}) "
             "directory: another user may have made it. Remove it, or pass a root of your own"
