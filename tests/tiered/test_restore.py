@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
 from tierpoint import RankLocal, TieredCheckpointManager
 from tierpoint.errors import CheckpointingError, StateMismatchError
 from tierpoint.testing import run_ranks
@@ -470,3 +471,47 @@ def test_a_newer_local_step_left_incomplete_is_named_in_the_restore_record(shm_d
     for step, skipped in run_ranks(_restore_and_say_why, 2, shm_dir):
         assert step == 2
         assert skipped == ["local step 4: incomplete (no copy of the parts of ranks 1 anywhere)"]
+
+
+def _killed_after_commit(base: str, options: dict | None) -> tuple[dict, dict]:
+    """Persistent steps 4 and 8 saved, then step 8 left as a save killed between its commit and
+    its clean-up leaves it: ``.metadata`` written, the markers of ranks 0 and 1 still there."""
+    from tierpoint import dcp, storage
+
+    kwargs = {"local_every": 0, "persistent_every": 4, "storage_options": options}
+    state, reference = make_state(0), {}
+    with TieredCheckpointManager(None, base, "p", **kwargs) as manager:
+        for step in range(1, 9):
+            train_step(state, 1)
+            manager.maybe_save(step, state)
+            reference[step] = fingerprint(state)
+    for rank in (0, 1):
+        storage.touch(
+            storage.join(dcp.step_path(base, 8), f".unfinished-{rank}"), storage_options=options
+        )
+    restored = make_state(0)
+    with TieredCheckpointManager(None, base, "p", **kwargs) as manager:
+        assert manager.restore(restored) == 4
+        record = manager.last_restore
+    assert_same(fingerprint(restored), reference[4])
+    return record, reference
+
+
+def _names_the_unfinished_step(record) -> None:
+    assert record.tier == "persistent"
+    assert len(record.skipped) == 1, record.skipped
+    reason = record.skipped[0]
+    assert "persistent step 8" in reason and "unfinished" in reason and "0, 1" in reason
+
+
+def test_a_persistent_step_killed_between_its_commit_and_clean_up_is_named_when_skipped(tmp_path):
+    """It has a ``.metadata`` (it looks like a checkpoint) but is not complete: the older step
+    loads, and ``last_restore`` says why the newer one did not."""
+    record, _ = _killed_after_commit(str(tmp_path), None)
+    _names_the_unfinished_step(record)
+
+
+def test_a_step_killed_between_its_commit_and_clean_up_on_s3_is_named_when_skipped(s3_bucket):  # noqa: F811
+    bucket, options = s3_bucket
+    record, _ = _killed_after_commit(f"{bucket}/run", options)
+    _names_the_unfinished_step(record)

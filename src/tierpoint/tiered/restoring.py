@@ -8,11 +8,12 @@ caller gives fresh optimizers their empty state back (:func:`reset`).
 
 Invariants: every rank gets the same answer (each decision is agreed); a step that cannot be loaded
 on every rank (missing everywhere, failing verification) is skipped with its reason (logged and
-kept in the record's ``skipped``, as is a newer local step left incomplete once an older step was
-restored); a local step older than the newest persistent one is tried
-after every persistent step failed; when checkpoints exist (or a tier cannot be listed) but none
-loads, :class:`CheckpointingError` says why on every rank, never "nothing to restore" (the run
-would start over and save over them); a different state structure raises
+kept in the record's ``skipped``, as are, once a step was restored, the newer local steps a killed
+save left incomplete and the newer persistent steps with a ``.metadata`` but unfinished markers);
+a local step older than the newest persistent one is tried after every persistent step failed;
+when checkpoints exist (or a tier cannot be listed) but none loads, :class:`CheckpointingError`
+says why on every rank, never "nothing to restore" (the run would start over and save over them);
+a different state structure raises
 :class:`StateMismatchError` on every rank before anything is copied, as does a coordination
 timeout, rather than being skipped.
 """
@@ -27,7 +28,7 @@ import torch
 
 from .. import dcp
 from .. import dist as tpdist
-from ..dcp.step_dirs import complete_steps, local_view, step_path
+from ..dcp.step_dirs import UNKNOWN_RANK, complete_steps, local_view, step_path
 from ..errors import CheckpointingError, CoordinationTimeoutError, StateMismatchError
 from ..local import LocalCheckpointManager
 from . import param_groups
@@ -50,7 +51,11 @@ def restore_newest(
     """Load the newest checkpoint complete in either tier into ``state`` (``tree`` its template);
     the record's ``step`` is ``None`` when there is none. Collective."""
     skipped: list[str] = []
-    persistent = _persistent_candidates(persistent_dir, storage_options, skipped)
+    persistent, unfinished = _persistent_candidates(persistent_dir, storage_options, skipped)
+
+    def restored(record: RestoreRecord) -> RestoreRecord:
+        return _with_newer_unusable(record, local, unfinished)
+
     newest_persistent = persistent[0] if persistent else -1
     local_latest = -1 if local is None else local.find_latest()
     if local is not None:
@@ -61,10 +66,9 @@ def restore_newest(
     if local is not None and local_latest != -1 and local_latest >= newest_persistent:
         loaded = _load_local(local, skipped)
         if loaded is not None and loaded[1].iteration >= newest_persistent:
-            record = _apply_local(
-                loaded, tree, state, latest=local_latest, skipped=skipped, start=start
+            return restored(
+                _apply_local(loaded, tree, state, latest=local_latest, skipped=skipped, start=start)
             )
-            return _with_incomplete(record, local)
         if loaded is not None:
             skipped.append(
                 f"local steps newer than {loaded[1].iteration}: cannot be loaded on every rank"
@@ -76,52 +80,83 @@ def restore_newest(
             persistent_dir, storage_options, state, tree, step, skipped, start
         )
         if record is not None:
-            return _with_incomplete(record, local)
+            return restored(record)
     if local is not None and older_local is None and -1 < local_latest < newest_persistent:
         older_local = _load_local(local, skipped)
     if older_local is not None:  # every persistent step failed: the newest left is local
-        record = _apply_local(
-            older_local, tree, state, latest=local_latest, skipped=skipped, start=start
+        return restored(
+            _apply_local(
+                older_local, tree, state, latest=local_latest, skipped=skipped, start=start
+            )
         )
-        return _with_incomplete(record, local)
     if skipped:
         raise CheckpointingError(
             "checkpoints exist but none could be restored (starting over would save over them): "
             + "; ".join(skipped)
             + ". Mend or move them away to start from scratch"
         )
-    return RestoreRecord(None, None, time.perf_counter() - start, 0, skipped)
+    return restored(RestoreRecord(None, None, time.perf_counter() - start, 0, skipped))
 
 
-def _with_incomplete(record: RestoreRecord, local: LocalCheckpointManager | None) -> RestoreRecord:
-    """``record`` naming first each local step newer than the one restored that a killed save left
-    incomplete (said only once a step was restored: an interrupted first save starts over)."""
-    if local is not None:
-        assert record.step is not None
-        record.skipped[:0] = [why for i, why in local.incomplete_parts() if i > record.step]
+def _with_newer_unusable(
+    record: RestoreRecord, local: LocalCheckpointManager | None, unfinished: list[list]
+) -> RestoreRecord:
+    """``record`` naming first the steps newer than the one restored that were not candidates:
+    persistent steps with a ``.metadata`` but unfinished markers, and (once a step was restored: an
+    interrupted first save starts over) local steps a killed save left incomplete."""
+    step = -1 if record.step is None else record.step
+    newer = _unfinished_reasons([s for s in unfinished if s[0] > step])
+    if local is not None and record.step is not None:
+        newer += [why for i, why in local.incomplete_parts() if i > step]
+    record.skipped[:0] = newer
     return record
 
 
 def _persistent_candidates(
     persistent_dir: str | None, storage_options: dict[str, Any], skipped: list[str]
-) -> list[int]:
-    """The complete persistent steps, newest first, as rank 0 lists them (one listing per job)."""
+) -> tuple[list[int], list[list]]:
+    """The complete persistent steps, newest first, as rank 0 lists them (one listing per job),
+    and ``[step, marker ranks]`` of each step newer than the newest complete one that has a
+    ``.metadata`` but unfinished markers (a save killed between its commit and its clean-up: not
+    complete, so not loaded, but it looks like a checkpoint and the record must say why)."""
     if persistent_dir is None:
-        return []
-    steps, error = None, None
+        return [], []
+    steps, unfinished, error = None, None, None
     if tpdist.get_rank() == 0:
         try:
-            steps = complete_steps([local_view(persistent_dir, storage_options)])
+            view = local_view(persistent_dir, storage_options)
+            steps = complete_steps([view])
+            newest = steps[0] if steps else -1
+            unfinished = sorted(
+                ([int(step), ranks] for step, committed, ranks in view if committed and ranks),
+                reverse=True,
+            )
+            unfinished = [entry for entry in unfinished if entry[0] > newest]
         except CheckpointingError as e:
             error = str(e)
-    steps, error = tpdist.broadcast_json(
-        [steps, error], 0, f"listing persistent checkpoints under {persistent_dir}"
+    steps, unfinished, error = tpdist.broadcast_json(
+        [steps, unfinished, error], 0, f"listing persistent checkpoints under {persistent_dir}"
     )
     if error is not None:
         skipped.append(f"persistent tier: cannot list {persistent_dir}: {error}")
         logger.warning("restore: cannot list the persistent tier: %s", error)
-        return []
-    return steps
+        return [], []
+    return steps, unfinished
+
+
+def _unfinished_reasons(unfinished: list[list]) -> list[str]:
+    """Why each committed but still marked persistent step (newer than the one restored) was not
+    loaded; each logged as a WARNING."""
+    reasons = []
+    for step, ranks in unfinished:
+        named = ", ".join("?" if r == UNKNOWN_RANK else str(r) for r in ranks)
+        reasons.append(
+            f"persistent step {step}: not complete: it has a .metadata but the unfinished "
+            f"markers of rank(s) {named} (its save was interrupted between its commit and its "
+            "clean-up; the next save of that step saves it again)"
+        )
+        logger.warning("restore: skipping %s", reasons[-1])
+    return reasons
 
 
 def _note_other_world_parts(local: LocalCheckpointManager, newest: int, skipped: list[str]) -> None:
