@@ -46,6 +46,16 @@ def test_a_dangling_link_or_link_loop_named_as_a_part_is_skipped_and_cleaned_up(
     assert not any(p.is_symlink() for p in directory.iterdir())  # retired with iteration 1
 
 
+def _assert_written_here(outside, tier_root, iteration: int) -> None:
+    """The file a link pointed to is untouched; the part of ``iteration`` is a file of its own,
+    and it loads."""
+    assert outside.read_bytes() == b"precious" * 1000
+    part = tier_root / "s" / "0" / f"iter_{iteration:07d}_0_local.safetensors"
+    assert part.is_file() and not part.is_symlink()
+    loaded, _ = LocalCheckpointManager(tier_root, session_id="s").load()
+    assert torch.equal(loaded.state_dict["w"], torch.arange(100.0))
+
+
 def test_a_link_or_directory_named_as_a_spare_is_never_written_through(tier_root):
     # A spare_<n>.free link was taken for a spare: the next save wrote its part through it into the
     # file it pointed to (outside the tier) and committed the link; warm_up mapped that file
@@ -63,11 +73,7 @@ def test_a_link_or_directory_named_as_a_spare_is_never_written_through(tier_root
         manager.warm_up(state, wait=True)
         for iteration in (2, 3):
             manager.save(state, iteration)
-        assert outside.read_bytes() == b"precious" * 1000
-        part = directory / "iter_0000003_0_local.safetensors"
-        assert part.is_file() and not part.is_symlink()
-        loaded, _ = LocalCheckpointManager(tier_root, session_id="s").load()
-        assert torch.equal(loaded.state_dict["w"], torch.arange(100.0))
+        _assert_written_here(outside, tier_root, 3)
     finally:
         outside.unlink()
 
@@ -133,10 +139,6 @@ def test_a_link_under_the_dirty_name_of_the_iteration_saved_is_never_written_thr
                 queue.maybe_finalize_async_calls(blocking=True)
         else:
             manager.save(state, 1)
-        assert outside.read_bytes() == b"precious" * 1000
-        part = directory / "iter_0000001_0_local.safetensors"
-        assert part.is_file() and not part.is_symlink()
-        loaded, _ = LocalCheckpointManager(tier_root, session_id="s").load()
-        assert torch.equal(loaded.state_dict["w"], torch.arange(100.0))
+        _assert_written_here(outside, tier_root, 1)
     finally:
         outside.unlink()
