@@ -45,7 +45,7 @@ from tierpoint import storage
 from tierpoint.asyncsave import AsyncCallsQueue
 from tierpoint.dcp import async_save, get_latest_complete_checkpoint, load, save, step_path
 from tierpoint.errors import CheckpointingError, CorruptCheckpointError
-from tierpoint.testing import free_port
+from tierpoint.testing import free_port, run_ranks
 
 from .file_names import untokened
 
@@ -510,3 +510,39 @@ def test_earlier_data_objects_that_cannot_be_deleted_never_fail_the_save(
     out = {"w": torch.zeros_like(second["w"]), "step": -1}
     load(out, path, storage_options=direct)
     assert torch.equal(out["w"], second["w"]) and out["step"] == 2
+
+
+def _commit_to_a_store_that_stops_answering(
+    rank: int, world: int, base: str, stalled: dict, healthy: dict
+) -> str:
+    # each request may take up to 5 tries of 4 s: far more than the others wait in the commit
+    slow = storage.UploadOptions(attempts=5, backoff=0.05, request_timeout=4)
+    try:
+        save(_state(2, 1024), step_path(base, 2), storage_options=stalled, upload=slow)
+        outcome = "saved"
+    except CheckpointingError as e:
+        outcome = str(e)
+    save(_state(3, 1024), step_path(base, 3), storage_options=healthy)  # the job's group lives on
+    return outcome
+
+
+def test_a_commit_to_a_store_that_stops_answering_fails_the_save_not_the_job(
+    first_step: Callable[..., FirstStep],
+) -> None:
+    """The coordinator's ``.metadata`` upload is held: its retries used to outlast the other
+    ranks' wait (``TIERPOINT_TIMEOUT``), which failed the job's coordination for good (every
+    later save raised). They end within half of it: this save fails on every rank, the next one
+    commits."""
+    setup = first_step(1024, late_metadata=60)
+    env = {"TIERPOINT_TIMEOUT": "8"}
+    outcomes = run_ranks(
+        _commit_to_a_store_that_stops_answering,
+        2,
+        setup.base,
+        _through(setup.endpoint, read_timeout=30),  # each try cut by request_timeout alone
+        setup.direct,
+        env=env,
+        timeout=90,
+    )
+    assert all(".metadata" in o and "out of time" in o for o in outcomes), outcomes
+    assert ".metadata" in storage.listdir(step_path(setup.base, 3), setup.direct)

@@ -15,6 +15,9 @@ Invariants:
 - ``.metadata`` is written only when every rank's data is durable; a failure on any rank raises the
   same :class:`~tierpoint.errors.CheckpointingError` on every rank and removes the save's data files
   (an object store's ``.metadata`` upload of unknown outcome keeps the coordinator's marker).
+- The coordinator's requests to the store between two collectives end within half of
+  ``TIERPOINT_TIMEOUT`` (:func:`~tierpoint.storage.retries.deadline`): a store that stops answering
+  fails the save, never the other ranks' wait.
 - Write results travel as JSON, their file names without the save's token, so that the results of
   saves of an unchanged layout are equal (the very same rows: :mod:`tierpoint.dcp.write_results`);
   the cache remembers them on every rank alike, and forgets them on every rank after a failure.
@@ -33,6 +36,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError, error_text, failed_on_ranks
+from ..storage.retries import deadline
 from .metadata_cache import CheckpointMetadataCache
 from .planning import agree, cleanup_after_failure
 from .writer import Writer
@@ -100,7 +104,8 @@ def _commit(
             if global_metadata is None:
                 raise CheckpointingError("the coordinator has no global metadata to commit")
             commit_unknown = not storage.is_local(path)
-            storage_writer.commit(global_metadata, encoded)
+            with deadline(_store_budget()):  # the others wait for its outcome below
+                storage_writer.commit(global_metadata, encoded)
             commit_unknown = False
         except Exception as e:  # noqa: BLE001 - agreed below
             error = e
@@ -116,7 +121,8 @@ def _commit(
 
     error = None
     try:
-        storage_writer.remove_markers(every_visible=dist_wrapper.is_coordinator)
+        with deadline(_store_budget()):
+            storage_writer.remove_markers(every_visible=dist_wrapper.is_coordinator)
     except Exception as e:  # noqa: BLE001 - agreed below
         error = e
     agree(group, use_dist, f"removing the unfinished markers of {path} (committed)", error)
@@ -157,6 +163,13 @@ def _gather_results(
         gathered = tpdist.gather_json(payload, dist_wrapper.global_coordinator_rank, what, group)
         return gathered if gathered is not None else []
     return tpdist.all_gather_json(payload, what, group=group)
+
+
+def _store_budget() -> float:
+    """Seconds the coordinator's requests between two collectives may take: half of what the other
+    ranks wait there (``TIERPOINT_TIMEOUT``), so that a store that stops answering fails this
+    save on every rank (its retries cut short) rather than the job's coordination."""
+    return tpdist.default_timeout().total_seconds() / 2
 
 
 def _hash31(text: str) -> int:

@@ -1,21 +1,28 @@
 """Requests to object stores: how often each is tried, how long a try may take, what is retried.
 
 Call order: :func:`request` (an fsspec filesystem method) or :func:`s3_request` (one S3 API call),
-with the caller's :class:`UploadOptions`; :func:`with_retries` for anything else worth retrying.
+with the caller's :class:`UploadOptions`; :func:`with_retries` for anything else worth retrying;
+:func:`deadline` around requests that must end by a time (between two collectives: the other ranks
+wait for them at most ``TIERPOINT_TIMEOUT``).
 
 Invariants:
 - Every object-store request is tried :class:`UploadOptions` ``attempts`` times (the S3 client's
   own retries are off unless ``storage_options`` configure them), waiting ``backoff * 2**k``
   seconds between tries, each try bounded by the client's connect and read timeouts and by
   ``request_timeout``: a server that stops answering is an error, not a hang.
+- Inside :func:`deadline` (on the thread that entered it), no try starts after the deadline and a
+  try on an async filesystem is cut at it: the request fails as if its last try timed out.
 - Only transient errors are retried (connection and timeout errors, throttling, a body cut short);
   a 4xx reply that the store would give again, a missing file or a refused permission fails at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -95,6 +102,26 @@ _TRANSIENT_CLASSES = {"HTTPClientError", "IncompleteRead", "ResponseParserError"
 client tierpoint uses leaves every retry to :func:`with_retries`."""
 
 
+_DEADLINE = threading.local()
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Requests this thread makes inside end within ``seconds`` (see the module docstring)."""
+    before = getattr(_DEADLINE, "at", None)
+    at = time.monotonic() + seconds
+    _DEADLINE.at = at if before is None else min(before, at)
+    try:
+        yield
+    finally:
+        _DEADLINE.at = before
+
+
+def _time_left() -> float | None:
+    at = getattr(_DEADLINE, "at", None)
+    return None if at is None else at - time.monotonic()
+
+
 def with_retries(what: str, options: UploadOptions, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, tried again after transient errors as ``options`` say; ``what``
     names the request in the warning logged before each new try."""
@@ -105,6 +132,9 @@ def with_retries(what: str, options: UploadOptions, fn: Any, *args: Any, **kwarg
             if attempt + 1 >= options.attempts or not transient(e):
                 raise
             wait = options.backoff * (2**attempt)
+            left = _time_left()
+            if left is not None and left <= wait:
+                raise TimeoutError(f"{what}: out of time for another try ({reason(e)})") from e
             logger.warning("%s failed (%s); retrying in %.1f s", what, reason(e), wait)
             time.sleep(wait)
     raise AssertionError("unreachable")
@@ -115,6 +145,8 @@ def _bounded(fn: Any, timeout: float, *args: Any, **kwargs: Any) -> Any:
     (its ``timeout`` cancels the request); an expired deadline becomes a :class:`TimeoutError`."""
     from fsspec.exceptions import FSTimeoutError
 
+    left = _time_left()
+    timeout = timeout if left is None else max(0.001, min(timeout, left))
     try:
         return fn(*args, timeout=timeout, **kwargs)
     except FSTimeoutError:
