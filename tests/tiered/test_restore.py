@@ -6,6 +6,7 @@ bit for bit, on 4 ranks simulating 2 nodes."""
 from __future__ import annotations
 
 import collections
+import os
 from pathlib import Path
 
 import pytest
@@ -515,3 +516,32 @@ def test_a_step_killed_between_its_commit_and_clean_up_on_s3_is_named_when_skipp
     bucket, options = s3_bucket
     record, _ = _killed_after_commit(f"{bucket}/run", options)
     _names_the_unfinished_step(record)
+
+
+def test_an_unfinished_step_older_than_a_step_that_fails_to_load_is_named_too(tmp_path):
+    """Steps 4, 8 and 12 saved; 8 killed between its commit and its clean-up, 12 damaged: step 4
+    loads, and ``last_restore`` names both newer steps, 8 too (not only those newer than 12)."""
+    from tierpoint import dcp, storage
+
+    base = str(tmp_path)
+    kwargs = {"local_every": 0, "persistent_every": 4}
+    state = make_state(0)
+    with TieredCheckpointManager(None, base, "p", **kwargs) as manager:
+        for step in range(1, 13):
+            train_step(state, 1)
+            manager.maybe_save(step, state)
+    storage.touch(storage.join(dcp.step_path(base, 8), ".unfinished-0"))
+    for name in os.listdir(dcp.step_path(base, 12)):
+        if name.endswith(".distcp"):
+            with open(os.path.join(dcp.step_path(base, 12), name), "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)[0]
+                f.seek(100)
+                f.write(bytes([byte ^ 0xFF]))
+    with TieredCheckpointManager(None, base, "p", **kwargs) as manager:
+        assert manager.restore(make_state(0)) == 4
+        skipped = manager.last_restore.skipped
+    assert [reason.split(":")[0] for reason in skipped] == [
+        "persistent step 8",
+        "persistent step 12",
+    ]

@@ -116,9 +116,10 @@ def _persistent_candidates(
     persistent_dir: str | None, storage_options: dict[str, Any], skipped: list[str]
 ) -> tuple[list[int], list[list]]:
     """The complete persistent steps, newest first, as rank 0 lists them (one listing per job),
-    and ``[step, marker ranks]`` of each step newer than the newest complete one that has a
-    ``.metadata`` but unfinished markers (a save killed between its commit and its clean-up: not
-    complete, so not loaded, but it looks like a checkpoint and the record must say why)."""
+    and ``[step, marker ranks]`` of each step that has a ``.metadata`` but unfinished markers (a
+    save killed between its commit and its clean-up: not complete, so not loaded, but it looks
+    like a checkpoint and the record must say why when it is newer than the step restored, which
+    may be older than the newest complete one: that one can fail to load)."""
     if persistent_dir is None:
         return [], []
     steps, unfinished, error = None, None, None
@@ -126,12 +127,10 @@ def _persistent_candidates(
         try:
             view = local_view(persistent_dir, storage_options)
             steps = complete_steps([view])
-            newest = steps[0] if steps else -1
             unfinished = sorted(
                 ([int(step), ranks] for step, committed, ranks in view if committed and ranks),
                 reverse=True,
             )
-            unfinished = [entry for entry in unfinished if entry[0] > newest]
         except CheckpointingError as e:
             error = str(e)
     steps, unfinished, error = tpdist.broadcast_json(
