@@ -7,6 +7,7 @@ tests/dcp/test_s3.py.)
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -126,3 +127,31 @@ def test_retries_only_transient_errors():
     with pytest.raises(ConnectionError):
         storage._with_retries("x", fast, flaky, [ConnectionError()] * 5)
     assert len(calls) == 3
+
+
+def test_a_deadline_ends_retries_on_the_threads_given_its_work_and_grace_lets_clean_up_run():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierpoint.storage import retries
+
+    calls: list[float] = []
+
+    def refused() -> None:
+        calls.append(time.monotonic())
+        raise ConnectionError("refused")
+
+    slow = storage.UploadOptions(attempts=5, backoff=0.4)  # 0.4 + 0.8 + 1.6 + 3.2 s of waits
+    start = time.monotonic()
+    with retries.deadline(0.5), ThreadPoolExecutor(1) as pool:  # as a multipart upload's parts
+        work = retries.under_this_deadline(lambda: retries.with_retries("x", slow, refused))
+        with pytest.raises(TimeoutError, match="out of time"):
+            pool.submit(work).result()
+    assert len(calls) == 2 and time.monotonic() - start < 2
+    calls.clear()
+    with retries.deadline(0.0):
+        with pytest.raises(TimeoutError, match="before the first try"):
+            retries.with_retries("x", slow, refused)
+        assert calls == []
+        with retries.grace(1.0), pytest.raises(TimeoutError, match="out of time"):
+            retries.with_retries("x", slow, refused)  # (an upload's abort, after the deadline)
+        assert len(calls) == 2

@@ -27,13 +27,22 @@ from typing import Any
 
 from ..errors import CheckpointingError
 from ..files import Views
-from .retries import DEFAULT_UPLOAD, UploadOptions, request, s3_request, with_retries
+from .retries import (
+    DEFAULT_UPLOAD,
+    UploadOptions,
+    grace,
+    request,
+    s3_request,
+    under_this_deadline,
+    with_retries,
+)
 from .store import Store, reason
 
 logger = logging.getLogger("tierpoint")
 
 _S3_MIN_PART = 5 << 20
 _S3_MAX_PARTS = 10_000
+_ABORT_GRACE = 5.0  # seconds an upload's abort gets past a deadline that failed the upload
 _S3_SCHEMES = ("s3://", "s3a://")
 _s3_filesystems: dict[str, Any] = {}
 _s3_filesystems_lock = threading.Lock()
@@ -175,7 +184,8 @@ def _s3_multipart(
 
     try:
         with ThreadPoolExecutor(min(options.concurrency, len(ranges))) as pool:
-            futures = [pool.submit(put, i + 1, b, e) for i, (b, e) in enumerate(ranges)]
+            bounded = under_this_deadline(put)  # (a commit's deadline holds for its parts too)
+            futures = [pool.submit(bounded, i + 1, b, e) for i, (b, e) in enumerate(ranges)]
             parts = [f.result() for f in futures]
         s3_request(
             f"completing the upload of {path}",
@@ -187,9 +197,10 @@ def _s3_multipart(
         )
     except BaseException:
         try:
-            s3_request(
-                f"aborting the upload of {path}", fs, "abort_multipart_upload", options, **where
-            )
+            with grace(_ABORT_GRACE):  # a deadline that failed the upload lets its abort run
+                s3_request(
+                    f"aborting the upload of {path}", fs, "abort_multipart_upload", options, **where
+                )
         except Exception as e:  # noqa: BLE001 - the original failure matters more
             logger.warning(
                 "aborting the upload of %s failed (%s): multipart upload %s stays on the server "

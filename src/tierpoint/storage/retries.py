@@ -10,8 +10,10 @@ Invariants:
   own retries are off unless ``storage_options`` configure them), waiting ``backoff * 2**k``
   seconds between tries, each try bounded by the client's connect and read timeouts and by
   ``request_timeout``: a server that stops answering is an error, not a hang.
-- Inside :func:`deadline` (on the thread that entered it), no try starts after the deadline and a
-  try on an async filesystem is cut at it: the request fails as if its last try timed out.
+- Inside :func:`deadline` (on the thread that entered it, and on the threads given work through
+  :func:`under_this_deadline`), no try starts after the deadline and a try on an async filesystem
+  is cut at it: the request fails as if its last try timed out. Clean-up after such a failure
+  runs inside :func:`grace`, which gives it a few seconds more.
 - Only transient errors are retried (connection and timeout errors, throttling, a body cut short);
   a 4xx reply that the store would give again, a missing file or a refused permission fails at once.
 """
@@ -117,6 +119,36 @@ def deadline(seconds: float) -> Iterator[None]:
         _DEADLINE.at = before
 
 
+@contextlib.contextmanager
+def grace(seconds: float) -> Iterator[None]:
+    """Inside a :func:`deadline`, at least ``seconds`` more for clean-up requests (an upload's
+    abort); outside one, nothing changes."""
+    before = getattr(_DEADLINE, "at", None)
+    if before is not None:
+        _DEADLINE.at = max(before, time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _DEADLINE.at = before
+
+
+def under_this_deadline(fn: Any) -> Any:
+    """``fn``, to run on another thread (a pool's) under this thread's deadline, if any."""
+    at = getattr(_DEADLINE, "at", None)
+    if at is None:
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before = getattr(_DEADLINE, "at", None)
+        _DEADLINE.at = at
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _DEADLINE.at = before
+
+    return run
+
+
 def _time_left() -> float | None:
     at = getattr(_DEADLINE, "at", None)
     return None if at is None else at - time.monotonic()
@@ -126,6 +158,9 @@ def with_retries(what: str, options: UploadOptions, fn: Any, *args: Any, **kwarg
     """``fn(*args, **kwargs)``, tried again after transient errors as ``options`` say; ``what``
     names the request in the warning logged before each new try."""
     for attempt in range(options.attempts):
+        left = _time_left()
+        if attempt == 0 and left is not None and left <= 0:
+            raise TimeoutError(f"{what}: out of time before the first try")
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - classified below
