@@ -122,10 +122,12 @@ class TorchAsyncCheckpoint:
         queue = self._async_calls_queue
         done = queue.maybe_finalize_async_calls(blocking, no_dist=no_dist)
         if terminate:
-            if no_dist:  # close() would finalize what is left with a collective round
-                done += queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
-            queue.close()
-            self._stager.close()
+            try:
+                if no_dist:  # close() would finalize what is left with a collective round
+                    done += queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            finally:  # (closed also when that raised)
+                queue.close()
+                self._stager.close()
         return done
 
 
