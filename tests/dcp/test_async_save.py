@@ -425,3 +425,20 @@ def test_a_save_left_pending_at_exit_is_named_with_what_would_have_kept_it(tmp_p
     assert dropped[0].startswith("WARNING") and str(path) in dropped[0]
     assert ".result()" in dropped[0] and "abort=True" not in dropped[0], dropped
     assert not (path / ".metadata").exists()
+
+
+def test_a_future_whose_commit_failed_is_done_and_says_why(tmp_path, monkeypatch):
+    """A commit that raises runs no finalize function after it, the future's included: done()
+    stayed False for good (a loop polling it never ended) and result() said "dropped"."""
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Writer, "commit", full_disk)
+    with AsyncCallsQueue() as queue:
+        future = async_save(local_state(1), str(tmp_path / "step-1"), queue=queue)
+        with pytest.raises(CheckpointingError, match="No space left"):
+            future.result()
+        assert future.done()
+        with pytest.raises(CheckpointingError, match="failed: .*No space left"):
+            future.result()

@@ -236,7 +236,11 @@ def conclude(call: Call, statuses: dict[int, tuple[bool, str, str | None]]) -> N
         request.failure = error_text(error)
         run_all(request.abort_fns)
         raise error
-    run_finalize_fns(request.finalize_fns, request.description)
+    try:
+        run_finalize_fns(request.finalize_fns, request.description)
+    except Exception as e:
+        request.failure = error_text(e)  # (its handles can tell a failed commit from a pending one)
+        raise
     logger.debug(
         "%s finalized %.3f s after scheduling",
         request.description,

@@ -94,7 +94,8 @@ class AsyncRequest:
     """Set when a queue accepted the request."""
     failure: str = field(default="", init=False, repr=False, compare=False)
     """Why the call failed (the agreed error, every rank's reason), set before its ``abort_fns``
-    run: they take no argument (NVRx's), and a record of the save can say it."""
+    run (they take no argument, as NVRx's), or what a finalize function raised: a record or a
+    future of the save can say it."""
 
     def validate(self) -> None:
         """Raise ``TypeError`` naming the first field that does not hold what it should."""

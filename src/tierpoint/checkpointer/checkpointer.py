@@ -153,7 +153,7 @@ class Checkpointer:
         request = dcp.async_save_request(
             state, storage.join(dir, MODEL_AND_OPTIM), **self._save_options()
         )
-        future = CheckpointFuture(queue, f"Checkpointer.save_async to {dir}")
+        future = CheckpointFuture(queue, f"Checkpointer.save_async to {dir}", request)
 
         def finalize() -> None:
             self._commit(dir, ephemeral, save_id)

@@ -22,18 +22,21 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from ..asyncsave import AsyncCallsQueue
+from ..asyncsave import AsyncCallsQueue, AsyncRequest
 from ..errors import CheckpointingError, CoordinationTimeoutError
 
 
 class CheckpointFuture(concurrent.futures.Future):
     """See the module docstring."""
 
-    def __init__(self, queue: AsyncCallsQueue, description: str) -> None:
+    def __init__(
+        self, queue: AsyncCallsQueue, description: str, request: AsyncRequest | None = None
+    ) -> None:
         super().__init__()
         self.set_running_or_notify_cancel()  # running: cancel() answers False
         self.queue = queue
         self.description = description
+        self.request = request  # (its failure: where another call finalized it)
         self.call_id: int | None = None
         self._failed = False
 
@@ -71,10 +74,14 @@ class CheckpointFuture(concurrent.futures.Future):
         if self._finished():
             return
         # After finalize_through the call is concluded; without blocking, an empty queue says so.
-        if self._failed or blocking or self.queue.get_num_unfinalized_calls() == 0:
+        failure = self.request.failure if self.request is not None else ""
+        if self._failed or failure or blocking or self.queue.get_num_unfinalized_calls() == 0:
             self.set_exception(
                 CheckpointingError(
-                    f"{self.description} failed; its error was raised where the queue finalized it"
+                    f"{self.description} failed: {failure}"
+                    if failure
+                    else f"{self.description} failed; its error was raised where the queue "
+                    "finalized it"
                     if self._failed
                     else f"{self.description} was dropped before it was committed"
                 )

@@ -160,6 +160,7 @@ class SaveFuture:
         self.path = path
         self.call_id: int | None = None
         self._state = "pending"
+        self._request = request  # (its failure: a commit that raised runs no function after it)
         request.add_finalize_fn(self._committed)
         request.abort_fns = [*request.abort_fns, self._failed]
 
@@ -170,21 +171,25 @@ class SaveFuture:
         self._state = "failed"
 
     def done(self) -> bool:
-        if self._state == "pending":
+        if self._state == "pending" and not self._request.failure:
             self.queue.maybe_finalize_async_calls(blocking=False)
-        return self._state != "pending"
+        return self._state != "pending" or bool(self._request.failure)
 
     def result(self, timeout: float | None = None) -> str:
         """Wait until committed; returns the checkpoint path. After ``timeout`` seconds every rank
         raises :class:`~tierpoint.errors.CoordinationTimeoutError` (the save stays pending)."""
         wait = None if timeout is None else tpdist.check_timeout(timeout)
-        if self._state == "pending" and self.call_id is not None:
+        failure = self._request.failure
+        if self._state == "pending" and self.call_id is not None and not failure:
             self.queue.finalize_through(self.call_id, wait)
-        if self._state == "pending":
+        failure = self._request.failure
+        if self._state == "committed":
+            return self.path
+        if self._state == "pending" and not failure:
             raise CheckpointingError(f"the save to {self.path} was dropped before it was finalized")
-        if self._state != "committed":
-            raise CheckpointingError(f"the save to {self.path} failed")
-        return self.path
+        raise CheckpointingError(
+            f"the save to {self.path} failed" + (f": {failure}" if failure else "")
+        )
 
 
 _default_queue: AsyncCallsQueue | None = None
