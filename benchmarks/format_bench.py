@@ -286,34 +286,26 @@ def write_contenders(
 ) -> list[Contender]:
     flat_dict = dict(zip(names, tensors, strict=True))
     tp, pt, st, raw = files.tierpoint, files.torch, files.safetensors, files.raw
-    return installed(
-        [
-            Contender(
-                "tierpoint write",
-                lambda: fileformat.write(tp, state),
-                lambda: unlink(tp),
-                tp,
-                "fsync",
-            ),
-            Contender("torch.save", lambda: torch.save(state, pt), lambda: unlink(pt), pt),
-            Contender(
-                "safetensors save_file",
-                lambda: safetensors.torch.save_file(flat_dict, str(st)),
-                lambda: unlink(st),
-                st,
-            ),
-            Contender(
-                "raw os.write (floor)",
-                lambda: raw_write(raw, tensors),
-                lambda: unlink(raw),
-                raw,
-                "fsync",
-            ),
-            Contender(
-                "memcpy copy_ (context)", lambda: copy_into(targets, tensors), note="reused mem"
-            ),
-        ]
-    )
+    return [
+        Contender(
+            "tierpoint write", lambda: fileformat.write(tp, state), lambda: unlink(tp), tp, "fsync"
+        ),
+        Contender("torch.save", lambda: torch.save(state, pt), lambda: unlink(pt), pt),
+        Contender(
+            "safetensors save_file",
+            lambda: safetensors.torch.save_file(flat_dict, str(st)),
+            lambda: unlink(st),
+            st,
+        ),
+        Contender(
+            "raw os.write (floor)",
+            lambda: raw_write(raw, tensors),
+            lambda: unlink(raw),
+            raw,
+            "fsync",
+        ),
+        Contender("memcpy copy_ (context)", lambda: copy_into(targets, tensors), note="reused mem"),
+    ]
 
 
 def installed(contenders: list[Contender]) -> list[Contender]:
@@ -369,52 +361,48 @@ def read_contenders(
     files: Files, names: list[str], tensors: list[torch.Tensor], targets: list[torch.Tensor]
 ) -> list[Contender]:
     tp, pt, st, raw = files.tierpoint, files.torch, files.safetensors, files.raw
-    return installed(
-        [
-            Contender(
-                "tierpoint read_flat verify",
-                lambda: fileformat.read_flat(tp, verify=True, targets=targets),
-                note="into targets",
-            ),
-            Contender(
-                "tierpoint read_flat no-verify",
-                lambda: fileformat.read_flat(tp, verify=False, targets=targets),
-                note="into targets",
-            ),
-            Contender(
-                "tierpoint verify + page stores",
-                lambda: read_then_store(tp, targets),
-                note="targets: no faults",
-            ),
-            *tierpoint_mmap_contenders(tp),
-            Contender("tierpoint read", lambda: fileformat.read(tp), note="fresh, verify"),
-            Contender("torch.load", lambda: torch.load(pt, weights_only=True), note="fresh"),
-            Contender(
-                "torch.load mmap",
-                lambda: torch.load(pt, mmap=True, weights_only=True),
-                note="lazy: copies nothing",
-            ),
-            Contender(
-                "torch.load mmap + copy_",
-                lambda: load_mmap_and_copy(pt, targets),
-                note="into targets",
-            ),
-            Contender(
-                "safetensors load_file",
-                lambda: safetensors.torch.load_file(st),
-                note=f"lazy in v{getattr(safetensors, '__version__', '?')} (mmap)",
-            ),
-            Contender(
-                "safetensors load_file + copy_",
-                lambda: load_safetensors_and_copy(st, names, targets),
-                note="into targets",
-            ),
-            Contender("raw readinto (floor)", lambda: raw_read(raw, targets), note="into targets"),
-            Contender(
-                "memcpy copy_ (context)", lambda: copy_into(targets, tensors), note="reused mem"
-            ),
-        ]
-    )
+    return [
+        Contender(
+            "tierpoint read_flat verify",
+            lambda: fileformat.read_flat(tp, verify=True, targets=targets),
+            note="into targets",
+        ),
+        Contender(
+            "tierpoint read_flat no-verify",
+            lambda: fileformat.read_flat(tp, verify=False, targets=targets),
+            note="into targets",
+        ),
+        Contender(
+            "tierpoint verify + page stores",
+            lambda: read_then_store(tp, targets),
+            note="targets: no faults",
+        ),
+        *tierpoint_mmap_contenders(tp),
+        Contender("tierpoint read", lambda: fileformat.read(tp), note="fresh, verify"),
+        Contender("torch.load", lambda: torch.load(pt, weights_only=True), note="fresh"),
+        Contender(
+            "torch.load mmap",
+            lambda: torch.load(pt, mmap=True, weights_only=True),
+            note="lazy: copies nothing",
+        ),
+        Contender(
+            "torch.load mmap + copy_",
+            lambda: load_mmap_and_copy(pt, targets),
+            note="into targets",
+        ),
+        Contender(
+            "safetensors load_file",
+            lambda: safetensors.torch.load_file(st),
+            note=f"lazy in v{getattr(safetensors, '__version__', '?')} (mmap)",
+        ),
+        Contender(
+            "safetensors load_file + copy_",
+            lambda: load_safetensors_and_copy(st, names, targets),
+            note="into targets",
+        ),
+        Contender("raw readinto (floor)", lambda: raw_read(raw, targets), note="into targets"),
+        Contender("memcpy copy_ (context)", lambda: copy_into(targets, tensors), note="reused mem"),
+    ]
 
 
 def run_interleaved(contenders: Sequence[Contender], reps: int, phase: str) -> None:
@@ -581,9 +569,9 @@ def run(gib: float, reps: int, root: Path) -> None:
         flush=True,
     )
     files = Files.under(root)
-    writes = write_contenders(state, names, tensors, targets, files)
+    writes = installed(write_contenders(state, names, tensors, targets, files))
     run_interleaved(writes, reps, "write")
-    reads = read_contenders(files, names, tensors, targets)
+    reads = installed(read_contenders(files, names, tensors, targets))
     run_interleaved(reads, reps, "read")
     verify_round_trip(files, tensors, targets)
     w, r = by_name(writes), by_name(reads)
