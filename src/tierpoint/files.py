@@ -3,7 +3,8 @@
 tierpoint writes a file under a dirty name (:func:`dirty_name`), fills it (:func:`write_views`, or
 through a mapping after :func:`reserve`), fsyncs it (:func:`fsync_file` or by its descriptor),
 renames it to its final name and fsyncs the directory (:func:`fsync_dir`); a failure removes the
-dirty file (:func:`unlink_quietly`). :func:`in_memory_filesystem` tells a RAM file system, where a
+dirty file (:func:`unlink_quietly`). :func:`write_whole` does all of it around a writer that takes
+a path (``torch.save``, safetensors). :func:`in_memory_filesystem` tells a RAM file system, where a
 file's pages are plain shared memory, from a disk.
 
 Invariants:
@@ -22,8 +23,11 @@ import functools
 import logging
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 logger = logging.getLogger("tierpoint")
 
@@ -133,6 +137,24 @@ def open_own(path: str | os.PathLike, flags: int, mode: int = 0o600) -> int:
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
             os.unlink(path)
     return os.open(path, flags | os.O_NOFOLLOW, mode)
+
+
+def write_whole(
+    path: str | os.PathLike, write: Callable[[str], T], dirty: str | os.PathLike | None = None
+) -> T:
+    """``write(dirty)`` (by default :func:`dirty_name`), then fsync it, rename it over ``path`` and
+    fsync the directory: ``path`` holds the old content or the new, never part of it. What
+    ``write`` returns; anything raised removes the dirty file first."""
+    dirty = os.fspath(dirty if dirty is not None else dirty_name(path))
+    try:
+        result = write(dirty)
+        fsync_file(dirty)
+        os.replace(dirty, path)
+    except BaseException:  # (a full disk: what was written would hold its pages)
+        unlink_quietly(dirty)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return result
 
 
 def unlink_quietly(path: str | os.PathLike) -> None:

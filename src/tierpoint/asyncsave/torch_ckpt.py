@@ -151,12 +151,4 @@ def torch_save_staged(
         )
     state = unflatten(part_plan.skeleton, tensors, allow_pickle=True)
     final, args = (args[0], args[1:]) if args else (kwargs.pop("f"), ())
-    dirty = files.dirty_name(final)
-    try:
-        torch.save(state, dirty, *args, **kwargs)
-        files.fsync_file(dirty)
-        os.replace(dirty, final)
-    except BaseException:
-        files.unlink_quietly(dirty)
-        raise
-    files.fsync_dir(os.path.dirname(final))
+    files.write_whole(final, lambda dirty: torch.save(state, dirty, *args, **kwargs))

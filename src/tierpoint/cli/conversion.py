@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointingError
-from ..files import dirty_name, fsync_dir, fsync_file, unlink_quietly
+from ..files import write_whole
 from .files import is_part_metadata, kind_of_file, load_pt, safetensors_metadata
 from .listing import local_rows
 from .locate import classify, find_dcp_dir, store_options
@@ -163,27 +163,23 @@ def _write_file(state: Any, dst: str, kind: str) -> str:
     """``state`` as a ``.safetensors`` or ``.pt`` file under a dirty name, fsynced, renamed over
     ``dst`` once whole: a failure (a full disk) leaves no partial file at ``dst`` and the file
     ``--force`` was to replace intact."""
-    tmp = str(dirty_name(dst))
-    try:
-        if kind == "safetensors":
-            how = _write_safetensors(state, tmp)
-        else:
-            import torch
+    import torch
 
-            torch.save(state, tmp)
-            how = "torch.save"
-        fsync_file(tmp)
-        os.replace(tmp, dst)
+    def write(tmp: str) -> str:
+        if kind == "safetensors":
+            return _write_safetensors(state, tmp)
+        torch.save(state, tmp)
+        return "torch.save"
+
+    try:
+        return write_whole(dst, write)
     except Exception as e:
         try:
-            full = os.statvfs(os.path.dirname(os.path.abspath(tmp))).f_bavail == 0
+            full = os.statvfs(os.path.dirname(os.path.abspath(dst))).f_bavail == 0
         except OSError:
             full = False
-        unlink_quietly(tmp)
         why = "no space left on device; " if full else ""
         raise CommandError(f"writing {dst} failed ({why}nothing written): {e}") from e
-    fsync_dir(os.path.dirname(os.path.abspath(dst)))
-    return how
 
 
 def _write_safetensors(state: Any, dst: str) -> str:

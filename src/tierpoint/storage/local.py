@@ -66,14 +66,7 @@ class LocalStore(Store):
 
     def publish(self, url: str, data: bytes) -> None:
         path = local_path(url)
-        tmp = f"{path}.tmp"
-        try:
-            _write_local(tmp, [data], fsync=True)
-            os.replace(tmp, path)
-        except BaseException:  # a full disk: what was written would hold its pages
-            files.unlink_quietly(tmp)
-            raise
-        _sync_parent(path)
+        files.write_whole(path, lambda tmp: _write_local(tmp, [data], fsync=True), f"{path}.tmp")
 
     def touch(self, url: str) -> None:
         path = local_path(url)
