@@ -59,7 +59,7 @@ class Discovery:
         newest = max((tuple(p) for listing in listings for p in listing), default=None)
         self.newest_seen = newest  # type: ignore[assignment]
         if newest is not None and newest[0] > latest:
-            self._log_unusable(listings, latest)
+            self._note_unusable(listings, latest)
         if latest == naming.NO_CHECKPOINT and not store.holds_parts():
             self._warn_other_ranks_parts()
         logger.debug("find_latest: %d (%.3f s)", latest, time.perf_counter() - start)
@@ -99,13 +99,7 @@ class Discovery:
           are found by global rank). Parts in the directory of a rank that holds them are not
           (a first save interrupted before every rank's part was in place)."""
         store = self.store
-        listings = self.listings or []
-        complete = complete_iterations(listings)
-        partial = sorted(
-            {p[0] for listing in listings for p in listing}
-            - set(complete)
-            - {p[0] for listing in listings for p in listing if p[2] != store.world_size}
-        )
+        partial = sorted(i for i, _ in self.incomplete)  # (every incomplete one: none is complete)
         reasons = []
         if len(partial) >= 2:
             reasons.append(
@@ -214,9 +208,10 @@ class Discovery:
                 ", ".join(map(str, others[:8])) + (", ..." if len(others) > 8 else ""),
             )
 
-    def _log_unusable(self, listings: list[Listing], latest: int) -> None:
+    def _note_unusable(self, listings: list[Listing], latest: int) -> None:
         """Say why each iteration newer than ``latest`` (the latest usable one) is not used: saved
-        with another world size (the local tier does not reshard), or parts missing everywhere."""
+        with another world size (the local tier does not reshard), or parts missing everywhere
+        (kept in ``incomplete`` too)."""
         world_size = self.store.world_size
         fallback = (
             f"falling back to iteration {latest}"
