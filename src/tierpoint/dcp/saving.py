@@ -179,8 +179,7 @@ class SaveFuture:
         """Wait until committed; returns the checkpoint path. After ``timeout`` seconds every rank
         raises :class:`~tierpoint.errors.CoordinationTimeoutError` (the save stays pending)."""
         wait = None if timeout is None else tpdist.check_timeout(timeout)
-        failure = self._request.failure
-        if self._state == "pending" and self.call_id is not None and not failure:
+        if self._state == "pending" and self.call_id is not None and not self._request.failure:
             self.queue.finalize_through(self.call_id, wait)
         failure = self._request.failure
         if self._state == "committed":
