@@ -9,9 +9,9 @@ Invariants:
 - A complete directory (``.metadata`` and no unfinished marker) is never written into unless
   ``overwrite``; one whose save was killed between its commit and the removal of its markers is not
   complete and is saved into again (with a warning on the coordinator).
-- ``.metadata`` is torch's pickled ``Metadata`` (:mod:`tierpoint.dcp.metadata_bytes`), written
-  atomically (tmp + fsync + rename, or one
-  PUT on object stores); after it, the files of an earlier save that it does not name are removed
+- ``.metadata`` is torch's pickled ``Metadata`` (:mod:`tierpoint.dcp.metadata_bytes`) followed
+  by its checksum seal (:mod:`tierpoint.dcp.metadata_seal`), written atomically (tmp + fsync +
+  rename, or one PUT on object stores); after it, the files of an earlier save that it does not name are removed
   (the markers still keep the step from counting as complete meanwhile), unless the writing job
   cleared them before (tierpoint's saves to object stores: ``tidy=False``).
 """
@@ -30,6 +30,7 @@ from ..errors import CheckpointingError
 from . import directory
 from .file_plan import add_token
 from .metadata_bytes import Rows, file_names, metadata_bytes, pickled
+from .metadata_seal import sealed
 from .names import METADATA_NAME, markers_in
 
 logger = logging.getLogger("tierpoint")
@@ -114,12 +115,15 @@ def publish_metadata(
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
 ) -> list[str] | None:
-    """Write ``.metadata`` (atomically) with ``data`` (:mod:`tierpoint.dcp.metadata_bytes`); then
-    remove the files of an earlier save into ``path`` that are not ``referenced`` (``None``: the
+    """Write ``.metadata`` (atomically): ``data`` (:mod:`tierpoint.dcp.metadata_bytes`) and its
+    seal (:mod:`tierpoint.dcp.metadata_seal`); then remove the files of an earlier save into ``path`` that are not ``referenced`` (``None``: the
     names are not known, nothing is removed). Returns the unfinished markers seen meanwhile (see
     :func:`~tierpoint.dcp.directory.remove_unreferenced_files`), or None."""
     storage.publish(
-        storage.join(path, METADATA_NAME), data, storage_options=storage_options, upload=upload
+        storage.join(path, METADATA_NAME),
+        sealed(data),
+        storage_options=storage_options,
+        upload=upload,
     )
     if referenced is None:
         return None

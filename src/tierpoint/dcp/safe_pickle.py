@@ -16,7 +16,8 @@ records are checked field by field (types, known field names, non-negative sizes
 tensor, storage file names that are plain names, non-negative offsets and lengths, no duplicates) and
 only then turned into real torch objects (:mod:`tierpoint.dcp.metadata_check`).
 
-Call order: ``safe_loads(data, what)`` -> ``Metadata``. ``what`` names the source in errors.
+Call order: ``safe_loads(data, what)`` -> ``Metadata``. ``what`` names the source in errors. A
+checksum seal after the pickle (:mod:`tierpoint.dcp.metadata_seal`) is checked first.
 
 Invariants: every failure is a :class:`CorruptDCPError` naming ``what``; nothing named by the file
 is ever imported or called.
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..errors import CorruptCheckpointError
 from .metadata_check import BadField, check_metadata, file_name_problem
 from .metadata_globals import METADATA_PICKLE, Refused
+from .metadata_seal import SealMismatch, unsealed
 from .restricted_pickle import restricted_load
 
 
@@ -55,6 +57,10 @@ def safe_loads(data: bytes, what: str, *, rank_local: bool = False) -> Metadata:
     """
     if not data:
         raise CorruptDCPError(what, "empty file (no DCP metadata)")
+    try:
+        data, _ = unsealed(data)
+    except SealMismatch as e:
+        raise CorruptDCPError(what, str(e)) from None
     try:
         root, end = restricted_load(data, METADATA_PICKLE)
     except Refused as e:
