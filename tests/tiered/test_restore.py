@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -110,27 +111,74 @@ def test_restore_takes_the_newest_complete_step_from_each_tier_in_turn(tmp_path,
         assert out["stats"]["tiers"]["persistent"]["saves"] == 3
 
 
-def test_a_persistent_step_damaged_inside_a_tensor_is_skipped_for_the_older_one(tmp_path):
-    state = make_state(0, width=64)
-    kwargs = {"local_every": 0, "persistent_every": 4, "keep_persistent": 2}
-    reference = {}
-    with TieredCheckpointManager(None, str(tmp_path), "p", **kwargs) as manager:
+PERSISTENT_ONLY = {"local_every": 0, "persistent_every": 4, "keep_persistent": 2}
+
+
+def _save_steps_4_and_8(base: Path, width: int = 16) -> dict:
+    """Persistent steps 4 and 8 of a one-rank job; returns step 4's fingerprint."""
+    state = make_state(0, width=width)
+    with TieredCheckpointManager(None, str(base), "p", **PERSISTENT_ONLY) as manager:
         for step in range(1, 9):
             train_step(state, 1)
             manager.maybe_save(step, state)
-            reference[step] = fingerprint(state)
+            if step == 4:
+                reference = fingerprint(state)
+    return reference
+
+
+def _restore_step_4(base: Path, reference: dict, width: int = 16) -> list[str]:
+    """Restore, which must fall back to step 4 bit for bit; returns the reasons it skipped."""
+    restored = make_state(0, width=width)
+    with TieredCheckpointManager(None, str(base), "p", **PERSISTENT_ONLY) as manager:
+        assert manager.restore(restored) == 4
+        record = manager.last_restore
+    assert record.tier == "persistent"
+    assert_same(fingerprint(restored), reference)
+    assert len(record.skipped) == 1 and "persistent step 8" in record.skipped[0], record.skipped
+    return record.skipped
+
+
+def test_a_persistent_step_damaged_inside_a_tensor_is_skipped_for_the_older_one(tmp_path):
+    reference = _save_steps_4_and_8(tmp_path, width=64)
     newest = max((tmp_path / "step-8").glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(newest.read_bytes())
     data[len(data) // 3] ^= 0x01  # one bit inside a tensor: only a checksum can see it
     newest.write_bytes(bytes(data))
-    restored = make_state(0, width=64)
-    with TieredCheckpointManager(None, str(tmp_path), "p", **kwargs) as manager:
+    skipped = _restore_step_4(tmp_path, reference, width=64)
+    assert newest.name in skipped[0]  # the reason names the damaged file
+
+
+def test_a_persistent_step_whose_metadata_names_another_key_is_skipped_for_the_older_one(tmp_path):
+    """One bit flipped in a key's name in ``.metadata``: the pickle still loads, as a checkpoint of
+    another state, which would be refused as a state mismatch; its seal tells it is damage."""
+    reference = _save_steps_4_and_8(tmp_path)
+    metadata = tmp_path / "step-8" / ".metadata"
+    data = metadata.read_bytes()
+    assert data.count(b"model.0.weight") == 1  # the pickle's memo names it once
+    metadata.write_bytes(data.replace(b"model.0.weight", b"model.0.weighu"))
+    skipped = _restore_step_4(tmp_path, reference)
+    assert "checksum mismatch" in skipped[0] and ".metadata" in skipped[0], skipped
+
+
+def test_a_step_directory_copied_over_a_newer_one_is_not_taken_for_it(tmp_path):
+    """step-4 copied to step-8 (a sync tool, a hand-made backup): it would restore as step 8 with
+    step 4's state; its ``.metadata`` records where it was saved."""
+    reference = _save_steps_4_and_8(tmp_path)
+    shutil.rmtree(tmp_path / "step-8")
+    shutil.copytree(tmp_path / "step-4", tmp_path / "step-8")
+    skipped = _restore_step_4(tmp_path, reference)
+    assert "saved as step 4" in skipped[0], skipped
+
+
+def test_a_run_moved_to_another_base_still_restores(tmp_path):
+    reference = _save_steps_4_and_8(tmp_path / "before")
+    (tmp_path / "before").rename(tmp_path / "after")
+    shutil.rmtree(tmp_path / "after" / "step-8")
+    restored = make_state(0)
+    with TieredCheckpointManager(None, str(tmp_path / "after"), "p", **PERSISTENT_ONLY) as manager:
         assert manager.restore(restored) == 4
-        record = manager.last_restore
-    assert record.tier == "persistent"
-    assert len(record.skipped) == 1 and "persistent step 8" in record.skipped[0]
-    assert newest.name in record.skipped[0]  # the reason names the damaged file
-    assert_same(fingerprint(restored), reference[4])
+        assert manager.last_restore.skipped == []
+    assert_same(fingerprint(restored), reference)
 
 
 def _damage_every_tensor_file(step_dir: Path) -> None:

@@ -7,7 +7,8 @@ as new as the newest persistent one, then the persistent steps newest first. On 
 caller gives fresh optimizers their empty state back (:func:`reset`).
 
 Invariants: every rank gets the same answer (each decision is agreed); a step that cannot be loaded
-on every rank (missing everywhere, failing verification) is skipped with its reason (logged and
+on every rank (missing everywhere, failing verification, a persistent step directory holding the
+checkpoint saved as another step) is skipped with its reason (logged and
 kept in the record's ``skipped``, as are, once a step was restored, the newer local steps a killed
 save left incomplete and the newer persistent steps with a ``.metadata`` but unfinished markers);
 a local step older than the newest persistent one is tried after every persistent step failed;
@@ -28,7 +29,7 @@ import torch
 
 from .. import dcp
 from .. import dist as tpdist
-from ..dcp.step_dirs import UNKNOWN_RANK, complete_steps, local_view, step_path
+from ..dcp.step_dirs import UNKNOWN_RANK, complete_steps, local_view, step_dir_of, step_path
 from ..errors import CheckpointingError, CoordinationTimeoutError, StateMismatchError
 from ..local import LocalCheckpointManager
 from . import param_groups
@@ -237,6 +238,10 @@ def _restore_persistent(
         raise
     except CheckpointingError as e:
         return _skip(skipped, step, e)
+    saved_as = _saved_step(metadata)
+    if saved_as not in (None, step):  # the same bytes on every rank: the same decision
+        why = f"holds the checkpoint saved as step {saved_as} (copied or renamed): not step {step}"
+        return _skip(skipped, step, CheckpointingError(why))
     stored = metadata.state_dict_metadata
     if not holds(stored, f"{st.RANK_LOCAL_KEY}.{rank}"):
         source = 0  # saved with fewer ranks: rank 0's values, as after any resharding
@@ -267,6 +272,15 @@ def _restore_persistent(
     st.from_persistent_form(tree, ptree)
     st.apply(state, tree)
     return RestoreRecord(step, "persistent", time.perf_counter() - start, st.nbytes(ptree), skipped)
+
+
+def _saved_step(metadata: Any) -> int | None:
+    """The step of the directory a checkpoint was saved into, as its ``.metadata`` records it
+    (``None``: not a step directory, or not recorded). The base may differ (a run moved)."""
+    saved_into = getattr(getattr(metadata, "storage_meta", None), "checkpoint_id", None)
+    if saved_into is None:
+        return None
+    return step_dir_of(str(saved_into).rstrip("/").rsplit("/", 1)[-1])
 
 
 def _skip(skipped: list[str], step: int, error: BaseException) -> None:
