@@ -13,6 +13,7 @@ from .errors import (
     CorruptCheckpointError,
     SameMachineReplicationException,
     StateMismatchError,
+    StorageUnavailableError,
     UnsupportedStateError,
 )
 
@@ -52,6 +53,7 @@ __all__ = [
     "RankLocal",
     "SameMachineReplicationException",
     "StateMismatchError",
+    "StorageUnavailableError",
     "TensorAwareStateDict",
     "TieredCheckpointManager",
     "TrainModule",

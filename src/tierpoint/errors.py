@@ -75,6 +75,11 @@ class CoordinationTimeoutError(CheckpointingError):
     """A collective among ranks did not complete within its timeout."""
 
 
+class StorageUnavailableError(CheckpointingError):
+    """The storage did not answer (refused connections, timeouts, throttling) after every retry:
+    nothing is known to be wrong with the checkpoint, so it is not skipped for an older one."""
+
+
 class SameMachineReplicationException(CheckpointingError):
     """Two members of a replication clique live on the same node, so a replica protects nothing."""
 
@@ -123,6 +128,7 @@ _BY_NAME = {
         CoordinationTimeoutError,
         SameMachineReplicationException,
         StateMismatchError,
+        StorageUnavailableError,
     )
 }
 
@@ -133,5 +139,6 @@ __all__ = [
     "CorruptCheckpointError",
     "SameMachineReplicationException",
     "StateMismatchError",
+    "StorageUnavailableError",
     "UnsupportedStateError",
 ]

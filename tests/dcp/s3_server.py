@@ -173,6 +173,10 @@ def _serve_proxy(upstream: str, port: int, faults: dict[str, Any]) -> None:
             ):
                 self._error(403, _CODES[403], "injected: no permission to delete data objects")
                 return
+            failing = faults.get("failing_reads")
+            if failing and self.command in ("GET", "HEAD") and failing in url.path:
+                self._error(503, _CODES[503], "injected: this part of the store is unavailable")
+                return
             if self.command == "PUT" and url.path.endswith("/.metadata"):
                 time.sleep(faults.get("late_metadata", 0))
             time.sleep(faults.get("latency", 0))  # a store farther away than 127.0.0.1
@@ -222,6 +226,8 @@ class FaultyEndpoint:
     accept). ``key``: requests signed with another access
     key id are refused (403 InvalidAccessKeyId), as S3 refuses unknown credentials.
     ``late_metadata``: seconds a PUT of a ``.metadata`` object is held before moto applies it.
+    ``failing_reads``: reads (GET, HEAD) of keys containing this text are answered with 503
+    SlowDown, every time (a part of the store that stays unavailable).
     ``refuse_data_deletes``: deleting a ``.distcp`` object (alone or in a bulk delete) is answered
     with 403 AccessDenied. ``latency``: seconds every request is held (benchmarks: a store farther
     away than this machine).

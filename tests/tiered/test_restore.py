@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dcp.s3_server import s3_bucket, s3_server  # noqa: F401 - pytest fixtures
+from tests.dcp.s3_server import faulty_endpoint, s3_bucket, s3_server  # noqa: F401 - fixtures
 from tierpoint import RankLocal, TieredCheckpointManager
-from tierpoint.errors import CheckpointingError, StateMismatchError
+from tierpoint.errors import CheckpointingError, StateMismatchError, StorageUnavailableError
 from tierpoint.testing import run_ranks
 
 from .helpers import as_node, assert_same, fingerprint, make_state, train_step, wipe
@@ -593,3 +593,29 @@ def test_an_unfinished_step_older_than_a_step_that_fails_to_load_is_named_too(tm
         "persistent step 8",
         "persistent step 12",
     ]
+
+
+def test_a_persistent_step_the_store_cannot_serve_fails_the_restore_rather_than_rewind(
+    s3_bucket,  # noqa: F811
+    faulty_endpoint,  # noqa: F811
+):
+    """The store lists step 8 but stops serving its objects: restoring step 4 instead would throw
+    away the steps since and save over step 8 later. The restore fails, naming the store; once the
+    store serves again, step 8 restores."""
+    base, options = s3_bucket
+    kwargs = {**PERSISTENT_ONLY, "storage_options": options}
+    state = make_state(0)
+    with TieredCheckpointManager(None, base, "p", **kwargs) as manager:
+        for step in range(1, 9):
+            train_step(state, 1)
+            manager.maybe_save(step, state)
+    reference = fingerprint(state)
+    endpoint = faulty_endpoint(failing_reads="/step-8/")
+    through = {**kwargs, "storage_options": {"endpoint_url": endpoint.url}}
+    with TieredCheckpointManager(None, base, "p", **through) as manager:
+        with pytest.raises(StorageUnavailableError, match="step-8"):
+            manager.restore(make_state(0))
+    restored = make_state(0)
+    with TieredCheckpointManager(None, base, "p", **kwargs) as manager:
+        assert manager.restore(restored) == 8
+    assert_same(fingerprint(restored), reference)

@@ -15,8 +15,8 @@ a local step older than the newest persistent one is tried after every persisten
 when checkpoints exist (or a tier cannot be listed) but none loads, :class:`CheckpointingError`
 says why on every rank, never "nothing to restore" (the run would start over and save over them);
 a different state structure raises
-:class:`StateMismatchError` on every rank before anything is copied, as does a coordination
-timeout, rather than being skipped.
+:class:`StateMismatchError` on every rank before anything is copied, as do a coordination
+timeout and a store that does not answer while a persistent step is read, rather than being skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ import torch
 from .. import dcp
 from .. import dist as tpdist
 from ..dcp.step_dirs import UNKNOWN_RANK, complete_steps, local_view, step_dir_of, step_path
-from ..errors import CheckpointingError, CoordinationTimeoutError, StateMismatchError
+from ..errors import (
+    CheckpointingError,
+    CoordinationTimeoutError,
+    StateMismatchError,
+    StorageUnavailableError,
+)
 from ..local import LocalCheckpointManager
 from . import param_groups
 from . import state as st
@@ -39,6 +44,10 @@ from .numpy_values import sized_as_saved
 from .tree_paths import holds
 
 logger = logging.getLogger("tierpoint")
+
+_NOT_SKIPPED = (StateMismatchError, CoordinationTimeoutError, StorageUnavailableError)
+"""Raised on every rank rather than skipped for an older step: the state is wrong, the ranks did not
+answer, or the store did not (the step may be intact: restoring an older one would lose it)."""
 
 
 def restore_newest(
@@ -234,7 +243,7 @@ def _restore_persistent(
     try:
         with tpdist.agree(f"reading the metadata of {path}"):
             metadata = dcp.read_metadata(path, storage_options=options)
-    except (StateMismatchError, CoordinationTimeoutError):
+    except _NOT_SKIPPED:
         raise
     except CheckpointingError as e:
         return _skip(skipped, step, e)
@@ -253,7 +262,7 @@ def _restore_persistent(
             ptree = sized_as_saved(ptree, from_arrays, metadata)
             ptree = param_groups.without_saved_state(ptree, groups, metadata)
         stored_groups = param_groups.stored_sizes(groups, metadata, path, options)
-    except (StateMismatchError, CoordinationTimeoutError):
+    except _NOT_SKIPPED:
         raise
     except CheckpointingError as e:
         return _skip(skipped, step, e)
@@ -265,7 +274,7 @@ def _restore_persistent(
             raise StateMismatchError(_mismatch(step, problems))
     try:
         dcp.load(ptree, path, storage_options=options)
-    except (StateMismatchError, CoordinationTimeoutError):
+    except _NOT_SKIPPED:
         raise
     except CheckpointingError as e:
         return _skip(skipped, step, e)
