@@ -83,6 +83,19 @@ def test_help_and_version_answer_without_torch() -> None:
     assert package.returncode == 0 and package.stdout == done.stdout
 
 
+def test_demo_help_answers_without_torch() -> None:
+    """``tierpoint demo --help`` (and ``python -m tierpoint.demo --help``) answer at once too."""
+    for cmd in (["-m", "tierpoint.cli", "demo"], ["-m", "tierpoint.demo"]):
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", *cmd, "--help"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        assert done.returncode == 0 and "usage: python -m tierpoint.demo" in done.stdout
+        assert "torch" not in done.stderr  # -X importtime lists every module imported
+
+
 def test_ls_the_local_tier(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..testing import free_port
-
 
 @dataclass(frozen=True)
 class Cluster:
@@ -30,6 +28,8 @@ class Cluster:
 def torchrun(cluster: Any, args: list[str], log: Path, module: str = "tierpoint.demo.job") -> int:
     """Run ``python -m module args`` on ``cluster.nodes`` x ``cluster.ranks_per_node`` ranks;
     returns the first non-zero exit code (0 if every node succeeded)."""
+    from ..testing import free_port  # here: it imports torch, which the demo's --help does not
+
     scratch = log.parent / "tmp"
     scratch.mkdir(exist_ok=True)
     env = dict(
