@@ -87,7 +87,7 @@ class TieredCheckpointManager(SavePath):
             object of the process shares) wait up to ``TIERPOINT_TIMEOUT``: set that variable to
             bound how long a rank waits for a stopped or departed peer.
         poll_every: ``maybe_save`` finalizes finished saves every N steps (and whenever a save is
-            due). While a save is in flight each poll is one small all-gather, so polling every step
+            due). While a save is in flight each poll is one small all-reduce, so polling every step
             costs training time; default: half the shortest save interval.
         overlap_snapshot: copy each snapshot on a background thread while the next steps' forward
             and backward passes run (on GPUs: into pinned memory, at the PCIe rate); each optimizer
