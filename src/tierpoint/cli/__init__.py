@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="local-tier root (default /dev/shm/tierpoint-<uid>), session or rank "
                          "directory, DCP base or step, OLMo-style run directory, s3:// URL")  # fmt: skip
     inspect = command("inspect", "show a part file's or a DCP step's tensors and values")
-    inspect.add_argument("path", metavar="FILE|DIR", help="a part file or a DCP step (or URL)")
+    inspect.add_argument("path", metavar="FILE|DIR",
+                         help="a part file, a DCP step (or URL), a .pt or .safetensors file")  # fmt: skip
     verify = command("verify", "check every checksum; exit status 0 only if all verify")
     verify.add_argument(
         "--strict", action="store_true", help="fail DCP checkpoints without checksum manifests"
