@@ -108,7 +108,7 @@ class CliqueReplicationStrategy(_ReplicaGroups):
     # ------------------------------------------------------------------------------ set-up
 
     def setup(self) -> None:
-        """Resolve the jump, validate, check nodes, create the group. Collective; idempotent."""
+        """Resolve the jump, validate, check nodes, create the groups. Collective; idempotent."""
         world = tpdist.get_world_size()
         if self.world_size == world and (self._group is not None or not tpdist.is_distributed()):
             return
