@@ -13,7 +13,7 @@ Subcommands (``tierpoint <command> --help`` for each):
 - ``verify PATH|URL...``: every checksum of part files, of a directory of them, of a DCP step or of
   every step of a DCP base (an uncommitted step is skipped: it is never loaded), and of an
   OLMo-core step's ``.metadata.json`` and trainer-state files (or its ``train/``); exit status 0
-  only when everything verified (a DCP step without checksum manifests, written by plain torch, is
+  only when nothing failed (a DCP step without checksum manifests, written by plain torch, is
   read completely and reported unverified, as is a plain safetensors file; ``--strict`` fails
   them);
 - ``convert SRC DST``: a part file, a local-tier iteration or a DCP checkpoint to one
@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect = command("inspect", "show a part file's or a DCP step's tensors and values")
     inspect.add_argument("path", metavar="FILE|DIR",
                          help="a part file, a DCP step (or URL), a .pt or .safetensors file")  # fmt: skip
-    verify = command("verify", "check every checksum; exit status 0 only if all verify")
+    verify = command("verify", "check every checksum; exit status 0 only if none fails")
     verify.add_argument(
         "--strict", action="store_true", help="fail DCP checkpoints without checksum manifests"
     )

@@ -1,5 +1,5 @@
 """``tierpoint verify``: check every checksum of part files, directories of them, DCP steps and
-DCP bases; exit status 0 only when everything verified.
+DCP bases; exit status 0 only when nothing failed (unverified fails only with ``--strict``).
 
 Call order: :func:`cmd_verify` turns each path into checks (one per part file or DCP step; an
 uncommitted step is skipped; an OLMo-core step adds one for its ``.metadata.json``, one per
@@ -42,7 +42,7 @@ class _Check:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """``tierpoint verify``: check ``args.paths``; 0 only when everything verified."""
+    """``tierpoint verify``: check ``args.paths``; 0 only when nothing failed."""
     options = store_options(args)
     checks: list[_Check] = []
     results: list[dict[str, Any]] = []
