@@ -13,9 +13,10 @@ import shutil
 import pytest
 import torch
 
+from tests.dcp.s3_server import faulty_endpoint, s3_bucket, s3_server  # noqa: F401 - fixtures
 from tierpoint import Checkpointer, fileformat
 from tierpoint.checkpointer import trainer_state
-from tierpoint.errors import CheckpointingError, CorruptCheckpointError
+from tierpoint.errors import CheckpointingError, CorruptCheckpointError, StorageUnavailableError
 
 from .conftest import fresh_module, trained_module
 
@@ -41,6 +42,23 @@ def test_a_damaged_metadata_json(run, checkpointer, content, caplog):
         checkpointer.load(f"{run}/step2", target)
     assert torch.equal(target.model.weight, before)
     assert checkpointer.load(Checkpointer.latest_checkpoint(run), target) == {"step": 1}
+
+
+def test_a_step_the_store_cannot_serve_is_not_passed_over_for_an_older_one(
+    s3_bucket,  # noqa: F811
+    faulty_endpoint,  # noqa: F811
+    tmp_path,
+):
+    """The store lists step2 but does not serve it: "the latest" must not become step1 (a resumed
+    run would redo the steps since and save over step2), it raises; once served, step2 is latest."""
+    base, options = s3_bucket
+    saver = Checkpointer(work_dir=tmp_path / "work", storage_options=options)
+    saver.save(f"{base}/run/step1", trained_module(0), {"step": 1})
+    saver.save(f"{base}/run/step2", trained_module(1), {"step": 2})
+    endpoint = faulty_endpoint(failing_reads="/run/step2")
+    with pytest.raises(StorageUnavailableError, match="step2"):
+        Checkpointer.latest_checkpoint(f"{base}/run", {"endpoint_url": endpoint.url})
+    assert Checkpointer.latest_checkpoint(f"{base}/run", options) == f"{base}/run/step2"
 
 
 def test_a_step_without_model_and_optim(run, checkpointer):

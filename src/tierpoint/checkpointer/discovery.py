@@ -18,7 +18,8 @@ the same).
 
 Invariants:
 - A step whose ``.metadata.json`` is missing is never returned (a save in flight or interrupted);
-  one whose ``.metadata.json`` is damaged is skipped with a WARNING, so an older one is chosen.
+  one whose ``.metadata.json`` is damaged is skipped with a WARNING, so an older one is chosen; a
+  store that does not answer raises (:class:`~tierpoint.errors.StorageUnavailableError`).
 - Removing a checkpoint un-commits it first (``.metadata.json`` goes first), so a crash while
   removing leaves a directory that is not a checkpoint, never a half-removed one that looks whole.
 - Steps are yielded in ascending step order (OLMo-core yields them in listing order).
@@ -35,7 +36,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .. import storage
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, StorageUnavailableError
 from .errors import CheckpointNotFoundError
 from .metadata import METADATA_FNAME, CheckpointMetadata, read_metadata
 from .trainer_state import TRAIN_DIR, state_files
@@ -128,6 +129,8 @@ def find_checkpoints(
             meta = finished_metadata(path, storage_options)
         except CheckpointNotFoundError:
             continue
+        except StorageUnavailableError:
+            raise  # the step may be intact: choosing an older one would lose it
         except CheckpointingError as e:
             logger.warning("%s is skipped: %s", path, e)
             continue

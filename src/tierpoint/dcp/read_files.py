@@ -12,9 +12,8 @@ Invariants:
   reader); a remote one is read with ranged GETs through :mod:`tierpoint.storage`.
 - A read returns every byte asked for or raises: a short file is a
   :class:`~tierpoint.dcp.safe_pickle.CorruptDCPError` ("truncated"), an I/O failure a
-  :class:`~tierpoint.errors.CheckpointingError`, both naming the file; a store that still fails
-  with a transient error after every retry (refused connections, timeouts, throttling) is a
-  :class:`~tierpoint.errors.StorageUnavailableError`: nothing is known about the file.
+  :class:`~tierpoint.errors.CheckpointingError`, both naming the file (a store that did not answer:
+  :class:`~tierpoint.errors.StorageUnavailableError`, see :func:`tierpoint.storage.failure`).
 - A missing ``.metadata`` means no committed checkpoint (a :class:`CheckpointingError`); a missing
   data file the metadata names is damage (:class:`CorruptDCPError`).
 
@@ -34,8 +33,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .. import storage
-from ..errors import CheckpointingError, StorageUnavailableError
-from ..storage.retries import transient
+from ..errors import CheckpointingError
 from .names import METADATA_NAME
 from .safe_pickle import CorruptDCPError, file_name_problem
 
@@ -118,17 +116,10 @@ def open_file(
             return None
         raise _missing(location, what) from None
     except Exception as e:  # noqa: BLE001 - any client failure, reported with the URL
-        raise _store_failure(e, f"cannot open {what} file {location}") from e
+        raise storage.failure(f"opening {what} file", location, e) from e
     if info.get("type") != "file" or not isinstance(info.get("size"), int):
         raise CorruptDCPError(location, f"{what} is not a file")
     return File(location, info["size"], fs=fs, key=key)
-
-
-def _store_failure(e: Exception, what: str) -> CheckpointingError:
-    """The error for an object-store request that failed after its retries."""
-    if transient(e):
-        return StorageUnavailableError(f"{what}: the store did not answer ({e!r:.300})")
-    return CheckpointingError(f"{what}: {e!r:.300}")
 
 
 def read_exact(file: File, offset: int, n: int) -> bytes:
@@ -153,7 +144,7 @@ def _read_into(file: File, offset: int, view: memoryview) -> None:
                 f"reading {file.path}", file.fs, "cat_file", file.key, start=offset, end=end
             )
         except Exception as e:  # noqa: BLE001 - any client failure, reported with the URL
-            raise _store_failure(e, f"reading {file.path} at offset {offset}") from e
+            raise storage.failure(f"reading from offset {offset} of", file.path, e) from e
         if len(data) != len(view):
             raise CorruptDCPError(
                 file.path, f"truncated: needed bytes up to {end}, got {len(data)} from {offset}"

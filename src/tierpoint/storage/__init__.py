@@ -26,7 +26,9 @@ Invariants:
   the client's connect and read timeouts and by ``request_timeout``: a server that stops answering
   is an error, not a hang.
 - Listings never come from fsspec's listing cache, so a rank sees what the store holds now.
-- Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the path and the reason.
+- Every failure is a :class:`~tierpoint.errors.CheckpointingError` naming the path and the reason;
+  an object store that did not answer after every try raises its subclass
+  :class:`~tierpoint.errors.StorageUnavailableError` (nothing is known about the object).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from .store import reason
+from .store import reason, transient
 
 logger = logging.getLogger("tierpoint")
 
@@ -53,55 +53,6 @@ class UploadOptions:
 
 
 DEFAULT_UPLOAD = UploadOptions()
-
-
-def transient(e: BaseException) -> bool:
-    """Whether an object-store error is worth retrying."""
-    if isinstance(e, (PermissionError, FileNotFoundError, IsADirectoryError, ValueError)):
-        return False
-    status, code = _http_status(e)
-    if status is not None and 400 <= status < 500:
-        return status in (408, 429) or code in _RETRIED_CLIENT_ERRORS
-    if isinstance(e, (OSError, ConnectionError, TimeoutError)):
-        return True
-    if {c.__name__ for c in type(e).__mro__} & _TRANSIENT_CLASSES:
-        return True
-    name = type(e).__name__
-    return any(k in name for k in ("Timeout", "Connection", "Throttl", "Endpoint", "Payload"))
-
-
-def _http_status(e: BaseException) -> tuple[int | None, str | None]:
-    """The HTTP status and S3 error code of the reply behind ``e`` (s3fs keeps botocore's error as
-    the cause of the one it raises), or ``(None, None)``: no reply came."""
-    seen: BaseException | None = e
-    for _ in range(4):
-        if seen is None:
-            break
-        reply = getattr(seen, "response", None)
-        if isinstance(reply, dict):
-            status = reply.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            return (int(status) if status else None), reply.get("Error", {}).get("Code")
-        seen = seen.__cause__ or seen.__context__
-    return None, None
-
-
-_RETRIED_CLIENT_ERRORS = {
-    "RequestTimeout",
-    "IncompleteBody",
-    "BadDigest",
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "TooManyRequestsException",
-    "OperationAborted",
-}
-"""4xx replies that a later try may not get (the body was cut short or damaged on the way, the
-store throttles); any other 4xx will be answered again and fails at once."""
-
-_TRANSIENT_CLASSES = {"HTTPClientError", "IncompleteRead", "ResponseParserError"}
-"""Client errors s3fs itself retries (botocore's HTTPClientError covers a reply cut short); the
-client tierpoint uses leaves every retry to :func:`with_retries`."""
 
 
 _DEADLINE = threading.local()

@@ -23,8 +23,9 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, StorageUnavailableError
 from ..files import Views
+from .urls import is_local
 
 
 class Store(ABC):
@@ -89,9 +90,65 @@ def reason(e: BaseException) -> str:
 
 def failure(action: str, url: str | os.PathLike, e: BaseException) -> CheckpointingError:
     """The error to raise when ``action`` ("writing", ...) on ``url`` failed with ``e``: names the
-    file and the reason (``ENOSPC`` and the like)."""
+    file and the reason (``ENOSPC`` and the like); a :class:`StorageUnavailableError` when an object
+    store did not answer (``e`` is :func:`transient`: its retries were spent)."""
     if isinstance(e, CheckpointingError):
         return e
-    err = CheckpointingError(f"{action} {os.fspath(url)} failed: {reason(e)}")
-    err.path = os.fspath(url)  # type: ignore[attr-defined]
+    at = os.fspath(url)
+    if not is_local(at) and transient(e):
+        err: CheckpointingError = StorageUnavailableError(
+            f"{action} {at} failed: the store did not answer ({reason(e)})"
+        )
+    else:
+        err = CheckpointingError(f"{action} {at} failed: {reason(e)}")
+    err.path = at  # type: ignore[attr-defined]
     return err
+
+
+def transient(e: BaseException) -> bool:
+    """Whether an object-store error is worth retrying."""
+    if isinstance(e, (PermissionError, FileNotFoundError, IsADirectoryError, ValueError)):
+        return False
+    status, code = _http_status(e)
+    if status is not None and 400 <= status < 500:
+        return status in (408, 429) or code in _RETRIED_CLIENT_ERRORS
+    if isinstance(e, (OSError, ConnectionError, TimeoutError)):
+        return True
+    if {c.__name__ for c in type(e).__mro__} & _TRANSIENT_CLASSES:
+        return True
+    name = type(e).__name__
+    return any(k in name for k in ("Timeout", "Connection", "Throttl", "Endpoint", "Payload"))
+
+
+def _http_status(e: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and S3 error code of the reply behind ``e`` (s3fs keeps botocore's error as
+    the cause of the one it raises), or ``(None, None)``: no reply came."""
+    seen: BaseException | None = e
+    for _ in range(4):
+        if seen is None:
+            break
+        reply = getattr(seen, "response", None)
+        if isinstance(reply, dict):
+            status = reply.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return (int(status) if status else None), reply.get("Error", {}).get("Code")
+        seen = seen.__cause__ or seen.__context__
+    return None, None
+
+
+_RETRIED_CLIENT_ERRORS = {
+    "RequestTimeout",
+    "IncompleteBody",
+    "BadDigest",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "OperationAborted",
+}
+"""4xx replies that a later try may not get (the body was cut short or damaged on the way, the
+store throttles); any other 4xx will be answered again and fails at once."""
+
+_TRANSIENT_CLASSES = {"HTTPClientError", "IncompleteRead", "ResponseParserError"}
+"""Client errors s3fs itself retries (botocore's HTTPClientError covers a reply cut short); the
+client tierpoint uses leaves every retry to :func:`with_retries`."""
