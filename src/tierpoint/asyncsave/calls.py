@@ -159,9 +159,14 @@ class PendingCalls(deque[Call]):
             )
 
 
-def snapshot_and_dispatch(call: Call, worker: Worker | None, pending: PendingCalls) -> None:
+def snapshot_and_dispatch(
+    call: Call, worker: Worker | None, pending: PendingCalls
+) -> BaseException | None:
     """Run the request's ``preload_fn`` (the snapshot) and hand ``async_fn`` to ``worker``. A
-    failure becomes this rank's outcome of the call (raised on every rank at finalize)."""
+    failure becomes this rank's outcome of the call (raised on every rank at finalize); an
+    interrupt (a Ctrl-C's ``KeyboardInterrupt``, a signal handler's ``SystemExit``) does too, and
+    is returned for the caller to raise once the call's bookkeeping is done: the user stopped the
+    process, the snapshot must not swallow that."""
     request = call.request
     try:
         kwargs = dict(request.async_fn_kwargs or {})
@@ -187,6 +192,9 @@ def snapshot_and_dispatch(call: Call, worker: Worker | None, pending: PendingCal
         )
         logger.debug("%s: snapshot failure", request.description, exc_info=True)
         call.set_worker_result((False, f"snapshot failed: {error_text(e)}", type(e).__name__))
+        if not isinstance(e, Exception):
+            return e
+    return None
 
 
 def start_thread(target: Callable[[Call], None], call: Call) -> threading.Thread:

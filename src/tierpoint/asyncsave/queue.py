@@ -156,7 +156,9 @@ class AsyncCallsQueue:
         :class:`CheckpointingError` for a request scheduled before (on any queue) or a closed queue,
         all before the queue changes. When the request cannot be taken (a closed or given-up queue,
         or finalizing an earlier call to make room raised), its ``abort_fns`` run before the error
-        is raised: a planned save releases what it holds (its directory, staging, markers).
+        is raised: a planned save releases what it holds (its directory, staging, markers). A
+        Ctrl-C (``KeyboardInterrupt``) during the snapshot fails the call on this rank (every
+        rank raises that at finalize) and is then raised here: the user's, never swallowed.
         """
         if not isinstance(request, AsyncRequest):
             request = AsyncRequest.from_nvrx(request)
@@ -202,10 +204,12 @@ class AsyncCallsQueue:
         return Worker(nice=self.cpu_priority, io_class=self.io_priority)
 
     def _preload_and_dispatch(self, call: Call) -> None:
-        snapshot_and_dispatch(call, self._worker, self._calls)
+        interrupted = snapshot_and_dispatch(call, self._worker, self._calls)
         if call.request.background_fn is not None:
             # Also after a failure: the background step then tells its peers at once.
             call.background = start_thread(self._run_background, call)
+        if interrupted is not None:  # a Ctrl-C in the snapshot: the call failed, the user stops
+            raise interrupted
 
     def _deadline(self, start: float) -> float:
         """When a wait that began at ``start`` times out (:func:`~.deadlines.deadline`)."""
