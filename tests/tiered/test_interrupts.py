@@ -5,13 +5,15 @@ the user closes the manager or not, and the next job restores the newest committ
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from tierpoint import TieredCheckpointManager
-from tierpoint.local import in_place
+from tierpoint.local import in_place, saving
 from tierpoint.testing import run_ranks
 
 from .helpers import as_node, fingerprint, make_state, train_step
@@ -88,3 +90,70 @@ def test_a_ctrl_c_in_the_snapshot_stops_the_rank_and_the_save_fails_everywhere(s
         assert out["closing"] < 30  # the failed save is agreed at once, not at a timeout
     steps = run_ranks(_resume, 2, shm_dir, [o["saved"] for o in outs], timeout=180)
     assert steps == [1, 1]
+
+
+SLOW_SEAL = 30.0
+"""Seconds :func:`slow_seal` takes: far longer than an interrupted close may."""
+
+
+def slow_seal(*args: Any, **kwargs: Any) -> Any:
+    """The local tier's worker job, slowed down (the worker imports it from here)."""
+    from tierpoint.local.jobs import seal_staged_part
+
+    time.sleep(SLOW_SEAL)
+    return seal_staged_part(*args, **kwargs)
+
+
+def _workers() -> list[int]:
+    """This process's live background workers."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if int(parent) == os.getpid() and state != "Z" and b"asyncsave._entry" in command:
+            out.append(int(pid))
+    return out
+
+
+def _ctrl_c_twice(rank: int, world: int, root: Path) -> dict[str, Any]:
+    """Step 1 is saved; step 2's save is slow in the worker. A Ctrl-C stops the loop and the
+    user's ``finally`` closes the manager, which waits for step 2; the user presses Ctrl-C again."""
+    as_node(rank, 1)
+    state, events, saved = make_state(rank), [], {}
+    manager = TieredCheckpointManager(
+        str(root / f"local{rank}"), None, "ctrl-c", local_every=1, on_event=events.append
+    )
+    for step in (1, 2):
+        train_step(state, world)
+        saved[step] = _digest(state)
+        if step == 2:
+            saving.seal_staged_part = slow_seal
+        manager.maybe_save(step, state)
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        manager.close()
+    except KeyboardInterrupt:
+        pass
+    return {
+        "closing": time.monotonic() - start,
+        "workers": _workers(),
+        "saves": [(e["tier"], e["step"], e["ok"]) for e in events if e["kind"] == "save"],
+        "saved": saved,
+    }
+
+
+def test_a_second_ctrl_c_while_close_waits_drops_the_save_in_flight(shm_dir):
+    # One rank: with two, a peer that is inside a finalize round's all-reduce when its Ctrl-C
+    # comes sees it only once that collective ends (gloo blocks in C++), so both wait for it.
+    (out,) = run_ranks(_ctrl_c_twice, 1, shm_dir, timeout=240)
+    # Before: close() went on waiting for the save (then for the worker's call) after the Ctrl-C.
+    assert out["closing"] < SLOW_SEAL / 2
+    assert out["workers"] == []
+    assert out["saves"] == [("local", 1, True), ("local", 2, False)]
+    assert run_ranks(_resume, 1, shm_dir, [out["saved"]], timeout=180) == [1]

@@ -357,20 +357,28 @@ class AsyncCallsQueue:
         """Finalize everything (or, with ``abort=True``, kill the worker and undo pending calls).
 
         Calls dropped unfinalized (all pending ones with ``abort=True``; those still pending
-        when finalizing raises) are named in a WARNING.
+        when finalizing raises) are named in a WARNING. A close interrupted while it waits (a
+        Ctrl-C) kills the worker rather than wait for its call to end.
         """
         if self._closed:
             return
+        interrupted = False
         try:
             if abort:
                 self._abort_pending("the queue was closed with abort=True")
             else:
                 self.maybe_finalize_async_calls(blocking=True)
+        except BaseException as e:
+            interrupted = not isinstance(e, Exception)
+            raise
         finally:
             self._closed = True
             self._drop_pending("close() raised before finalizing it")
             if self._worker is not None:
-                self._worker.stop(self.sigterm_timeout)
+                if interrupted:
+                    self._worker.kill()
+                else:
+                    self._worker.stop(self.sigterm_timeout)
                 self._worker = None
 
     def abort(self, why: str = "aborted") -> None:

@@ -356,7 +356,9 @@ class TieredCheckpointManager(SavePath):
         does): no collective, no
         waiting for other ranks, which after an exception or a Ctrl-C may be anywhere: the worker
         is killed and the saves in flight are dropped (named in a WARNING; their files are never
-        taken for checkpoints)."""
+        taken for checkpoints). A plain ``close()`` that is interrupted (a second Ctrl-C) or fails
+        while it waits ends as ``abort=True`` does: what is still in flight is dropped, never
+        waited for a second time."""
         if self._closed:
             return
         try:
@@ -365,6 +367,9 @@ class TieredCheckpointManager(SavePath):
                 self.queue.close(abort=True)
             else:
                 self.wait()
+        except BaseException:
+            abort = True
+            raise
         finally:
             self._closed = True
             try:
@@ -374,7 +379,8 @@ class TieredCheckpointManager(SavePath):
                 for hook in self._optimizer_hooks.values():
                     hook.remove()
                 self._optimizer_hooks.clear()
-                self.queue.close()
+                self._aborting = self._aborting or abort
+                self.queue.close(abort=abort)
                 self._staging_pool.close()
 
     def __enter__(self) -> TieredCheckpointManager:
