@@ -157,3 +157,43 @@ def test_a_second_ctrl_c_while_close_waits_drops_the_save_in_flight(shm_dir):
     assert out["workers"] == []
     assert out["saves"] == [("local", 1, True), ("local", 2, False)]
     assert run_ranks(_resume, 1, shm_dir, [out["saved"]], timeout=180) == [1]
+
+
+def slow_failing_seal(*args: Any, **kwargs: Any) -> Any:
+    """The local tier's worker job failing late, as on a full RAM disk (imported by the worker)."""
+    time.sleep(2.0)
+    raise OSError(28, "No space left on device")
+
+
+def _wait_past_a_failed_save(rank: int, world: int, root: Path) -> dict[str, Any]:
+    """Step 2's local save fails in the worker after step 3's persistent save was scheduled; then
+    ``wait()``, as ``final_save`` (a SIGTERM's) and ``restore`` begin."""
+    state, events = make_state(rank), []
+    manager = TieredCheckpointManager(
+        str(root / "local"),
+        str(root / "persistent"),
+        "wait",
+        local_every=2,
+        persistent_every=3,
+        on_event=events.append,
+    )
+    for step in (1, 2, 3):
+        train_step(state, world)
+        if step == 2:
+            saving.seal_staged_part = slow_failing_seal
+        manager.maybe_save(step, state)
+    manager.wait()
+    out = {
+        "pending": manager.queue.get_num_unfinalized_calls(),
+        "saves": [(e["tier"], e["step"], e["ok"]) for e in events if e["kind"] == "save"],
+    }
+    manager.close()
+    return out
+
+
+def test_wait_returns_once_every_save_is_over_also_past_a_failed_one(shm_dir):
+    (out,) = run_ranks(_wait_past_a_failed_save, 1, shm_dir, timeout=180)
+    # Before: wait() stopped at the failed local save; step 3's persistent save was still in
+    # flight when it returned (a SIGTERM's final save then ran beside it).
+    assert out["pending"] == 0
+    assert out["saves"] == [("local", 2, False), ("persistent", 3, True)]

@@ -11,20 +11,19 @@ the first step not saved, ``_with_owed_copy`` at every step)::
     _save_final(step, tree)                # final_save, after wait()
 
 Invariants: each tier keeps one save in flight (:meth:`_make_room` waits for the previous one, so at
-most two calls are in flight); a persistent copy is made from the local part's bytes only after the
-local save of its step is committed on every rank, and is dropped if that save failed; it costs the
-training thread the planning and no copy: the part is held (never recycled, so its bytes stay
-those of its step: :meth:`~tierpoint.local.LocalCheckpointManager.hold_own_part`) and the worker
-writes its bytes into the DCP files (:class:`~tierpoint.staging.SourceFile`), until the save is
-finalized or aborted, which releases the hold (explicitly: the order of the one worker's jobs
-would protect it too); the persistent copy lost with its local save is made up for: the manager's
-next step is saved to the persistent tier from the state, and while local saves fail, persistent
-saves snapshot the state (no tier is left without checkpoints because the other one is full); the
-persistent tier retires older steps (:mod:`.retention`) only after a newer one is committed, on a
-thread of rank 0 (listing and removing on an object store takes round trips the training thread
-need not wait for), only steps older than the one just committed (the saves that follow are newer:
-they run beside it), and :meth:`wait` (so ``restore``, ``final_save`` and ``close``) waits for it; a
-failed persistent save (its commit too) is a WARNING and a failed record, training goes on.
+most two calls are in flight; a failed call ends no wait: the calls after it are waited for too); a
+persistent copy is made from the local part's bytes only after the local save of its step is
+committed on every rank, and is dropped if that save failed; it costs the training thread the
+planning and no copy: the part is held (never recycled, so its bytes stay those of its step:
+:meth:`~tierpoint.local.LocalCheckpointManager.hold_own_part`) and the worker writes its bytes into
+the DCP files (:class:`~tierpoint.staging.SourceFile`) until the save is finalized or aborted,
+which releases the hold; a persistent copy lost with its local save is made up for: the next step
+is saved to the persistent tier from the state, and while local saves fail, persistent saves
+snapshot the state (no tier is left empty because the other one is full); the persistent tier
+retires older steps (:mod:`.retention`) only after a newer one is committed, on a thread of rank 0
+(round trips to an object store the training thread need not wait for), only steps older than
+the one just committed, and :meth:`wait` (so ``restore``, ``final_save`` and ``close``) waits for
+it; a failed persistent save (its commit too) is a WARNING and a failed record, training goes on.
 
 :class:`SavePath` is a mixin of the manager, holding no state of its own (it uses the attributes
 annotated below, all set by the manager's constructor).
@@ -107,19 +106,13 @@ class SavePath:
         what = "agreeing on the step to save"
         low, high = tpdist.reduce_ints([step, -step], "min", what)
         if low != -high:
-            steps = tpdist.all_gather_json(step, what)
-            raise CheckpointingError(
-                f"ranks disagree on the step to save: {dict(enumerate(steps))}"
-            )
+            steps = dict(enumerate(tpdist.all_gather_json(step, what)))
+            raise CheckpointingError(f"ranks disagree on the step to save: {steps}")
 
     def _make_room(self, tier: str) -> None:
         """Each tier keeps one save in flight: wait (collective) for the previous one."""
-        call = self._in_flight.get(tier)
-        if call is not None:
-            try:
-                self.queue.finalize_through(call)
-            except CheckpointingError as e:
-                logger.warning("a checkpoint save failed: %s", e)
+        if (call := self._in_flight.get(tier)) is not None:
+            self._finalize(True, through=call)
 
     def _schedule(
         self,
@@ -327,16 +320,23 @@ class SavePath:
             tree[key] = st.RankLocal(tree[key])
         self._save_persistent(deferred.step, st.persistent_form(tree, tpdist.get_rank()), held)
 
-    def _finalize(self, blocking: bool) -> None:
-        try:
-            self.queue.maybe_finalize_async_calls(blocking=blocking)
-        except CheckpointingError as e:
-            # The failed call's record says which save; training goes on with the last good ones.
-            logger.warning("a checkpoint save failed: %s", e)
+    def _finalize(self, blocking: bool, through: int | None = None) -> None:
+        """Finalize what finished (``blocking``: all, or up to ``through``), past failed calls."""
+        while True:
+            try:
+                if through is None:
+                    self.queue.maybe_finalize_async_calls(blocking=blocking)
+                else:
+                    self.queue.finalize_through(through)
+                return
+            except CheckpointingError as e:  # its record says which save; training goes on
+                logger.warning("a checkpoint save failed: %s", e)
+            if not blocking or not self.queue.get_num_unfinalized_calls():
+                return
 
     def wait(self) -> None:
         """Wait until every save in flight (and a pending persistent copy) is committed or failed,
-        and the persistent retention they started is done. Collective: every rank calls it."""
+        and the persistent retention they started is done. Collective."""
         self._finalize(blocking=True)
         if self._deferred is not None:
             self.poll()
