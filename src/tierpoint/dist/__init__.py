@@ -34,7 +34,14 @@ from .group import _SILENT_GRACE_S as _SILENT_GRACE_S
 from .group import _broken as _broken
 from .group import _first_line as _first_line
 from .group import _groups as _groups
-from .group import coordination_group, drop_at_exit, run_collective, silent_ranks, step_kind
+from .group import (
+    coordination_group,
+    destroy_group,
+    drop_at_exit,
+    run_collective,
+    silent_ranks,
+    step_kind,
+)
 from .messages import _HEADER_VALUES as _HEADER_VALUES
 from .messages import (
     all_gather_json,
@@ -73,6 +80,7 @@ __all__ = [
     "broadcast_json",
     "check_timeout",
     "coordination_group",
+    "destroy_group",
     "drop_at_exit",
     "default_timeout",
     "failure_status",

@@ -12,6 +12,8 @@ Invariants:
   themselves alive through the job's store within a short grace), any other collective failure a
   :class:`CheckpointingError`; never a hang, never a raw ``RuntimeError``.
 - :func:`step_kind` keeps only what all ranks at the same step share (no numbers, no paths).
+- A gloo group tierpoint replaces or stops using is freed (:func:`destroy_group`): torch keeps
+  every group it made until it is destroyed, each holding sockets and threads to every peer.
 - Every gloo group tierpoint keeps is named to :func:`drop_at_exit`: a gloo group freed while the
   interpreter shuts down can abort the process (``terminate called without an active
   exception``, SIGABRT, which torchrun reports as a failed job), so tierpoint's references to
@@ -60,6 +62,18 @@ def _drop_groups() -> None:
     for registry in _registries:
         registry.clear()
     gc.collect()
+
+def destroy_group(group: Any) -> None:
+    """Free a gloo group tierpoint made and no longer uses: its sockets, threads and mappings
+    (a group torch still lists is never freed otherwise). Local, not collective; an operation still
+    in flight on it on another thread ends with its timeout. Quiet when it is gone already."""
+    if group is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except (ValueError, RuntimeError, AssertionError):  # destroyed already, or torch's world gone
+        pass
+
 
 _SILENT_GRACE_S = 3.0
 

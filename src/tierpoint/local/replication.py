@@ -55,6 +55,12 @@ class _ReplicaGroups:
     def setup(self) -> None:
         raise NotImplementedError
 
+    def _drop_groups(self) -> None:
+        """Free the groups and forget them (the next use creates new ones)."""
+        for group in (self._group, self._restore_group):
+            tpdist.destroy_group(group)
+        self._group = self._restore_group = None
+
     @property
     def group(self) -> Any:
         """The gloo group replica traffic runs on (set up on first use)."""
@@ -171,9 +177,9 @@ class CliqueReplicationStrategy(_ReplicaGroups):
                 return
 
     def reset(self) -> None:
-        """Forget the groups (after a failed exchange every rank does this, so all agree)."""
-        self._group = None
-        self._restore_group = None
+        """Free and forget the groups (after a failed exchange every rank does this, so all agree;
+        a failed save must not leave a group, its sockets and threads behind)."""
+        self._drop_groups()
         self.world_size = None
 
     # ------------------------------------------------------------------------------ cliques
@@ -273,7 +279,7 @@ class UserReplication(_ReplicaGroups):
         return []
 
     def reset(self) -> None:
-        self._group = self._restore_group = None
+        self._drop_groups()
 
     def replicate(self, local_ckpt: Any, ckpt_id: Any) -> list[tuple[Any, tuple[int, int, str]]]:
         """Run the user's ``replicate``; returns ``(checkpoint, (iteration, origin, session))``

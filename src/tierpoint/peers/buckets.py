@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -28,13 +29,17 @@ from ..errors import CheckpointingError, CoordinationTimeoutError
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 _TAGS_PER_CALL = 1 << 20
-_calls: dict[Any, itertools.count] = {}  # group -> call sequence
+_calls: weakref.WeakKeyDictionary[Any, itertools.count] = weakref.WeakKeyDictionary()
+"""group -> call sequence; weak, so a group replaced after a failed save is freed, not kept here."""
+_default_calls = itertools.count()  # group None: the default group's sequence
 _calls_lock = threading.Lock()
 
 
 def next_call(group: Any) -> int:
     """This process's next call number on ``group`` (every rank of the group advances alike)."""
     with _calls_lock:
+        if group is None:
+            return next(_default_calls)
         return next(_calls.setdefault(group, itertools.count()))
 
 
