@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ from tierpoint import dcp
 from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
 from tierpoint.dcp import StagingPool, async_save_request, step_path
 from tierpoint.dcp import snapshot as dcp_snapshot
+from tierpoint.errors import CheckpointingError
 from tierpoint.staging import SourceFile
 
 from .test_writer import assert_same, zeros_like_state
@@ -173,3 +175,26 @@ def test_the_worker_unmaps_the_source_once_the_save_is_finalized(tmp_path):
         while part in worker_maps.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert part not in worker_maps.read_text()
+
+
+def test_a_worker_killed_before_the_save_is_finalized_fails_the_save_not_the_queue(tmp_path):
+    """The worker dies (the OOM killer) with a save from a source file pending: finalizing raises
+    that save's error, and the next save runs on a new worker (before: unmapping the source in
+    the dead worker raised BrokenPipeError out of the queue, the save popped and never concluded)."""
+    reference = _reference()
+    views, source = _source(tmp_path / "part", reference)
+    with AsyncCallsQueue(max_in_flight=2) as queue:
+        queue.schedule_async_request(AsyncRequest(time.sleep, (30.0,), []))  # the worker is busy
+        queue.schedule_async_request(
+            async_save_request({"model": views}, step_path(tmp_path, 1), source_file=source)
+        )
+        os.kill(queue._worker.process.pid, signal.SIGKILL)
+        for failed in ("async checkpoint call", "DCP save"):  # each raises its own error
+            with pytest.raises(CheckpointingError, match=f"{failed}.*worker process died"):
+                queue.maybe_finalize_async_calls(blocking=True)
+        queue.schedule_async_request(
+            async_save_request({"model": views}, step_path(tmp_path, 2), source_file=source)
+        )
+        queue.maybe_finalize_async_calls(blocking=True)
+    source.close()
+    _assert_loads(step_path(tmp_path, 2), {"model": reference})

@@ -244,16 +244,23 @@ class Worker:
     def drop_buffers(self, keep: set[str]) -> None:
         """Unmap staging buffers the trainer no longer uses."""
         with self._lock:
-            for buf_id in self._sent - keep:
-                self._conn.send(("drop", buf_id))
+            self._drop(self._sent - keep)
             self._sent &= keep
 
     def forget(self, buffer_ids: set[str]) -> None:
         """Unmap these shared files now (source files no later call reads)."""
         with self._lock:
-            for buf_id in buffer_ids & self._sent:
-                self._conn.send(("drop", buf_id))
+            self._drop(buffer_ids & self._sent)
             self._sent -= buffer_ids
+
+    def _drop(self, buffer_ids: set[str]) -> None:
+        """Tell the worker to unmap ``buffer_ids``; nothing to do when it died (its mappings went
+        with it, and the queue notes the death against its calls). Under ``_lock``."""
+        try:
+            for buf_id in buffer_ids:
+                self._conn.send(("drop", buf_id))
+        except OSError:
+            pass
 
     def results(self, wait: float = 0.0) -> list[tuple[int, bool, Any, str | None]]:
         """Finished calls, waiting at most ``wait`` seconds for the first one."""
