@@ -6,13 +6,16 @@ the save is committed (or failed, also in its finalize steps: :func:`finalize_or
 which logs it at INFO, hands it to the user's ``on_event`` callback and keeps the counts behind
 :meth:`EventLog.summary` (``manager.stats()``).
 
-Invariant: a callback that raises is logged and otherwise ignored: monitoring never fails a save.
+Invariants: a callback that raises is logged and otherwise ignored: monitoring never fails a save.
+The log keeps sums and the last :data:`RECENT` values, never every record: a job saving every few
+steps for days holds as much as one that just started.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -95,12 +98,12 @@ class EventLog:
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event must be callable or None, got {on_event!r}")
         self.on_event = on_event
-        self._saves: list[SaveRecord] = []
-        self._restores: list[RestoreRecord] = []
+        self._tiers: dict[str, _TierSums] = {}
+        self._restores: deque[RestoreRecord] = deque(maxlen=RECENT)
 
     def emit(self, record: SaveRecord | RestoreRecord) -> None:
         if isinstance(record, SaveRecord):
-            self._saves.append(record)
+            self._tiers.setdefault(record.tier, _TierSums()).add(record)
             phases = " ".join(f"{k}={v:.3f}s" for k, v in record.phases.items())
             outcome = "ok" if record.ok else f"FAILED ({record.error})"
             logger.info(
@@ -128,20 +131,10 @@ class EventLog:
                 logger.exception("the on_event callback raised (ignored)")
 
     def summary(self) -> dict[str, Any]:
-        """Counts, blocking time per save and time to durable, per tier (medians and maxima)."""
-        tiers: dict[str, Any] = {}
-        for tier in sorted({r.tier for r in self._saves}):
-            records = [r for r in self._saves if r.tier == tier]
-            done = [r for r in records if r.ok]
-            tiers[tier] = {
-                "saves": len(records),
-                "failed": len(records) - len(done),
-                "bytes": sum(r.bytes for r in done),
-                "blocking_s": _spread([_blocking(r) for r in records]),
-                "durable_s": _spread([r.phases["durable"] for r in done if "durable" in r.phases]),
-            }
+        """Counts, blocking time per save and time to durable, per tier (medians of the last
+        :data:`RECENT` saves; counts, maxima and totals of every save), and the last restores."""
         return {
-            "tiers": tiers,
+            "tiers": {tier: self._tiers[tier].summary() for tier in sorted(self._tiers)},
             "restores": [r.as_dict() for r in self._restores],
         }
 
@@ -149,12 +142,53 @@ class EventLog:
 BLOCKING_PHASES = ("snapshot", "copy_from_local")
 """The phases of a save that the training loop waits for."""
 
+RECENT = 1000
+"""Saves per tier whose times the summary's medians are taken over, and restores it lists: a
+job saving every few steps for days keeps sums, not every record."""
 
-def _blocking(record: SaveRecord) -> float:
-    return sum(record.phases.get(phase, 0.0) for phase in BLOCKING_PHASES)
+
+class _Spread:
+    """Maximum and total of every value, median of the last :data:`RECENT`."""
+
+    def __init__(self) -> None:
+        self.recent: deque[float] = deque(maxlen=RECENT)
+        self.max = 0.0
+        self.total = 0.0
+
+    def add(self, value: float) -> None:
+        self.max = value if not self.recent else max(self.max, value)
+        self.total += value
+        self.recent.append(value)
+
+    def summary(self) -> dict[str, float]:
+        if not self.recent:
+            return {"median": 0.0, "max": 0.0, "total": 0.0}
+        return {"median": statistics.median(self.recent), "max": self.max, "total": self.total}
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"median": 0.0, "max": 0.0, "total": 0.0}
-    return {"median": statistics.median(values), "max": max(values), "total": sum(values)}
+class _TierSums:
+    """What the summary says of one tier's saves, kept as they are emitted."""
+
+    def __init__(self) -> None:
+        self.saves = self.failed = self.bytes = 0
+        self.blocking = _Spread()
+        self.durable = _Spread()
+
+    def add(self, record: SaveRecord) -> None:
+        self.saves += 1
+        self.blocking.add(sum(record.phases.get(p, 0.0) for p in BLOCKING_PHASES))
+        if not record.ok:
+            self.failed += 1
+            return
+        self.bytes += record.bytes
+        if "durable" in record.phases:
+            self.durable.add(record.phases["durable"])
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "saves": self.saves,
+            "failed": self.failed,
+            "bytes": self.bytes,
+            "blocking_s": self.blocking.summary(),
+            "durable_s": self.durable.summary(),
+        }

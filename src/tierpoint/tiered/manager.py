@@ -346,7 +346,8 @@ class TieredCheckpointManager(SavePath):
         self.queue.wait_for_snapshot(timeout)
 
     def stats(self) -> dict[str, Any]:
-        """Counts, blocking time per save and time to durable per tier, and the restores."""
+        """Counts, blocking time per save and time to durable per tier (medians of the last 1000
+        saves of each tier; counts, maxima and totals of all), and the last 1000 restores."""
         return self._events.summary()
 
     def close(self, abort: bool = False) -> None:
