@@ -6,8 +6,6 @@ copy on the other node.
 
 from __future__ import annotations
 
-import gc
-import os
 import shutil
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from .helpers import (
     as_node,
     load_latest,
     make_state,
+    open_sockets,
     part_files,
     replicated_manager,
 )
@@ -128,12 +127,6 @@ def _no_space(*args: object, **kwargs: object) -> int:
     raise OSError(28, "No space left on device")
 
 
-def _sockets() -> int:
-    gc.collect()  # a failed save's traceback may hold its group a while: count what stays
-    fds = Path("/proc/self/fd")
-    return sum(os.readlink(fd).startswith("socket:") for fd in fds.iterdir() if fd.exists())
-
-
 def _failing_saves(rank: int, world: int, root: str) -> list[int]:
     """Async saves that fail on every rank (a full RAM disk), then one that succeeds; the sockets
     this process holds after the first failure and after each later one."""
@@ -150,7 +143,7 @@ def _failing_saves(rank: int, world: int, root: str) -> list[int]:
             queue.schedule_async_request(manager.save(state, it, is_async=True))
             with pytest.raises(CheckpointingError, match="No space left"):
                 queue.maybe_finalize_async_calls(blocking=True)
-            sockets.append(_sockets())
+            sockets.append(open_sockets())
         saving.write_staged_part, saving.seal_staged_part = written
         state = BasicTensorAwareStateDict(make_state(rank, 11))
         queue.schedule_async_request(manager.save(state, 11, is_async=True))

@@ -26,9 +26,9 @@ Invariants:
   new worker (a worker's start-up is bounded on its own, :mod:`~tierpoint.asyncsave.deadlines`). If
   a round itself fails (a peer is gone), the queue drops its calls without undoing them (a rank may
   have concluded them) and refuses more.
-- A dead worker is detected by its exit status and replaced at the next schedule.
-- Misuse is refused before anything changes: a wrong argument raises ``TypeError`` or
-  ``ValueError`` naming it, and a request already scheduled raises :class:`CheckpointingError`.
+- A dead worker is detected by its exit status and replaced at the next schedule. Misuse is
+  refused before anything changes (``TypeError`` / ``ValueError`` naming the argument;
+  :class:`CheckpointingError` for a request already scheduled).
 - A call dropped before it was finalized (``close(abort=True)``, a failing ``close()``, the queue
   garbage-collected, or the process exiting) is named in a WARNING on the ``tierpoint`` logger; the
   warning changes nothing on disk (an aborted save leaves the previous checkpoint intact).
@@ -117,7 +117,6 @@ class AsyncCallsQueue:
             )
         )
         self.persistent, self.is_daemon, self.cpu_shm_mode = persistent, is_daemon, cpu_shm_mode
-        # default_timeout() checks TIERPOINT_TIMEOUT
         self.timeout = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds())
         self.overlap_snapshot = overlap_snapshot
         self._worker: Worker | None = self._new_worker()
@@ -152,9 +151,8 @@ class AsyncCallsQueue:
 
         A request built by NVRx's own ``AsyncRequest`` class is converted
         (:meth:`AsyncRequest.from_nvrx`). Raises ``TypeError`` for anything else that is not a
-        valid :class:`AsyncRequest`, and
-        :class:`CheckpointingError` for a request scheduled before (on any queue) or a closed queue,
-        all before the queue changes. When the request cannot be taken (a closed or given-up queue,
+        valid :class:`AsyncRequest`, and :class:`CheckpointingError` for a request scheduled before
+        (on any queue) or a closed queue, all before the queue changes. When the request cannot be taken (a closed or given-up queue,
         or finalizing an earlier call to make room raised), its ``abort_fns`` run before the error
         is raised: a planned save releases what it holds (its directory, staging, markers). A
         Ctrl-C (``KeyboardInterrupt``) during the snapshot fails the call on this rank (every
@@ -358,7 +356,8 @@ class AsyncCallsQueue:
 
         Calls dropped unfinalized (all pending ones with ``abort=True``; those still pending
         when finalizing raises) are named in a WARNING. A close interrupted while it waits (a
-        Ctrl-C) kills the worker rather than wait for its call to end.
+        Ctrl-C) kills the worker rather than wait for its call to end. The queue's gloo group is
+        freed (local: a rank still in a collective on it times out).
         """
         if self._closed:
             return
@@ -375,11 +374,15 @@ class AsyncCallsQueue:
             self._closed = True
             self._drop_pending("close() raised before finalizing it")
             if self._worker is not None:
-                if interrupted:
-                    self._worker.kill()
-                else:
-                    self._worker.stop(self.sigterm_timeout)
+                self._worker.kill() if interrupted else self._worker.stop(self.sigterm_timeout)
                 self._worker = None
+            tpdist.destroy_group(self._group)
+            self._group = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: a closed queue takes no more calls."""
+        return self._closed
 
     def abort(self, why: str = "aborted") -> None:
         """Kill the worker and undo every pending call on this rank (their ``abort_fns``), without

@@ -383,6 +383,10 @@ class TieredCheckpointManager(SavePath):
                 self._aborting = self._aborting or abort
                 self.queue.close(abort=abort)
                 self._staging_pool.close()
+                if self.local is not None and self.local.repl_strategy is not None:
+                    if not abort:  # the replicas a restore gives back travel on its groups
+                        self.local.wait_for_restore()
+                    self.local.repl_strategy.reset()  # frees its gloo groups: this manager made it
 
     def __enter__(self) -> TieredCheckpointManager:
         return self
