@@ -23,6 +23,7 @@ from tierpoint.dcp import (
     StagingPool,
     async_save,
     async_save_request,
+    default_queue,
     get_latest_complete_checkpoint,
     step_path,
 )
@@ -250,6 +251,21 @@ def test_a_save_the_queue_cannot_take_releases_its_directory(tmp_path):
     out = {"w": torch.zeros(1000)}
     dcp.load(out, checkpoint_id=step_path(tmp_path, 3))
     assert torch.equal(out["w"], torch.arange(1000.0))
+
+
+def test_async_save_after_the_default_queue_was_closed_uses_a_new_one(tmp_path):
+    """The docs have users close ``default_queue()`` before destroying the process group; a later
+    ``async_save`` without ``queue=`` (a new process group, an in-process restart) must not find it
+    closed for good."""
+    first = default_queue()
+    async_save({"w": torch.ones(4)}, step_path(tmp_path, 1)).result(timeout=120)
+    first.close()
+    assert first.closed
+    async_save({"w": torch.full((4,), 2.0)}, step_path(tmp_path, 2)).result(timeout=120)
+    assert default_queue() is not first and not default_queue().closed
+    out = {"w": torch.zeros(4)}
+    dcp.load(out, checkpoint_id=step_path(tmp_path, 2))
+    assert torch.equal(out["w"], torch.full((4,), 2.0))
 
 
 def _poll_between_training_collectives(rank: int, world: int, root: str) -> list[str | None]:

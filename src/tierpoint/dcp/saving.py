@@ -196,12 +196,14 @@ _queue_lock = threading.Lock()
 
 
 def default_queue() -> AsyncCallsQueue:
-    """The queue :func:`async_save` uses when given none (created on first use)."""
+    """The queue :func:`async_save` uses when given none (created on first use, and again after
+    it was closed)."""
     global _default_queue
     with _queue_lock:
-        if _default_queue is None:
+        if _default_queue is None or _default_queue.closed:
+            if _default_queue is None:
+                atexit.register(_close_default_queue)
             _default_queue = AsyncCallsQueue()
-            atexit.register(_close_default_queue)
         return _default_queue
 
 
