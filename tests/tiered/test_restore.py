@@ -619,3 +619,48 @@ def test_a_persistent_step_the_store_cannot_serve_fails_the_restore_rather_than_
     with TieredCheckpointManager(None, base, "p", **kwargs) as manager:
         assert manager.restore(restored) == 8
     assert_same(fingerprint(restored), reference)
+
+
+def _restore_while_the_store_cannot_list(
+    rank: int, world: int, root: Path, base: str, options: dict, unlisted: str
+) -> tuple[str, str]:
+    """Local step 4 and persistent step 8, then a restore through an endpoint that cannot list
+    the bucket; returns what the restore raised (class and message) or restored."""
+    as_node(rank, world)  # one node: no replicas
+    state, local = make_state(rank), str(root / "local")
+    with TieredCheckpointManager(local, None, "job", local_every=4) as manager:
+        for step in range(1, 5):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+    with TieredCheckpointManager(
+        None, base, "job", **PERSISTENT_ONLY, storage_options=options
+    ) as manager:
+        for step in range(5, 9):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+    through = {"local_every": 4, "persistent_every": 4, "storage_options": unlisted}
+    with TieredCheckpointManager(local, base, "job", **through) as manager:
+        try:
+            step = manager.restore(make_state(rank))
+        except CheckpointingError as e:
+            return type(e).__name__, str(e)
+        return "restored", f"step {step} from {manager.last_restore.tier}"
+
+
+def test_a_persistent_tier_the_store_cannot_list_fails_the_restore_rather_than_rewind(
+    s3_bucket,  # noqa: F811
+    faulty_endpoint,  # noqa: F811
+    shm_dir,
+):
+    """The store does not answer the listing: the persistent steps are unknown, and the local
+    tier's step 4 is older than persistent step 8. Restoring it would rewind the run (and its
+    next saves would go beside step 8); every rank raises instead (before: step 4 restored)."""
+    base, options = s3_bucket
+    endpoint = faulty_endpoint(failing_reads="/" + base.removeprefix("s3://"))
+    unlisted = {"endpoint_url": endpoint.url}
+    outs = run_ranks(
+        _restore_while_the_store_cannot_list, 2, shm_dir, base, options, unlisted, timeout=240
+    )
+    for kind, message in outs:
+        assert kind == "StorageUnavailableError", message
+        assert "cannot list" in message and "did not answer" in message, message

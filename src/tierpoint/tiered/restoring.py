@@ -16,7 +16,8 @@ when checkpoints exist (or a tier cannot be listed) but none loads, :class:`Chec
 says why on every rank, never "nothing to restore" (the run would start over and save over them);
 a different state structure raises
 :class:`StateMismatchError` on every rank before anything is copied, as do a coordination
-timeout and a store that does not answer while a persistent step is read, rather than being skipped.
+timeout and a store that does not answer while the persistent steps are listed or one is read,
+rather than being skipped.
 """
 
 from __future__ import annotations
@@ -129,10 +130,12 @@ def _persistent_candidates(
     and ``[step, marker ranks]`` of each step that has a ``.metadata`` but unfinished markers (a
     save killed between its commit and its clean-up: not complete, so not loaded, but it looks
     like a checkpoint and the record must say why when it is newer than the step restored, which
-    may be older than the newest complete one: that one can fail to load)."""
+    may be older than the newest complete one: that one can fail to load). A store that does not
+    answer raises :class:`StorageUnavailableError` on every rank: the local tier's newest step may
+    be older than the persistent steps it cannot list, and restoring it would rewind the run."""
     if persistent_dir is None:
         return [], []
-    steps, unfinished, error = None, None, None
+    steps, unfinished, error, unavailable = None, None, None, False
     if tpdist.get_rank() == 0:
         try:
             view = local_view(persistent_dir, storage_options)
@@ -142,10 +145,17 @@ def _persistent_candidates(
                 reverse=True,
             )
         except CheckpointingError as e:
-            error = str(e)
-    steps, unfinished, error = tpdist.broadcast_json(
-        [steps, unfinished, error], 0, f"listing persistent checkpoints under {persistent_dir}"
+            error, unavailable = str(e), isinstance(e, StorageUnavailableError)
+    steps, unfinished, error, unavailable = tpdist.broadcast_json(
+        [steps, unfinished, error, unavailable],
+        0,
+        f"listing persistent checkpoints under {persistent_dir}",
     )
+    if unavailable:
+        raise StorageUnavailableError(
+            f"restore: cannot list the persistent tier {persistent_dir}: {error} (restoring "
+            "another tier's step instead could rewind past the steps it holds)"
+        )
     if error is not None:
         skipped.append(f"persistent tier: cannot list {persistent_dir}: {error}")
         logger.warning("restore: cannot list the persistent tier: %s", error)
