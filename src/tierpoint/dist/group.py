@@ -63,6 +63,7 @@ def _drop_groups() -> None:
         registry.clear()
     gc.collect()
 
+
 def destroy_group(group: Any) -> None:
     """Free a gloo group tierpoint made and no longer uses: its sockets, threads and mappings
     (a group torch still lists is never freed otherwise). Local, not collective; an operation still
