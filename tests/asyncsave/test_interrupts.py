@@ -1,6 +1,7 @@
 """A Ctrl-C (``KeyboardInterrupt``) while an :class:`AsyncCallsQueue` works: a snapshot never
 swallows it, and a ``close()`` it interrupts stops the worker at once instead of waiting for its
-call to end."""
+call to end. Signals sent to every process of the job (a terminal's Ctrl-C, Slurm's SIGTERM) leave
+the worker's save in flight to finish."""
 
 from __future__ import annotations
 
@@ -78,3 +79,34 @@ def test_a_ctrl_c_while_close_waits_stops_the_worker_at_once():
     (out,) = run_ranks(_ctrl_c_while_closing, 1, timeout=120)
     # Before: close() then asked the worker to stop and waited for its call to end (30 s).
     assert out["closing"] < SLOW / 2
+
+
+def live_workers() -> list[int]:
+    """This process's live background workers."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if int(parent) == os.getpid() and state != "Z" and b"asyncsave._entry" in command:
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_sent_to_every_process_of_the_job_lets_the_save_in_flight_finish(signum):
+    """Slurm's preemption notice (SIGTERM) and a terminal's Ctrl-C (SIGINT) reach the worker too;
+    the trainer handles them (``install_signal_handler``: a final save), so the worker must finish
+    its call rather than die with it."""
+    with AsyncCallsQueue() as queue:
+        queue.wait_ready()
+        queue.schedule_async_request(AsyncRequest(_slow, (2.0,), []))
+        (worker,) = live_workers()
+        os.kill(worker, signum)
+        time.sleep(0.5)
+        assert live_workers() == [worker]
+        queue.maybe_finalize_async_calls(blocking=True)  # raises if the call failed

@@ -16,6 +16,7 @@ from tierpoint import TieredCheckpointManager
 from tierpoint.local import in_place, saving
 from tierpoint.testing import run_ranks
 
+from ..asyncsave.test_interrupts import live_workers
 from .helpers import as_node, fingerprint, make_state, train_step
 
 
@@ -104,22 +105,6 @@ def slow_seal(*args: Any, **kwargs: Any) -> Any:
     return seal_staged_part(*args, **kwargs)
 
 
-def _workers() -> list[int]:
-    """This process's live background workers."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if int(parent) == os.getpid() and state != "Z" and b"asyncsave._entry" in command:
-            out.append(int(pid))
-    return out
-
-
 def _ctrl_c_twice(rank: int, world: int, root: Path) -> dict[str, Any]:
     """Step 1 is saved; step 2's save is slow in the worker. A Ctrl-C stops the loop and the
     user's ``finally`` closes the manager, which waits for step 2; the user presses Ctrl-C again."""
@@ -142,7 +127,7 @@ def _ctrl_c_twice(rank: int, world: int, root: Path) -> dict[str, Any]:
         pass
     return {
         "closing": time.monotonic() - start,
-        "workers": _workers(),
+        "workers": live_workers(),
         "saves": [(e["tier"], e["step"], e["ok"]) for e in events if e["kind"] == "save"],
         "saved": saved,
     }

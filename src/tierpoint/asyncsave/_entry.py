@@ -1,4 +1,5 @@
-"""The worker process: ``python -m tierpoint.asyncsave._entry <socket fd> <trainer pid>``.
+"""The worker process: ``python -c <worker._START> <socket fd> <trainer pid>``, which ignores SIGINT
+and SIGTERM, then calls :func:`main`.
 
 When :func:`worker_main` returns (stopped, or its trainer is gone) every call it ran has returned
 and made its files durable; the process ends at once instead of tearing the interpreter down (with
@@ -11,7 +12,8 @@ from multiprocessing.connection import Connection
 
 from tierpoint.asyncsave.worker import worker_main
 
-if __name__ == "__main__":
+
+def main() -> None:
     worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]) if len(sys.argv) > 2 else None)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -9,7 +9,10 @@ imports the modules of calls to come while the worker is idle (a first call then
 Worker process: receives calls over its pipe, runs them one at a time, each in the working directory
 the trainer had when it submitted the call (relative paths mean the same to both), answers
 ``(call_id, ok, result_or_message, error_type)``. It exits when the pipe closes (its trainer died), so
-no worker outlives its rank.
+no worker outlives its rank. It ignores SIGINT and SIGTERM from its first instruction on: a Ctrl-C
+(sent to the terminal's whole process group) and a job-wide SIGTERM (Slurm's preemption notice)
+are the trainer's to handle, and the saves in flight finish; the trainer stops it (``stop`` /
+``kill``), and Linux kills it with its trainer.
 
 Invariants: the worker knows no file format and no tier. A call is any function at the top level of
 an importable module (it travels by module and name; the tiers keep theirs in their own ``jobs``
@@ -134,8 +137,18 @@ def _deprioritize(nice: int, io_class: str | None) -> None:
             print(f"tierpoint worker: ionice -c {io_class} failed", file=sys.stderr)
 
 
+_START = (  # the worker's program: the signals ignored before anything is imported
+    "import signal\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "from tierpoint.asyncsave._entry import main\n"
+    "main()\n"
+)
+
+
 def worker_main(conn: Any, parent_pid: int | None = None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle (module docstring)
+        signal.signal(signum, signal.SIG_IGN)
     _die_with_parent()
     # Yield the CPU to training: checkpoint writes only need what training leaves idle (and still
     # progress when it leaves none, at a small share).
@@ -186,8 +199,8 @@ class Worker:
     """Handle on one background worker process (``nice``: its nice value, default
     ``TIERPOINT_WORKER_NICE`` or 19; ``io_class``: its ``ionice`` class, default unchanged).
 
-    The worker is started as ``python -m tierpoint.asyncsave._entry`` (not by multiprocessing's spawn,
-    which would re-import the user's training script) and talks over an inherited socket pair.
+    The worker is started as ``python -c`` :data:`_START` (not by multiprocessing's spawn, which
+    would re-import the user's training script) and talks over an inherited socket pair.
     """
 
     def __init__(self, nice: int | None = None, io_class: int | None = None) -> None:
@@ -200,8 +213,8 @@ class Worker:
         self.process = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "tierpoint.asyncsave._entry",
+                "-c",
+                _START,
                 str(child_sock.fileno()),
                 str(os.getpid()),
             ],
