@@ -12,8 +12,10 @@ agree; only when the layouts agree and the data does not are the per-key hashes 
 stages, each with its own keys) are not compared.
 
 The same all-reduce refuses, on every rank, a state holding numpy values that are not numbers
-(numeric ones are stored as tensors and numbers: :mod:`~tierpoint.tiered.numpy_values`): torch DCP would
-store them pickled, and a checkpoint no restore can load is worse than none.
+(numeric ones are stored as tensors and numbers: :mod:`~tierpoint.tiered.numpy_values`) or other
+objects the restore's ``weights_only`` unpickler refuses (a dataclass, an enum:
+:mod:`~tierpoint.tiered.pickled_values`): torch DCP would store them pickled, and a checkpoint no
+restore can load is worse than none.
 
 Call order: :meth:`ReplicaCheck.check` on every rank with the persistent form of the state, before
 the save is planned (collective).
@@ -39,6 +41,7 @@ from .. import dist as tpdist
 from ..dtensors import is_dtensor
 from ..errors import CheckpointingError
 from .numpy_values import unstorable_paths
+from .pickled_values import unloadable_paths
 from .state import RANK_LOCAL_KEY
 
 logger = logging.getLogger("tierpoint")
@@ -127,19 +130,21 @@ class ReplicaCheck:
         """Collective: the keys of ``tree`` whose values differ between ranks (the same list on
         every rank); rank 0 warns about the ones not named before. Raises
         :class:`CheckpointingError` on every rank when any rank's ``tree`` holds numpy values that
-        are not numbers (:func:`~tierpoint.tiered.numpy_values.unstorable_paths`: torch DCP would
-        pickle them, making a checkpoint no restore loads), in the same all-reduce."""
-        refused = unstorable_paths(tree)
+        are not numbers (:func:`~tierpoint.tiered.numpy_values.unstorable_paths`) or objects the
+        restore cannot unpickle (:func:`~tierpoint.tiered.pickled_values.unloadable_paths`): torch
+        DCP would pickle them, making a checkpoint no restore loads; in the same all-reduce."""
+        refused = unstorable_paths(tree), unloadable_paths(tree)
         if not tpdist.is_distributed() or tpdist.get_world_size() < 2:
-            if refused:
-                raise CheckpointingError(_refusal(step, refused))
+            if any(refused):
+                raise CheckpointingError(_refusal(step, *refused))
             return []
         layout, mine = digests(tree)
         data = xxhash.xxh3_64(repr(sorted(mine.items())).encode()).intdigest() & _MASK
         what = f"comparing the replicated values of step {step}"
-        low = tpdist.reduce_ints([layout, -layout, data, -data, -len(refused)], "min", what)
+        count = len(refused[0]) + len(refused[1])
+        low = tpdist.reduce_ints([layout, -layout, data, -data, -count], "min", what)
         if low[4] < 0:
-            raise CheckpointingError(_refusal(step, refused))
+            raise CheckpointingError(_refusal(step, *refused))
         if low[0] != -low[1] or low[2] == -low[3]:
             return []  # other keys per rank (pipeline stages: nothing to compare), or all alike
         every = tpdist.all_gather_json(mine, what)
@@ -157,11 +162,26 @@ class ReplicaCheck:
         return differ
 
 
-def _refusal(step: int, paths: list[str]) -> str:
-    where = ", ".join(paths) if paths else "on another rank"
+def _refusal(step: int, numpy_paths: list[str], object_paths: list[str]) -> str:
+    if not numpy_paths and not object_paths:
+        return (
+            f"step {step} is not saved to the persistent tier: another rank's state holds values "
+            "that torch DCP stores pickled and tierpoint's restore, loading no pickles, would "
+            "refuse (named in that rank's error)"
+        )
+    what = []
+    if numpy_paths:
+        what.append(
+            f"numpy values that are not numbers ({', '.join(numpy_paths)}): hold them as lists "
+            "or strings (the local tier stores them as they are)"
+        )
+    if object_paths:
+        what.append(
+            f"objects the restore cannot unpickle ({', '.join(object_paths)}): hold plain data "
+            "(dicts, lists, tuples, numbers, strings, tensors), give their holder state_dict() "
+            "and load_state_dict(), or allow the class with torch.serialization.add_safe_globals"
+        )
     return (
-        f"step {step} is not saved to the persistent tier: it holds numpy values that are not "
-        f"numbers ({where}), which torch DCP stores pickled and tierpoint's restore, loading no "
-        "pickles, would refuse; hold them as lists or strings (the local tier stores them as "
-        "they are)"
+        f"step {step} is not saved to the persistent tier: torch DCP would store these pickled, "
+        "and tierpoint's restore, loading no pickles, would refuse them: " + "; ".join(what)
     )
