@@ -136,7 +136,7 @@ class ReplicaCheck:
         refused = unstorable_paths(tree), unloadable_paths(tree)
         if not tpdist.is_distributed() or tpdist.get_world_size() < 2:
             if any(refused):
-                raise CheckpointingError(_refusal(step, *refused))
+                raise CheckpointingError(_refusal(*refused))
             return []
         layout, mine = digests(tree)
         data = xxhash.xxh3_64(repr(sorted(mine.items())).encode()).intdigest() & _MASK
@@ -144,7 +144,7 @@ class ReplicaCheck:
         count = len(refused[0]) + len(refused[1])
         low = tpdist.reduce_ints([layout, -layout, data, -data, -count], "min", what)
         if low[4] < 0:
-            raise CheckpointingError(_refusal(step, *refused))
+            raise CheckpointingError(_refusal(*refused))
         if low[0] != -low[1] or low[2] == -low[3]:
             return []  # other keys per rank (pipeline stages: nothing to compare), or all alike
         every = tpdist.all_gather_json(mine, what)
@@ -162,12 +162,11 @@ class ReplicaCheck:
         return differ
 
 
-def _refusal(step: int, numpy_paths: list[str], object_paths: list[str]) -> str:
+def _refusal(numpy_paths: list[str], object_paths: list[str]) -> str:
     if not numpy_paths and not object_paths:
         return (
-            f"step {step} is not saved to the persistent tier: another rank's state holds values "
-            "that torch DCP stores pickled and tierpoint's restore, loading no pickles, would "
-            "refuse (named in that rank's error)"
+            "another rank's state holds values that torch DCP stores pickled and tierpoint's "
+            "restore, loading no pickles, would refuse (named in that rank's error)"
         )
     what = []
     if numpy_paths:
@@ -182,6 +181,6 @@ def _refusal(step: int, numpy_paths: list[str], object_paths: list[str]) -> str:
             "and load_state_dict(), or allow the class with torch.serialization.add_safe_globals"
         )
     return (
-        f"step {step} is not saved to the persistent tier: torch DCP would store these pickled, "
-        "and tierpoint's restore, loading no pickles, would refuse them: " + "; ".join(what)
+        "torch DCP would store these pickled, and tierpoint's restore, loading no pickles, "
+        "would refuse them: " + "; ".join(what)
     )
