@@ -42,6 +42,7 @@ from . import param_groups
 from . import state as st
 from .events import RestoreRecord
 from .numpy_values import sized_as_saved
+from .saved_lists import lists_as_saved
 from .tree_paths import holds
 
 logger = logging.getLogger("tierpoint")
@@ -265,7 +266,7 @@ def _restore_persistent(
     if not holds(stored, f"{st.RANK_LOCAL_KEY}.{rank}"):
         source = 0  # saved with fewer ranks: rank 0's values, as after any resharding
     from_arrays: list[torch.Tensor] = []
-    ptree = st.persistent_form(tree, source, from_arrays, stored)
+    ptree = lists_as_saved(st.persistent_form(tree, source, from_arrays, stored), stored)
     groups = param_groups.sizes_of(ptree)
     try:  # numpy values are replaced, not copied into: they take the saved shapes and dtypes
         with tpdist.agree(f"allocating the numpy values of persistent step {step}"):

@@ -1,0 +1,112 @@
+"""Lists that grew since the save (a trainer's log history), given the saved length on restore.
+
+torch DCP stores a list item by item when it holds dicts, lists or tensors (``log.0.loss``,
+``log.1.loss``), and as one value otherwise (an empty list too). A restore template is the live
+state: a fresh job's log is ``[]``, so its names never match a checkpoint's ``log.<i>.*`` and the
+persistent tier refused to restore what the local tier (which stores the structure itself) restores.
+:func:`lists_as_saved` gives each such list the saved length, building the items the template lacks
+from the names the checkpoint holds under them. Written by hand: torch DCP loads only into the
+structure it is given.
+
+Call order: on the persistent form of the restore template, before it is checked against the
+checkpoint's metadata and loaded (:mod:`tierpoint.tiered.restoring`).
+
+Invariants: only lists change (copies; the template is shared by the attempts at several steps),
+and only lists whose template holds no tensor and no optimizer state, as in the local tier (a
+list of tensors keeps its length and items); their items are made anew from the checkpoint's names (the saved values
+replace the live ones in either tier): a dict of the
+saved string keys, an empty tensor of the saved shape and dtype, or ``None`` for a value (the load
+replaces it). A list under a name the checkpoint holds as one value becomes ``None`` (loaded
+whole). Lists whose items cannot be told from their names (a digit key: an int dict key or an
+index) and optimizer state dicts (:mod:`~tierpoint.tiered.param_groups` compares their groups) are
+left as they are, for the check against the checkpoint to name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .param_groups import group_sizes
+
+_CANNOT = object()
+
+
+def lists_as_saved(tree: Any, stored: Mapping[str, Any]) -> Any:
+    """``tree`` with its lists sized as the checkpoint (``stored``: its ``state_dict_metadata``)
+    holds them; see the module docstring."""
+    return _sized(tree, "", stored)
+
+
+def _sized(value: Any, name: str, stored: Mapping[str, Any]) -> Any:
+    if isinstance(value, Mapping):
+        if group_sizes(value) is not None:
+            return value
+        out = {k: _sized(v, _join(name, str(k)), stored) for k, v in value.items()}
+        return value if all(out[k] is value[k] for k in out) else out
+    if not isinstance(value, list) or not name:
+        return value
+    if _holds_layout(value):  # as the local tier: a list of tensors keeps its items and length
+        items = [_sized(item, f"{name}.{i}", stored) for i, item in enumerate(value)]
+        return value if all(map(_is, items, value)) else items
+    if name in stored:  # saved as one value: loaded whole (into None where DCP would walk in)
+        return value if _is_leaf(value) else None
+    indices = _children(stored, name)
+    if not indices or sorted(indices, key=_index) != [str(i) for i in range(len(indices))]:
+        return value
+    items = [_built(stored, f"{name}.{i}") for i in range(len(indices))]
+    return value if any(item is _CANNOT for item in items) else items
+
+
+def _index(part: str) -> int:
+    return int(part) if part.isdigit() else -1
+
+
+def _built(stored: Mapping[str, Any], name: str) -> Any:
+    """A placeholder for the saved value at ``name``, or ``_CANNOT``."""
+    if name in stored:
+        md = stored[name]
+        size = getattr(md, "size", None)
+        if size is None:
+            return None
+        return torch.empty(tuple(size), dtype=md.properties.dtype)
+    keys = _children(stored, name)
+    if not keys or any(k.isdigit() for k in keys):
+        return _CANNOT
+    out = {}
+    for key in keys:
+        out[key] = _built(stored, f"{name}.{key}")
+        if out[key] is _CANNOT:
+            return _CANNOT
+    return out
+
+
+def _children(stored: Mapping[str, Any], name: str) -> list[str]:
+    """The first name parts the checkpoint holds under ``name``."""
+    prefix = name + "."
+    return sorted({n[len(prefix) :].split(".", 1)[0] for n in stored if n.startswith(prefix)})
+
+
+def _holds_layout(value: Any) -> bool:
+    """Whether ``value`` holds a tensor or an optimizer's state dict (their layout is the model's:
+    a restore must not change it)."""
+    if isinstance(value, torch.Tensor) or group_sizes(value) is not None:
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_layout(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_layout(v) for v in value)
+
+
+def _is_leaf(value: list) -> bool:
+    """Whether torch DCP stores ``value`` as one value (it holds no dict, list or tensor)."""
+    return not any(isinstance(v, (Mapping, list, torch.Tensor)) for v in value)
+
+
+def _is(a: Any, b: Any) -> bool:
+    return a is b
+
+
+def _join(name: str, key: str) -> str:
+    return f"{name}.{key}" if name else key
