@@ -13,13 +13,16 @@ checkpoint's metadata and loaded (:mod:`tierpoint.tiered.restoring`).
 
 Invariants: only lists change (copies; the template is shared by the attempts at several steps),
 and only lists whose template holds no tensor and no optimizer state, as in the local tier (a
-list of tensors keeps its length and items); their items are made anew from the checkpoint's names (the saved values
-replace the live ones in either tier): a dict of the
-saved string keys, an empty tensor of the saved shape and dtype, or ``None`` for a value (the load
-replaces it). A list under a name the checkpoint holds as one value becomes ``None`` (loaded
-whole). Lists whose items cannot be told from their names (a digit key: an int dict key or an
-index) and optimizer state dicts (:mod:`~tierpoint.tiered.param_groups` compares their groups) are
-left as they are, for the check against the checkpoint to name.
+list of tensors keeps its length and items). A template list, or item, whose torch DCP names are those the
+checkpoint holds under its index is kept (names cannot tell a key ``"a.b"`` from ``a``, ``b``, nor
+show an empty dict or a key's type: the template does); the others are made anew from the
+checkpoint's names, in the saved order (the saved values replace the live ones in either tier): a
+dict of the saved string keys, an empty tensor of the saved shape and dtype, or ``None`` for a
+value (the load replaces it). A list under a name the checkpoint holds as one value becomes
+``None`` (loaded whole). Lists whose items cannot be told from their names (a digit key: an int
+dict key or an index) and optimizer state dicts (:mod:`~tierpoint.tiered.param_groups` compares
+their groups) are left as they are, for the check against the checkpoint to name. The checkpoint's
+names are indexed once per restore attempt (a long log costs one pass, not one per item).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._traverse import traverse_state_dict
 
 from .param_groups import group_sizes
 
@@ -37,10 +41,49 @@ _CANNOT = object()
 def lists_as_saved(tree: Any, stored: Mapping[str, Any]) -> Any:
     """``tree`` with its lists sized as the checkpoint (``stored``: its ``state_dict_metadata``)
     holds them; see the module docstring."""
-    return _sized(tree, "", stored)
+    return _sized(tree, "", _Names(stored))
 
 
-def _sized(value: Any, name: str, stored: Mapping[str, Any]) -> Any:
+class _Names:
+    """A checkpoint's names and, indexed on first use, those under each prefix."""
+
+    def __init__(self, stored: Mapping[str, Any]) -> None:
+        self.stored = stored
+        self._parts: dict[str, dict[str, None]] | None = None  # the next parts, in saved order
+        self._count: dict[str, int] = {}  # names at or under a prefix
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stored
+
+    def __getitem__(self, name: str) -> Any:
+        return self.stored[name]
+
+    def children(self, name: str) -> list[str]:
+        """The first name parts the checkpoint holds under ``name``, in the order saved."""
+        if self._parts is None:
+            self._parts = {}
+            for full in self.stored:
+                parts = full.split(".")
+                prefix = parts[0]
+                for part in parts[1:]:
+                    self._parts.setdefault(prefix, {})[part] = None
+                    self._count[prefix] = self._count.get(prefix, 0) + 1
+                    prefix = f"{prefix}.{part}"
+                self._count[full] = self._count.get(full, 0) + 1
+        return list(self._parts.get(name, ()))
+
+    def match(self, value: Any, name: str) -> bool:
+        """Whether torch DCP names ``value`` at ``name`` exactly as the checkpoint's names there."""
+        found: list[str] = []
+        traverse_state_dict({name: value}, lambda path, _: found.append(".".join(map(str, path))))
+        return (
+            len(found) == self._count.get(name, 0)
+            and len(set(found)) == len(found)
+            and all(n in self.stored for n in found)
+        )
+
+
+def _sized(value: Any, name: str, stored: _Names) -> Any:
     if isinstance(value, Mapping):
         if group_sizes(value) is not None:
             return value
@@ -53,18 +96,23 @@ def _sized(value: Any, name: str, stored: Mapping[str, Any]) -> Any:
         return value if all(map(_is, items, value)) else items
     if name in stored:  # saved as one value: loaded whole (into None where DCP would walk in)
         return value if _is_leaf(value) else None
-    indices = _children(stored, name)
-    if not indices or sorted(indices, key=_index) != [str(i) for i in range(len(indices))]:
+    indices = stored.children(name)
+    if stored.match(value, name):  # the template as saved (its empty dicts have no names)
         return value
-    items = [_built(stored, f"{name}.{i}") for i in range(len(indices))]
-    return value if any(item is _CANNOT for item in items) else items
+    if not indices or set(indices) != {str(i) for i in range(len(indices))}:
+        return value
+    items = [
+        value[i]
+        if i < len(value) and stored.match(value[i], f"{name}.{i}")
+        else _built(stored, f"{name}.{i}")
+        for i in range(len(indices))
+    ]
+    if any(item is _CANNOT for item in items):
+        return value
+    return value if len(items) == len(value) and all(map(_is, items, value)) else items
 
 
-def _index(part: str) -> int:
-    return int(part) if part.isdigit() else -1
-
-
-def _built(stored: Mapping[str, Any], name: str) -> Any:
+def _built(stored: _Names, name: str) -> Any:
     """A placeholder for the saved value at ``name``, or ``_CANNOT``."""
     if name in stored:
         md = stored[name]
@@ -72,7 +120,7 @@ def _built(stored: Mapping[str, Any], name: str) -> Any:
         if size is None:
             return None
         return torch.empty(tuple(size), dtype=md.properties.dtype)
-    keys = _children(stored, name)
+    keys = stored.children(name)
     if not keys or any(k.isdigit() for k in keys):
         return _CANNOT
     out = {}
@@ -81,12 +129,6 @@ def _built(stored: Mapping[str, Any], name: str) -> Any:
         if out[key] is _CANNOT:
             return _CANNOT
     return out
-
-
-def _children(stored: Mapping[str, Any], name: str) -> list[str]:
-    """The first name parts the checkpoint holds under ``name``."""
-    prefix = name + "."
-    return sorted({n[len(prefix) :].split(".", 1)[0] for n in stored if n.startswith(prefix)})
 
 
 def _holds_layout(value: Any) -> bool:
