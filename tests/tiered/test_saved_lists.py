@@ -159,6 +159,26 @@ def test_items_the_template_holds_as_saved_keep_what_names_cannot_tell(
     ]
 
 
+@pytest.mark.parametrize(
+    ("saved", "template"),
+    [
+        ([{"step": 1, "loss": 0.5}], lambda: [{"step": 0}]),
+        ([{"step": 1}], lambda: [{"step": 0, "eval": 0.0}]),
+        ([{"step": 1, "loss": 0.5}], lambda: [0.0]),
+    ],
+    ids=["more keys", "fewer keys", "a number"],
+)
+def test_a_list_item_saved_with_other_keys_than_the_template_restores_as_saved(
+    tmp_path, shm_dir, saved, template
+):
+    """The list is plain data, not a stateful holder's: the restored values go into the live
+    item. Before: its keys only were filled (the saved "loss" dropped), and a key the saved item
+    lacks raised KeyError once part of the state was restored."""
+    restored = _both_tiers(tmp_path, shm_dir, saved, template)
+    assert restored == {"local": saved, "persistent": saved}
+    assert [list(item) for item in restored["persistent"]] == [list(item) for item in saved]
+
+
 def test_a_long_log_is_sized_in_one_pass_over_the_names():
     """Before: every item scanned every name of the checkpoint (10,000 entries: 30 s)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata

@@ -373,8 +373,9 @@ def copy_into(live: Any, loaded: Any) -> Any:
 def apply(state: dict[str, Any], tree: Mapping[str, Any]) -> None:
     """Put a filled :func:`template` back into ``state``: ``load_state_dict`` on stateful members
     (also in lists and tuples), plain values replaced, tensors (already filled in place) left as
-    they are; dicts and lists are filled in place, tuples rebuilt as the live one's type (a
-    named tuple stays one: both tiers store it as a plain tuple)."""
+    they are; dicts and lists are filled in place (a dict saved with other keys takes the saved
+    ones), tuples rebuilt as the live one's type (a named tuple stays one: both tiers store it as
+    a plain tuple)."""
     for key in list(state):
         state[key] = _apply(state[key], tree[key])
 
@@ -394,9 +395,14 @@ def _apply(value: Any, filled: Any) -> Any:
     if is_stateful(value):
         value.load_state_dict(filled)
         return value
-    if isinstance(value, dict):
-        for k in list(value):
-            value[k] = _apply(value[k], filled[k])
+    if isinstance(value, dict) and isinstance(filled, Mapping):
+        if value.keys() == filled.keys():
+            for k in list(value):
+                value[k] = _apply(value[k], filled[k])
+        else:  # an item of a list of plain data, saved with other keys (neither tier compares them)
+            items = {k: _apply(value[k], f) if k in value else f for k, f in filled.items()}
+            value.clear()
+            value.update(items)
         return value
     if isinstance(value, (list, tuple)) and isinstance(filled, (list, tuple)):
         if len(value) == len(filled):  # (else a plain value replaced: the check let it pass)
