@@ -91,3 +91,28 @@ def test_plain_values_a_restore_loads_still_save_and_restore(tmp_path):
         k: v for k, v in want.items() if k != "pair"
     }
     assert got["pair"][1] == want["pair"][1]
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """A config the user allows with ``torch.serialization.safe_globals``."""
+
+    phase: Any = Phase.WARMUP
+    out: Any = "runs/a"
+
+
+def test_an_allowed_class_is_refused_when_it_holds_a_value_no_restore_could_load(tmp_path):
+    """Before: an allowed class passed whatever it held, and its checkpoints failed every restore
+    ("weights_only=True refused it")."""
+    allowed = [RunConfig, Phase]
+    with torch.serialization.safe_globals(allowed):
+        state = make_state(0) | {"config": RunConfig(out=Path("runs/a"))}
+        records = _save(tmp_path / "path", state)
+        assert not any(r["ok"] for r in records)
+        assert "config.out (pathlib." in records[0]["error"]
+        state = make_state(0) | {"config": RunConfig()}
+        assert all(r["ok"] for r in _save(tmp_path / "plain", state))
+        restored = make_state(0) | {"config": RunConfig(phase=None, out=None)}
+        with TieredCheckpointManager(None, str(tmp_path / "plain"), "p", local_every=0) as manager:
+            assert manager.restore(restored) == 2
+        assert restored["config"] == RunConfig()
