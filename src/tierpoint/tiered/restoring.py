@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .. import dcp
+from .. import dcp, storage
 from .. import dist as tpdist
 from ..dcp.step_dirs import UNKNOWN_RANK, complete_steps, local_view, step_dir_of, step_path
 from ..errors import (
@@ -300,7 +300,7 @@ def _saved_step(metadata: Any) -> int | None:
     saved_into = getattr(getattr(metadata, "storage_meta", None), "checkpoint_id", None)
     if saved_into is None:
         return None
-    return step_dir_of(str(saved_into).rstrip("/").rsplit("/", 1)[-1])
+    return step_dir_of(storage.basename(str(saved_into)))
 
 
 def _skip(skipped: list[str], step: int, error: BaseException) -> None:

@@ -58,8 +58,7 @@ class _Names:
     def __getitem__(self, name: str) -> Any:
         return self.stored[name]
 
-    def children(self, name: str) -> list[str]:
-        """The first name parts the checkpoint holds under ``name``, in the order saved."""
+    def _indexed(self) -> dict[str, dict[str, None]]:
         if self._parts is None:
             self._parts = {}
             for full in self.stored:
@@ -70,12 +69,16 @@ class _Names:
                     self._count[prefix] = self._count.get(prefix, 0) + 1
                     prefix = f"{prefix}.{part}"
                 self._count[full] = self._count.get(full, 0) + 1
-        return list(self._parts.get(name, ()))
+        return self._parts
+
+    def children(self, name: str) -> list[str]:
+        """The first name parts the checkpoint holds under ``name``, in the order saved."""
+        return list(self._indexed().get(name, ()))
 
     def match(self, value: Any, name: str) -> bool:
         """Whether torch DCP names ``value`` at ``name`` exactly as the checkpoint's names there."""
-        found: list[str] = []
-        traverse_state_dict({name: value}, lambda path, _: found.append(".".join(map(str, path))))
+        found = _dcp_names(value, name)
+        self._indexed()
         return (
             len(found) == self._count.get(name, 0)
             and len(set(found)) == len(found)
@@ -95,10 +98,10 @@ def _sized(value: Any, name: str, stored: _Names) -> Any:
         items = [_sized(item, f"{name}.{i}", stored) for i, item in enumerate(value)]
         return value if all(map(_is, items, value)) else items
     if name in stored:  # saved as one value: loaded whole (into None where DCP would walk in)
-        return value if _is_leaf(value) else None
-    indices = stored.children(name)
+        return value if _dcp_names(value, name) == [name] else None
     if stored.match(value, name):  # the template as saved (its empty dicts have no names)
         return value
+    indices = stored.children(name)
     if not indices or set(indices) != {str(i) for i in range(len(indices))}:
         return value
     items = [
@@ -141,9 +144,11 @@ def _holds_layout(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and any(_holds_layout(v) for v in value)
 
 
-def _is_leaf(value: list) -> bool:
-    """Whether torch DCP stores ``value`` as one value (it holds no dict, list or tensor)."""
-    return not any(isinstance(v, (Mapping, list, torch.Tensor)) for v in value)
+def _dcp_names(value: Any, name: str) -> list[str]:
+    """The names torch DCP gives ``value`` and what it holds when stored at ``name``."""
+    found: list[str] = []
+    traverse_state_dict({name: value}, lambda path, _: found.append(".".join(map(str, path))))
+    return found
 
 
 def _is(a: Any, b: Any) -> bool:
