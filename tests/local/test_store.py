@@ -142,3 +142,37 @@ def test_a_link_under_the_dirty_name_of_the_iteration_saved_is_never_written_thr
         _assert_written_here(outside, tier_root, 1)
     finally:
         outside.unlink()
+
+
+def _save_world_two(rank: int, world: int, root: str) -> None:
+    manager = LocalCheckpointManager(root, session_id="job")
+    manager.save(BasicTensorAwareStateDict({"w": torch.full((3,), float(rank))}), 200)
+
+
+def _fail_first_save_alone(rank: int, world: int, root: str) -> str:
+    from tierpoint.local import saving
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    saving.PartSaver._write_part = disk_full
+    manager = LocalCheckpointManager(root, session_id="job")
+    assert manager.find_latest() == -1  # iteration 200 has another world size: not offered
+    with pytest.raises(CheckpointingError, match="No space left on device") as raised:
+        manager.save(BasicTensorAwareStateDict({"w": torch.ones(3)}), 100)
+    return str(raised.value)
+
+
+def _latest(rank: int, world: int, root: str) -> int:
+    return LocalCheckpointManager(root, session_id="job").find_latest()
+
+
+def test_a_failed_save_at_another_world_size_leaves_the_old_worlds_newer_checkpoint(tmp_path):
+    """A job restarted with 1 rank instead of 2 starts over (the local tier does not reshard); its
+    first save fails. The 2-rank checkpoint of a newer iteration must still be whole: only a
+    committed save of the new world size retires it (a job back at 2 ranks loads it)."""
+    from tierpoint.testing import run_ranks
+
+    run_ranks(_save_world_two, 2, str(tmp_path))
+    run_ranks(_fail_first_save_alone, 1, str(tmp_path))
+    assert run_ranks(_latest, 2, str(tmp_path)) == [200, 200]

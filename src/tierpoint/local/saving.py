@@ -7,7 +7,8 @@ settings (``keep_last``, ``recycle``).
 Call order (:meth:`PartSaver.save`, collective, after the manager checked the iteration and the
 world): set up the replication; agree on the iteration and on what to keep
 (:mod:`tierpoint.local.agreement`); remove every rank's leftover parts of that
-iteration and newer ones and agree on it (the barrier before any rank writes); then, sync: write the
+iteration and newer ones (newer ones of another world size stay until the commit retires them) and
+agree on it (the barrier before any rank writes); then, sync: write the
 part, replicate, agree, :meth:`PartSaver.commit`; async: return an
 :class:`~tierpoint.asyncsave.AsyncRequest` whose snapshot runs when the queue schedules it, whose
 worker job (:mod:`tierpoint.local.jobs`) writes or seals the part, whose background step

@@ -282,10 +282,14 @@ class PartStore:
 
     def remove_from(self, iteration: int) -> None:
         """Remove this rank's committed parts (own and replicas) of ``iteration`` and newer ones; a
-        part that cannot be removed raises (``OSError``)."""
+        part that cannot be removed raises (``OSError``). A newer part saved with another world
+        size stays (it may be the only checkpoint a job of that size can load, should this save
+        fail): the commit of this save retires it (:meth:`retire`)."""
+        world_size = self.world_size
+        other_world = {(i, o) for i, o, w in self.scan() if i > iteration and w != world_size}
         removed = False
         for entry, saved in self.part_files():
-            if saved >= iteration:
+            if saved >= iteration and naming.parse_part_name(entry.name) not in other_world:
                 try:
                     os.unlink(entry.path)
                 except FileNotFoundError:
