@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.collectives import CountCollectives
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import BasicTensorAwareStateDict
 from tierpoint.local.naming import part_name
@@ -146,16 +147,16 @@ def test_corrupt_part_is_replaced_with_a_warning(tmp_path: Path) -> None:
     assert victim.read_bytes() != bytes(data)  # the good copy now sits on disk
 
 
-def _load_then_save_next(rank: int, world: int, root: str) -> tuple[int, int, list[str]]:
+def _load_then_save_next(rank: int, world: int, root: str) -> tuple[int, int, list[str], int]:
     as_node(rank)
     records = WarningRecords()
     manager = replicated_manager(root, keep_last=2)
     ta, ckpt = manager.load()
     assert_bitwise_equal(ta.state_dict, make_state(rank, ckpt.iteration))
-    manager.save(
-        BasicTensorAwareStateDict(make_state(rank, ckpt.iteration + 1)), ckpt.iteration + 1
-    )
-    return ckpt.iteration, manager.find_latest(), records.messages
+    for iteration in (ckpt.iteration + 1, ckpt.iteration + 2):
+        with CountCollectives() as counted:  # the second save agrees by counting again
+            manager.save(BasicTensorAwareStateDict(make_state(rank, iteration)), iteration)
+    return ckpt.iteration, manager.find_latest(), records.messages, counted["all_gather"]
 
 
 def test_a_part_corrupt_on_every_holder_is_never_loaded_and_saving_goes_on(tmp_path: Path) -> None:
@@ -164,13 +165,14 @@ def test_a_part_corrupt_on_every_holder_is_never_loaded_and_saving_goes_on(tmp_p
         flip_tensor_byte(tmp_path / "job" / str(holder) / part_name(9, 1))
     results = run_ranks(_load_then_save_next, WORLD, str(tmp_path))
     # Iteration 9 cannot be had bitwise on rank 1: every rank resumes from 5 and saves 6 over 9.
-    assert [(loaded, latest) for loaded, latest, _ in results] == [(5, 6)] * WORLD
+    assert [(loaded, latest) for loaded, latest, *_ in results] == [(5, 7)] * WORLD
+    assert [gathers for *_, gathers in results] == [0] * WORLD  # iteration 9 is gone: none
     assert not any("replaced by the copy" in m for m in results[1][2])
     assert any("no rank holds a good copy of the part of rank 1" in m for m in results[0][2])
     assert not any(
         part_name(9, 1) in name for r in range(WORLD) for name in part_files(tmp_path, r)
     )
-    assert [it for it, _ in run_ranks(load_latest, WORLD, str(tmp_path))] == [6] * WORLD
+    assert [it for it, _ in run_ranks(load_latest, WORLD, str(tmp_path))] == [7] * WORLD
 
 
 def test_losing_a_whole_clique_falls_back_or_says_so(tmp_path: Path) -> None:

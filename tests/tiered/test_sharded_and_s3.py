@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -75,6 +76,45 @@ def _fsdp(rank: int, world: int, root: Path) -> list:
 def test_fsdp2_state_restores_its_shards_from_both_tiers(tmp_path):
     for out in run_ranks(_fsdp, 2, tmp_path, timeout=200):
         assert out == [[6, "local", 6], [4, "persistent", 4]]
+
+
+def _plain_state() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2), "step": 0}
+
+
+def _fsdp_then_plain(rank: int, world: int, root: Path) -> list:
+    kwargs = {"local_every": 2, "persistent_every": 4}
+    state = _fsdp_state(rank)
+    with TieredCheckpointManager(str(root / "local"), str(root / "p"), "f", **kwargs) as manager:
+        for step in range(1, 7):
+            _fsdp_step(state, step)
+            manager.maybe_save(step, state)
+            if step == 4:
+                saved = _full(state)
+    plain = _plain_state()  # the same model, unsharded (FSDP to DDP): local step 6 holds shards
+    with TieredCheckpointManager(str(root / "local"), str(root / "p"), "f", **kwargs) as manager:
+        step = manager.restore(plain)
+        record = manager.last_restore
+        equal = all(np.array_equal(a, b) for a, b in zip(_full(plain), saved, strict=True))
+        for again in (5, 6):  # step 6 again, in the new layout: the old one is not in the way
+            _fsdp_step(plain, again)
+            manager.maybe_save(again, plain)
+    with TieredCheckpointManager(str(root / "local"), str(root / "p"), "f", **kwargs) as manager:
+        resumed = [manager.restore(_plain_state()), manager.last_restore.tier]
+    return [step, record.tier, plain["step"] >= 4, equal, record.skipped, resumed]
+
+
+def test_a_local_step_of_another_parallel_layout_gives_way_to_the_persistent_tier(tmp_path):
+    """FSDP2 shards in the local tier cannot fill an unsharded model: the restore skips them for
+    the persistent step, which torch DCP reshards, and the next save replaces them."""
+    for step, tier, stepped, equal, skipped, resumed in run_ranks(
+        _fsdp_then_plain, 2, tmp_path, timeout=200
+    ):
+        assert (step, tier, stepped, equal) == (4, "persistent", True, True)
+        assert any("local step 6: saved in another parallel layout" in s for s in skipped), skipped
+        assert resumed == [6, "local"]
 
 
 def _on_s3(rank: int, world: int, root: Path, base: str, options: dict) -> list:

@@ -234,6 +234,14 @@ class LocalCheckpointManager(NVRxFileNames):
         when none did. Collective."""
         return self._discovery.unusable()
 
+    def set_aside(self, iteration: int) -> None:
+        """Do not resume from ``iteration``, which :meth:`load` returned but the caller cannot use
+        (saved in another parallel layout, say): :meth:`find_latest` looks anew, and the next save
+        removes it and anything newer instead of refusing an older iteration. Not collective: call
+        it alike on every rank."""
+        self._store.unloadable.add(iteration)
+        self._store.latest = None
+
     def load(self, *, allow_pickle: bool = False) -> tuple[TensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (verified). Collective.
 

@@ -8,9 +8,11 @@ caller gives fresh optimizers their empty state back (:func:`reset`).
 
 Invariants: every rank gets the same answer (each decision is agreed); a step that cannot be loaded
 on every rank (missing everywhere, failing verification, a persistent step directory holding the
-checkpoint saved as another step) is skipped with its reason (logged and
-kept in the record's ``skipped``, as are, once a step was restored, the newer local steps a killed
-save left incomplete and the newer persistent steps with a ``.metadata`` but unfinished markers);
+checkpoint saved as another step, a local step saved in another parallel layout: the local tier
+does not reshard, so it is set aside and the next save removes it) is skipped with its reason
+(logged and kept in the record's ``skipped``, as are, once a step was restored, the newer local
+steps a killed save left incomplete and the newer persistent steps with a ``.metadata`` but
+unfinished markers);
 a local step older than the newest persistent one is tried after every persistent step failed;
 when checkpoints exist (or a tier cannot be listed) but none loads, :class:`CheckpointingError`
 says why on every rank, never "nothing to restore" (the run would start over and save over them);
@@ -78,9 +80,10 @@ def restore_newest(
     if local is not None and local_latest != -1 and local_latest >= newest_persistent:
         loaded = _load_local(local, skipped)
         if loaded is not None and loaded[1].iteration >= newest_persistent:
-            return restored(
-                _apply_local(loaded, tree, state, latest=local_latest, skipped=skipped, start=start)
-            )
+            record = _apply_local(loaded, local, tree, state, local_latest, skipped, start)
+            if record is not None:
+                return restored(record)
+            loaded = None  # another parallel layout: the persistent tier reshards
         if loaded is not None:
             skipped.append(
                 f"local steps newer than {loaded[1].iteration}: cannot be loaded on every rank"
@@ -96,11 +99,9 @@ def restore_newest(
     if local is not None and older_local is None and -1 < local_latest < newest_persistent:
         older_local = _load_local(local, skipped)
     if older_local is not None:  # every persistent step failed: the newest left is local
-        return restored(
-            _apply_local(
-                older_local, tree, state, latest=local_latest, skipped=skipped, start=start
-            )
-        )
+        record = _apply_local(older_local, local, tree, state, local_latest, skipped, start)
+        if record is not None:
+            return restored(record)
     if skipped:
         raise CheckpointingError(
             "checkpoints exist but none could be restored (starting over would save over them): "
@@ -210,21 +211,35 @@ def _load_local(local: LocalCheckpointManager, skipped: list[str]) -> tuple[Any,
 
 def _apply_local(
     loaded: tuple[Any, Any],
+    local: LocalCheckpointManager,
     tree: dict[str, Any],
     state: dict[str, Any],
-    *,
     latest: int,
     skipped: list[str],
     start: float,
-) -> RestoreRecord:
-    """Check a loaded local checkpoint against the state (collective), then put it in place."""
+) -> RestoreRecord | None:
+    """Check a loaded local checkpoint against the state (collective), then put it in place.
+    ``None`` (on every rank) when it was saved in another parallel layout (the local tier stores
+    each rank's shards as they were): it is set aside, and the reason recorded."""
     ta, record = loaded
     checkpoint = ta.state_dict
     live = st.local_form(tree)
-    with tpdist.agree(f"checking the state against local checkpoint step {record.iteration}"):
-        problems = st.check_loaded(live, checkpoint)
-        if problems:
-            raise StateMismatchError(_mismatch(record.iteration, problems))
+    what = f"checking the state against local checkpoint step {record.iteration}"
+    with tpdist.agree(what) as layout:
+        if st.shardings_differ(live, checkpoint):
+            layout.key = "another layout"  # shapes differ too: the shards are another layout's
+        else:
+            problems = st.check_loaded(live, checkpoint)
+            if problems:
+                raise StateMismatchError(_mismatch(record.iteration, problems))
+    if layout.key or not layout.same:  # (some rank's layout differs: alike on every rank)
+        local.set_aside(record.iteration)
+        skipped.append(
+            f"local step {record.iteration}: saved in another parallel layout (DTensor meshes or "
+            "placements differ from the state's; the local tier does not reshard)"
+        )
+        logger.warning("restore: skipping %s", skipped[-1])
+        return None
     checkpoint.pop(st.SHARDING_KEY, None)  # checked above; not part of the state
     st.copy_into(tree, checkpoint)
     st.apply(state, tree)

@@ -18,9 +18,10 @@ Saving uses :func:`template` too, then :func:`local_form` (the local tier: DTens
 local shards, rank-local values unwrapped) or :func:`persistent_form` (the persistent tier: DTensors
 kept for resharding, rank-local values under a per-rank key).
 
-Invariants: :func:`check_loaded` and :func:`check_against_metadata` report every difference between
-the live state and a checkpoint (missing or extra keys, other shapes or dtypes, other shardings)
-before anything is copied, so a refused restore leaves the state as it was.
+Invariants: :func:`shardings_differ`, :func:`check_loaded` and :func:`check_against_metadata`
+report every difference between the live state and a checkpoint (another parallel layout, missing
+or extra keys, other shapes or dtypes) before anything is copied, so a refused restore leaves the
+state as it was.
 """
 
 from __future__ import annotations
@@ -239,9 +240,15 @@ def from_persistent_form(tree: dict[str, Any], loaded: dict[str, Any]) -> None:
             tree[key] = as_numpy(value, live)
 
 
+def shardings_differ(live: dict[str, Any], loaded: dict[str, Any]) -> bool:
+    """Whether ``live`` (a :func:`local_form`) and a loaded local part hold DTensors on other meshes
+    or placements, or DTensors where the other holds plain tensors (another parallel layout)."""
+    return loaded.get(SHARDING_KEY, {}) != live.get(SHARDING_KEY, {})
+
+
 def check_loaded(live: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
-    """Every difference between ``live`` (a :func:`local_form`) and a loaded local part: keys,
-    shapes and dtypes, and the sharding of its DTensors."""
+    """Every difference between ``live`` (a :func:`local_form`) and a loaded local part of the same
+    sharding (:func:`shardings_differ`): keys, shapes and dtypes."""
     problems: list[str] = []
     _compare(
         {k: v for k, v in live.items() if k != SHARDING_KEY},
@@ -249,8 +256,6 @@ def check_loaded(live: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
         "",
         problems,
     )
-    if loaded.get(SHARDING_KEY, {}) != live.get(SHARDING_KEY, {}):
-        problems.append("DTensor shardings differ from the checkpoint's")
     return problems
 
 
