@@ -1,5 +1,6 @@
-"""The worker process: ``python -c <worker._START> <socket fd> <trainer pid>``, which ignores SIGINT
-and SIGTERM, then calls :func:`main`.
+"""The worker process: ``python -c <worker._START> <socket fd> <trainer pid> <main>`` (``main``: 1
+when the trainer's main thread started it, else 0), which ignores SIGINT and SIGTERM, then calls
+:func:`main`.
 
 When :func:`worker_main` returns (stopped, or its trainer is gone) every call it ran has returned
 and made its files durable; the process ends at once instead of tearing the interpreter down (with
@@ -14,7 +15,8 @@ from tierpoint.asyncsave.worker import worker_main
 
 
 def main() -> None:
-    worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    parent = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    worker_main(Connection(int(sys.argv[1])), parent, len(sys.argv) < 4 or sys.argv[3] == "1")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

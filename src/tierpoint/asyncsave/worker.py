@@ -8,8 +8,9 @@ imports the modules of calls to come while the worker is idle (a first call then
 
 Worker process: receives calls over its pipe, runs them one at a time, each in the working directory
 the trainer had when it submitted the call (relative paths mean the same to both), answers
-``(call_id, ok, result_or_message, error_type)``. It exits when the pipe closes (its trainer died), so
-no worker outlives its rank. It ignores SIGINT and SIGTERM from its first instruction on: a Ctrl-C
+``(call_id, ok, result_or_message, error_type)``. It ends the moment its trainer process dies, in the
+middle of a call too (:func:`_die_with_trainer`), and exits when the pipe closes, so no worker
+outlives its rank; it lives as long as that process, whichever of its threads started it. It ignores SIGINT and SIGTERM from its first instruction on: a Ctrl-C
 (sent to the terminal's whole process group) and a job-wide SIGTERM (Slurm's preemption notice)
 are the trainer's to handle, and the saves in flight finish; the trainer stops it (``stop`` /
 ``kill``), and Linux kills it with its trainer.
@@ -31,6 +32,7 @@ import importlib
 import logging
 import mmap
 import os
+import select
 import shutil
 import signal
 import socket
@@ -78,13 +80,31 @@ def resolve_buffer(buffer: StagingBuffer | SourceFile | BufferRef) -> memoryview
     return _buffers[buffer.id][: buffer.nbytes]
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when the trainer dies, so that no orphan keeps writing."""
+def _die_with_trainer(parent_pid: int | None, from_main_thread: bool) -> None:
+    """End this process the moment the trainer process dies, so that no orphan keeps writing.
+
+    Linux's ``PR_SET_PDEATHSIG`` fires when the *thread* that started this process exits, not the
+    process: a queue made on a thread that then ended (a set-up thread, a pool's) lost its worker
+    and the save in flight with it. It is used only when the trainer's main thread started us
+    (that thread ends with the process); otherwise a thread waits on a pidfd of the trainer
+    process and kills this process when it exits."""
+    if from_main_thread or parent_pid is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # pragma: no cover - not Linux: the pipe still ends us
+            pass
+        return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not Linux: the closed pipe still ends us
-        pass
+        pidfd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):  # pragma: no cover - gone already (checked next), or no pidfd
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])  # readable once the trainer process has exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="tierpoint-trainer-watch", daemon=True).start()
 
 
 def _close_mapping(m: mmap.mmap) -> None:
@@ -146,10 +166,10 @@ _START = (  # the worker's program: the signals ignored before anything is impor
 )
 
 
-def worker_main(conn: Any, parent_pid: int | None = None) -> None:
+def worker_main(conn: Any, parent_pid: int | None = None, from_main_thread: bool = True) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle (module docstring)
         signal.signal(signum, signal.SIG_IGN)
-    _die_with_parent()
+    _die_with_trainer(parent_pid, from_main_thread)
     # Yield the CPU to training: checkpoint writes only need what training leaves idle (and still
     # progress when it leaves none, at a small share).
     _deprioritize(int(os.environ.get("TIERPOINT_WORKER_NICE", "19")), os.environ.get(_IOPRIO_ENV))
@@ -217,6 +237,7 @@ class Worker:
                 _START,
                 str(child_sock.fileno()),
                 str(os.getpid()),
+                str(int(threading.current_thread() is threading.main_thread())),
             ],
             pass_fds=[child_sock.fileno()],
             env=env,

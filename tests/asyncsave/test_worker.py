@@ -1,0 +1,84 @@
+"""The background worker's lifetime: it lives as long as its trainer process, whichever thread
+of the trainer started it, and ends at once when that process dies, also in the middle of a call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
+
+
+def _slow(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_queue_made_on_a_thread_that_ends_keeps_its_worker(caplog):
+    # PR_SET_PDEATHSIG fires when the *thread* that started the worker exits: a queue made on a
+    # set-up thread lost its worker with that thread, and the save in flight then failed.
+    made: dict[str, AsyncCallsQueue] = {}
+    in_flight = threading.Event()
+
+    def setup_thread() -> None:
+        made["queue"] = AsyncCallsQueue(timeout=60)
+        made["queue"].wait_ready()
+        made["queue"].schedule_async_request(AsyncRequest(_slow, (1.5,)))
+        in_flight.set()
+
+    thread = threading.Thread(target=setup_thread)
+    thread.start()
+    thread.join()
+    assert in_flight.is_set()
+    queue = made["queue"]
+    with caplog.at_level("WARNING", logger="tierpoint"):
+        queue.maybe_finalize_async_calls(blocking=True)  # the call finished in the same worker
+        queue.schedule_async_request(AsyncRequest(_slow, (0.0,)))
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert "starting a new background worker" not in caplog.text
+    queue.close()
+
+
+_BUSY_ORPHAN = """
+import os, signal, sys, threading, time
+sys.path.insert(0, {tests!r})
+from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
+from asyncsave.test_worker import _slow
+made = {{}}
+def setup():
+    made["queue"] = AsyncCallsQueue(timeout=600)
+    made["queue"].wait_ready()
+thread = threading.Thread(target=setup, daemon={daemon})
+thread.start()
+thread.join(60)
+queue = made["queue"]
+queue.schedule_async_request(AsyncRequest(_slow, (300.0,)))
+time.sleep(1.0)  # the worker is in the call
+children = [open(f"/proc/self/task/{{t}}/children").read() for t in os.listdir("/proc/self/task")]
+print(*"".join(children).split(), flush=True)  # the worker is this process's only child
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("daemon", [False, True])
+def test_a_worker_busy_in_a_call_dies_with_its_killed_trainer(daemon):
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = _BUSY_ORPHAN.format(tests=tests, daemon=daemon)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    (worker_pid,) = map(int, out.stdout.split())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(worker_pid, 9)
+    pytest.fail(f"worker {worker_pid} went on with its call after its trainer was killed")
