@@ -14,6 +14,7 @@ from tierpoint.cli import main
 from tierpoint.errors import CheckpointingError
 from tierpoint.local import BasicTensorAwareStateDict, LocalCheckpointManager, naming
 from tierpoint.local.store import PartStore
+from tierpoint.testing import run_ranks
 
 
 def test_spares_made_ahead_have_their_space_and_stay_mapped(shm_dir):
@@ -171,8 +172,43 @@ def test_a_failed_save_at_another_world_size_leaves_the_old_worlds_newer_checkpo
     """A job restarted with 1 rank instead of 2 starts over (the local tier does not reshard); its
     first save fails. The 2-rank checkpoint of a newer iteration must still be whole: only a
     committed save of the new world size retires it (a job back at 2 ranks loads it)."""
-    from tierpoint.testing import run_ranks
-
     run_ranks(_save_world_two, 2, str(tmp_path))
     run_ranks(_fail_first_save_alone, 1, str(tmp_path))
     assert run_ranks(_latest, 2, str(tmp_path)) == [200, 200]
+    run_ranks(_save_alone, 1, str(tmp_path))  # committed: the other world's parts go with it
+    parts = [name for name in os.listdir(tmp_path / "job" / "0") if name.startswith("iter_")]
+    assert parts == [naming.part_name(100, 0)]
+
+
+def _save_alone(rank: int, world: int, root: str) -> None:
+    manager = LocalCheckpointManager(root, session_id="job")
+    manager.save(BasicTensorAwareStateDict({"w": torch.ones(3)}), 100)
+
+
+def _late_commit_of_an_earlier_attempt(rank: int, world: int, root: str) -> list[int]:
+    """An earlier attempt's async save of iteration 3 is committed only after the restarted job
+    (a second manager on the same root and session) saved iterations 4 and 5."""
+    earlier = LocalCheckpointManager(root, session_id="job", keep_last=2)
+    for it in (1, 2):
+        earlier.save(BasicTensorAwareStateDict({"w": torch.full((8,), float(it))}), it)
+    queue = AsyncCallsQueue()
+    state = BasicTensorAwareStateDict({"w": torch.full((8,), 3.0)})
+    queue.schedule_async_request(earlier.save(state, 3, is_async=True))
+    restarted = LocalCheckpointManager(root, session_id="job", keep_last=2)
+    assert restarted.find_latest() == 2
+    for it in (4, 5):
+        restarted.save(BasicTensorAwareStateDict({"w": torch.full((8,), 100.0 + it)}), it)
+    queue.close()  # the earlier attempt's commit of iteration 3, and its retirement
+    found = LocalCheckpointManager(root, session_id="job", keep_last=2)
+    ta, ckpt_id = found.load()
+    assert ckpt_id.iteration == 5 and float(ta.state_dict["w"][0]) == 105.0
+    names = os.listdir(os.path.join(root, "job", str(rank)))
+    return sorted({int(name.split("_")[1]) for name in names if name.startswith("iter_")})
+
+
+def test_a_late_commit_of_an_earlier_attempt_never_retires_newer_parts(tmp_path):
+    """Retiring keeps parts newer than the iteration committed: this process removed such parts
+    before it saved, so another process (a stopped rank of an earlier attempt that woke up after
+    the restart) wrote them. Retiring them removed the restarted job's newest checkpoints."""
+    listings = run_ranks(_late_commit_of_an_earlier_attempt, 2, str(tmp_path))
+    assert all({4, 5} <= set(iterations) for iterations in listings)

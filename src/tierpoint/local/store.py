@@ -226,13 +226,23 @@ class PartStore:
 
     def retire(self, keep: set[int], max_spares: int) -> None:
         """Remove every file of this rank that no iteration in ``keep`` needs, keeping up to
-        ``max_spares`` of them as spares."""
+        ``max_spares`` of them as spares. Committed parts newer than every iteration in ``keep``
+        stay if saved with this world size: this process's save removed such parts before it
+        wrote, so another process committed them since (a rank of an earlier attempt of the job
+        that was stopped or slow and woke up here, after the restarted job saved newer
+        checkpoints); those of another world size were left by the save for its commit to retire
+        (:meth:`remove_from`)."""
         directory = self.directory
+        newest = max(keep, default=naming.NO_CHECKPOINT)
+        world_size = self.world_size
+        other_world = {(i, o) for i, o, w in self.scan() if i > newest and w != world_size}
         spares = [e.name for e in os.scandir(directory) if naming.is_spare_name(e.name)]
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
             parsed = naming.parse_part_name(entry.name)
             stale = naming.is_dirty_name(entry.name) or (
-                parsed is not None and parsed[0] not in keep
+                parsed is not None
+                and parsed[0] not in keep
+                and (parsed[0] < newest or parsed in other_world)
             )
             if not stale:
                 continue
