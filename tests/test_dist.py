@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,45 @@ def test_wait_for_absent_rank_times_out_and_later_steps_say_why_they_cannot_run(
     assert "the next step: tierpoint's coordination group failed earlier" in later
     assert "waiting for a late rank" in later and "restart the job" in later
     assert float(seconds) < 1.0  # at once, not after another timeout
+
+
+def _store_host_stopped(rank: int, world: int, port: int) -> str | None:
+    """As a job launched with env:// (srun, a plain script): rank 0 hosts the job's store."""
+    dist.destroy_process_group()
+    long = timedelta(seconds=600)  # torch's default store timeout is 30 minutes
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=long)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    pids: list[int | None] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    tpdist.coordination_group()
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped: its store answers no one
+        return None
+    start = time.monotonic()
+    try:
+        tpdist.barrier("waiting for a stopped rank")
+    except CoordinationTimeoutError as e:
+        return f"{time.monotonic() - start:.1f} | {e}"
+    finally:
+        os.kill(pids[0], signal.SIGKILL)
+    return "no timeout"
+
+
+def test_a_stopped_rank_hosting_the_store_makes_the_others_raise_within_the_timeout():
+    """Naming the silent ranks after a timeout asks the job's store, which rank 0 hosts when
+    the job was launched with env:// (torchrun's agent hosts it elsewhere): a stopped rank 0
+    left the others waiting for the store's own timeout (30 minutes by default) instead."""
+    results = run_ranks(
+        _store_host_stopped,
+        2,
+        free_port(),
+        env={"TIERPOINT_TIMEOUT": "3"},
+        timeout=60,
+        allow_crash={0},
+    )
+    seconds, message = results[1].split(" | ")
+    assert "waiting for a stopped rank" in message and "timeout" in message
+    assert float(seconds) < 3 * 3 + 10
 
 
 def _layout(rank: int, world: int) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import gc
 import re
+import threading
 import time
 import weakref
 import zlib
@@ -134,7 +135,37 @@ def run_collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
 def silent_ranks(what: str, group: Any) -> list[int]:
     """After a collective on ``group`` timed out: the ranks that did not report themselves alive
     through the job's store within a short grace (gloo's timeout does not say who is missing).
-    Only on this failure path: one key per rank, read back rank by rank. ``[]`` when unknown."""
+    Only on this failure path: one key per rank, read back rank by rank. ``[]`` when unknown.
+
+    The store may be silent itself: a job launched with env:// has rank 0 host it, and a stopped
+    rank 0 answers no request, each of which then waits for the store's own timeout (30 minutes
+    by default). So the store is asked on a thread, waited for a little longer than the grace;
+    once it did not answer in time it is not asked again."""
+    global _store_silent
+    if _store_silent:
+        return []
+    found: list[list[int]] = []
+    asking = threading.Thread(
+        target=lambda: found.append(_ask_store(what, group)),
+        name="tierpoint-silent-ranks",
+        daemon=True,
+    )
+    asking.start()
+    asking.join(_SILENT_GRACE_S + _STORE_SLACK_S)
+    if not found:
+        _store_silent = True
+        return []
+    return found[0]
+
+
+_STORE_SLACK_S = 2.0
+"""Seconds past the grace that the store's answers may take before it counts as silent."""
+_store_silent = False
+"""The job's store did not answer in time after a timeout (see :func:`silent_ranks`)."""
+
+
+def _ask_store(what: str, group: Any) -> list[int]:
+    """:func:`silent_ranks`' question to the job's store."""
     try:
         store = dist.distributed_c10d._get_default_store()
         ranks = dist.get_process_group_ranks(group) if group is not None else []
