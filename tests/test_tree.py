@@ -484,3 +484,13 @@ def test_pickle_payload_not_loaded_without_allow_pickle() -> None:
     node = {"~": "pickle", "v": b64(pickle.dumps(Boom()))}
     with pytest.raises(UnsupportedStateError):
         tree.unflatten({"~": "tuple", "v": [node]}, [])
+
+
+@pytest.mark.parametrize("flag", ["no", "false", 1, None])
+def test_allow_pickle_must_be_a_bool_not_a_truthy_value(flag: Any) -> None:
+    """``allow_pickle="no"`` once turned pickle on: the opt-in must be the literal True."""
+    with pytest.raises(CheckpointingError, match="allow_pickle must be True or False"):
+        tree.flatten({"a": 1}, allow_pickle=flag)
+    skeleton = tree.flatten({"a": {1, 2}}, allow_pickle=True).skeleton
+    with pytest.raises(CheckpointingError, match="allow_pickle must be True or False"):
+        tree.unflatten(skeleton, [], allow_pickle=flag)

@@ -116,6 +116,15 @@ def failed_on_ranks(what: str, failures: Mapping[int, str]) -> str:
     return f"{what} failed on ranks {', '.join(map(str, ranks))}: {detail}"
 
 
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is ``True`` or ``False``; anything else (``"no"``, ``None``, ``0``) raises
+    :class:`CheckpointingError` naming the argument ``name``: a flag that turns checks off or
+    pickle on must never be set by a truthy string."""
+    if type(value) is not bool:
+        raise CheckpointingError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 CheckpointingException = CheckpointingError
 """The name NVRx users know for :class:`CheckpointingError`."""
 

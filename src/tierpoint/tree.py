@@ -51,7 +51,7 @@ import torch
 
 from . import dtensors
 from .dtensors import SkeletonError
-from .errors import UnsupportedStateError
+from .errors import UnsupportedStateError, check_flag
 from .numpy_dtypes import dtype_spec, numpy_dtype
 from .tensor_refs import tensor_ref
 
@@ -87,6 +87,7 @@ PICKLE_HINT = "convert it to plain data, or pass allow_pickle=True on save and l
 def flatten(state: Any, *, allow_pickle: bool = False, hint: str = PICKLE_HINT) -> FlatState:
     """Split ``state`` into a JSON skeleton and its tensors (in first-seen order); ``hint``: what
     the error for an unsupported object tells to do (a caller without ``allow_pickle`` says so)."""
+    check_flag("allow_pickle", allow_pickle)
     flat = FlatState(skeleton=None)
     seen: dict[int, int] = {}
 
@@ -214,6 +215,7 @@ def unflatten(
 
     ``build_dtensors=False``: a DTensor's description is only checked for form and its local shard
     is returned (no device mesh is looked up or made: for checks on any rank, at any time)."""
+    check_flag("allow_pickle", allow_pickle)
 
     def tensor_at(node: dict) -> torch.Tensor:
         i = node.get("i")

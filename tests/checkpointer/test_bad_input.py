@@ -126,3 +126,14 @@ def test_a_train_module_that_returns_no_dict(tmp_path, checkpointer):
     with pytest.raises(CheckpointingError, match="state_dict_to_save.. returned a list"):
         checkpointer.save(f"{tmp_path}/run/step1", Broken(), {})
     assert not os.path.exists(f"{tmp_path}/run/step1")
+
+
+def test_flags_given_as_strings_are_refused(tmp_path, run, checkpointer):
+    """``allow_pickled_trainer_state="no"`` (a config string) would have read pickles."""
+    with pytest.raises(CheckpointingError, match="allow_pickled_trainer_state must be True or"):
+        Checkpointer(work_dir=tmp_path / "w1", allow_pickled_trainer_state="no")
+    with pytest.raises(CheckpointingError, match="save_overwrite must be True or False"):
+        Checkpointer(work_dir=tmp_path / "w2", save_overwrite="false")
+    assert not (tmp_path / "w1").exists() and not (tmp_path / "w2").exists()
+    with pytest.raises(CheckpointingError, match="allow_pickled_trainer_state must be True or"):
+        checkpointer.load(f"{run}/step2", fresh_module(), allow_pickled_trainer_state="no")

@@ -772,3 +772,17 @@ def test_a_save_requested_while_the_previous_one_is_written_keeps_it(tmp_path):
     for rank, (warnings, kept) in enumerate(results):
         assert not any("removes iteration" in m for m in warnings), warnings
         assert kept == [part_name(1, rank), part_name(2, rank)]
+
+
+def test_allow_pickle_given_as_a_string_is_refused_not_taken_as_true(tmp_path):
+    """``load(allow_pickle="no")`` loaded pickles (a non-empty string is true): refused now."""
+    from collections import deque
+
+    manager = LocalCheckpointManager(tmp_path, session_id="s")
+    manager.save(BasicTensorAwareStateDict({"d": deque([1])}, allow_pickle=True), 1)
+    with pytest.raises(CheckpointingError, match="allow_pickle must be True or False, got 'no'"):
+        LocalCheckpointManager(tmp_path, session_id="s").load(allow_pickle="no")
+    with pytest.raises(CheckpointingError, match="allow_pickle must be True or False"):
+        BasicTensorAwareStateDict({"d": deque([1])}, allow_pickle="yes")
+    loaded, _ = LocalCheckpointManager(tmp_path, session_id="s").load(allow_pickle=True)
+    assert loaded.state_dict["d"] == deque([1])

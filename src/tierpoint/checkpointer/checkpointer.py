@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 from .. import dcp, storage
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, check_flag
 from . import discovery, trainer_state
 from .discovery import DCP_METADATA, MODEL_AND_OPTIM, normalize
 from .errors import CheckpointExistsError, CheckpointNotFoundError, agreed
@@ -94,6 +94,9 @@ class Checkpointer:
     _ephemeral: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("save_overwrite", "pre_download", "throttle_uploads"):
+            check_flag(name, getattr(self, name))
+        check_flag("allow_pickled_trainer_state", self.allow_pickled_trainer_state)
         for name in ("save_thread_count", "load_thread_count"):
             value = getattr(self, name)
             if value is not None and (
@@ -296,7 +299,7 @@ class Checkpointer:
         allow = (
             self.allow_pickled_trainer_state
             if allow_pickled_trainer_state is None
-            else allow_pickled_trainer_state
+            else check_flag("allow_pickled_trainer_state", allow_pickled_trainer_state)
         )
         rank, world = tpdist.get_rank(), tpdist.get_world_size()
         options = self.storage_options

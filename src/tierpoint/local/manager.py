@@ -35,7 +35,7 @@ from typing import Any
 
 from .. import peers, storage
 from ..asyncsave.request import AsyncRequest
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, check_flag
 from ..staging import Stager
 from ..tensor_aware import TensorAwareStateDict
 from . import naming
@@ -93,8 +93,7 @@ class LocalCheckpointManager(NVRxFileNames):
             ("mmap_load", mmap_load),
             ("device_snapshot", device_snapshot),
         ):
-            if type(value) is not bool:  # verify=None must not turn checksums off quietly
-                raise CheckpointingError(f"{name} must be True or False, got {value!r}")
+            check_flag(name, value)  # verify=None must not turn checksums off quietly
         root = (
             naming.default_root()
             if root_local_ckpt_dir in (None, "")
@@ -249,6 +248,7 @@ class LocalCheckpointManager(NVRxFileNames):
         should hold are restored in the background after this returns (see :meth:`wait_for_restore`).
         ``allow_pickle``: also load objects saved with ``allow_pickle=True`` (only for trusted files).
         """
+        check_flag("allow_pickle", allow_pickle)
         iteration = self.find_latest()
         if iteration == naming.NO_CHECKPOINT:
             raise self._discovery.nothing_complete()

@@ -54,7 +54,7 @@ from typing import Any
 from .. import dcp, storage
 from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, check_flag
 from ..local import CliqueReplicationStrategy, LocalCheckpointManager
 from . import state as st
 from .events import EventLog, RestoreRecord
@@ -134,12 +134,8 @@ class TieredCheckpointManager(SavePath):
         ):
             if type(value) is not int or value < low:
                 raise CheckpointingError(f"{name} must be an integer >= {low}, got {value!r}")
-        for name, flag in (
-            ("overlap_snapshot", overlap_snapshot),
-            ("device_snapshot", device_snapshot),
-        ):
-            if type(flag) is not bool:
-                raise CheckpointingError(f"{name} must be True or False, got {flag!r}")
+        check_flag("overlap_snapshot", overlap_snapshot)
+        check_flag("device_snapshot", device_snapshot)
         if persistent_dir is None and persistent_every:
             persistent_every = 0
         if not local_every and not persistent_every:
