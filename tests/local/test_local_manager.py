@@ -786,3 +786,11 @@ def test_allow_pickle_given_as_a_string_is_refused_not_taken_as_true(tmp_path):
         BasicTensorAwareStateDict({"d": deque([1])}, allow_pickle="yes")
     loaded, _ = LocalCheckpointManager(tmp_path, session_id="s").load(allow_pickle=True)
     assert loaded.state_dict["d"] == deque([1])
+
+
+def test_a_url_is_refused_as_the_local_root(tmp_path):
+    """``s3://bucket/x`` became a local directory ``s3:/bucket/x`` under the working directory."""
+    with pytest.raises(CheckpointingError, match="root_local_ckpt_dir must be a local path"):
+        LocalCheckpointManager("s3://bucket/x", session_id="s")
+    file_url = LocalCheckpointManager(f"file://{tmp_path}", session_id="s")
+    assert file_url.root_local_ckpt_dir == tmp_path

@@ -155,3 +155,30 @@ def test_a_deadline_ends_retries_on_the_threads_given_its_work_and_grace_lets_cl
         with retries.grace(1.0), pytest.raises(TimeoutError, match="out of time"):
             retries.with_retries("x", slow, refused)  # (an upload's abort, after the deadline)
         assert len(calls) == 2
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("ftpx://host/run", "unknown URL scheme 'ftpx'"),
+        ("s3://", "names no bucket or host after s3://"),
+        ("s3:///run", "names no bucket or host after s3://"),
+        ("s3:/bucket/run", "one slash after s3:.*write s3://bucket/run"),
+    ],
+)
+def test_a_url_no_store_serves_is_refused_by_name(url, message):
+    """Such URLs were taken, then failed at every save (or, ``s3:/bucket``, ``s3://``, wrote
+    into a local directory named ``s3:``)."""
+    with pytest.raises(CheckpointingError, match=f"persistent_dir {url!r}.*{message}"):
+        storage.checkpoint_path(url, "persistent_dir")
+
+
+def test_paths_and_urls_that_stores_serve_are_kept():
+    for path in ("/tmp/run", "run", "file:///tmp/run", "s3://bucket", "s3://bucket/run", "c:/x"):
+        assert storage.checkpoint_path(path) == path
+
+
+def test_storage_options_must_be_a_mapping():
+    assert storage.options_dict(None) == {} and storage.options_dict({"a": 1}) == {"a": 1}
+    with pytest.raises(CheckpointingError, match="storage_options must be a mapping.*got str"):
+        storage.options_dict("endpoint=http://x")

@@ -170,7 +170,7 @@ class DefaultMLFlashpointCheckpointLoader(MLFlashpointCheckpointLoader):
         node_local: bool | None = None,
         all_files: bool = False,
     ) -> None:
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage.options_dict(storage_options)
         self.node_local = node_local
         self.all_files = all_files
         if checkpoint_object_manager is not None or replication_manager is not None:

@@ -111,7 +111,7 @@ class Reader(StorageReader):
         self.path = storage.checkpoint_path(path)
         self.extension_registry = _extension_registry
         self.thread_count = thread_count
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage.options_dict(storage_options)
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.dtypes: dict[str, torch.dtype] = {}

@@ -122,7 +122,7 @@ class Writer(StorageWriter):
         self.path = directory.absolute(storage.checkpoint_path(path_or_url, "path_or_url"))
         self.thread_count = int(thread_count)
         self.sync_files = sync_files
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage.options_dict(storage_options)
         self.upload = upload
         self.overwrite = overwrite
         self.source_file = source_file

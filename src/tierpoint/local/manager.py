@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .. import peers, storage
+from .. import peers
 from ..asyncsave.request import AsyncRequest
 from ..errors import CheckpointingError, check_flag
 from ..staging import Stager
@@ -97,7 +97,7 @@ class LocalCheckpointManager(NVRxFileNames):
         root = (
             naming.default_root()
             if root_local_ckpt_dir in (None, "")
-            else Path(storage.checkpoint_path(root_local_ckpt_dir, "root_local_ckpt_dir"))
+            else Path(naming.local_root(root_local_ckpt_dir))
         )
         if ".." in root.parts:
             raise CheckpointingError(f"root_local_ckpt_dir must not contain '..': {root}")

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import fileformat
+from .. import fileformat, storage
 from ..errors import CheckpointingError, CorruptCheckpointError
 from ..files import DIRTY_SUFFIX
 
@@ -70,6 +70,18 @@ def default_root() -> Path:
             "directory: another user may have made it. Remove it, or pass a root of your own"
         )
     return root
+
+
+def local_root(value: object) -> str:
+    """The root a caller named, as a local path: a URL (the local tier lives on this node's RAM
+    disk or SSD) or anything that is not a path is a clear error."""
+    text = storage.checkpoint_path(value, "root_local_ckpt_dir")
+    if not storage.is_local(text):
+        raise CheckpointingError(
+            f"root_local_ckpt_dir must be a local path (a RAM disk or a local SSD), got {text!r}: "
+            "object stores hold the persistent tier"
+        )
+    return storage.local_path(text)
 
 
 def validate_session_id(session_id: str) -> str:

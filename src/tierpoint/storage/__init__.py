@@ -47,7 +47,7 @@ from .remote import RemoteStore, check_bucket, filesystem
 from .retries import DEFAULT_UPLOAD, UploadOptions, request
 from .retries import with_retries as _with_retries  # noqa: F401 - tests call it
 from .store import Store, failure
-from .urls import basename, checkpoint_path, is_local, join, local_path
+from .urls import basename, checkpoint_path, is_local, join, local_path, options_dict
 
 __all__ = [
     "DEFAULT_UPLOAD",
@@ -69,6 +69,7 @@ __all__ = [
     "listdir",
     "local_path",
     "makedirs",
+    "options_dict",
     "publish",
     "read_bytes",
     "remove",

@@ -13,16 +13,24 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointingError
 
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/]*)")
+_ONE_SLASH = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
+
 
 def checkpoint_path(value: Any, argument: str = "path") -> str:
-    """``value`` as a path or URL string; anything else is a clear error naming ``argument``."""
+    """``value`` as a path or URL string; anything else is a clear error naming ``argument``, and
+    so is a URL no store serves: an unknown scheme, no bucket (``s3://``), or a scheme followed by
+    one slash (``s3:/bucket``, which would be a local directory named ``s3:``)."""
     if isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
         if isinstance(path, str) and path:
+            _check_url(path, argument)
             return path
     hint = (
         " (get_latest_complete_checkpoint returns None when no checkpoint exists)"
@@ -32,6 +40,46 @@ def checkpoint_path(value: Any, argument: str = "path") -> str:
     raise CheckpointingError(
         f"{argument} must be a path or URL string (not empty), got {type(value).__name__}{hint}"
     )
+
+
+def options_dict(value: Any, argument: str = "storage_options") -> dict[str, Any]:
+    """``value`` (fsspec options: a mapping or ``None``) as a new dict; anything else is a clear
+    error naming ``argument`` (its type only: options may hold credentials)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise CheckpointingError(
+            f"{argument} must be a mapping of fsspec options (such as {{'endpoint_url': ...}}) "
+            f"or None, got {type(value).__name__}"
+        )
+    return dict(value)
+
+
+def _check_url(path: str, argument: str) -> None:
+    url = _URL.match(path)
+    if url is None:
+        one = _ONE_SLASH.match(path)
+        if one is not None and _known_scheme(one[1]):
+            raise CheckpointingError(
+                f"{argument} {path!r} has one slash after {one[1]}: (a local directory named "
+                f"'{one[1]}:'); write {one[1]}://{path[one.end() :]}"
+            )
+        return
+    scheme, location = url[1].lower(), url[2]
+    if not _known_scheme(scheme):
+        raise CheckpointingError(
+            f"{argument} {path!r}: unknown URL scheme {scheme!r} (accepted: a local path, "
+            "file://, s3:// or another fsspec protocol)"
+        )
+    if scheme not in ("file", "local") and not location:
+        raise CheckpointingError(f"{argument} {path!r} names no bucket or host after {scheme}://")
+
+
+def _known_scheme(scheme: str) -> bool:
+    """Whether fsspec has a file system for ``scheme`` (built in, or registered by a package)."""
+    from fsspec.registry import known_implementations, registry
+
+    return scheme.lower() in known_implementations or scheme.lower() in registry
 
 
 def is_local(url: str | os.PathLike) -> bool:

@@ -152,7 +152,7 @@ class TieredCheckpointManager(SavePath):
         self.local_every = local_every
         self.persistent_every = persistent_every
         self.keep_persistent = keep_persistent
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage.options_dict(storage_options)
         self.persistent_dir = (
             storage.checkpoint_path(persistent_dir, "persistent_dir") if persistent_every else None
         )
