@@ -381,3 +381,32 @@ def test_a_refused_save_through_a_reused_writer_keeps_the_checkpoint(tmp_path):
     out = {"a": torch.zeros(1000)}
     load(out, path)
     assert torch.equal(out["a"], state["a"])
+
+
+def test_wrong_save_keywords_are_refused_before_anything_is_touched(tmp_path):
+    """``overwrite="no"`` un-committed the checkpoint there (a string is true), ``sync_files=None``
+    skipped every fsync, an out-of-range ``coordinator_rank`` failed only at the commit, and a
+    wrong ``metadata_cache`` or ``queue`` left an unfinished marker behind."""
+    from tierpoint.dcp import async_save
+
+    committed = step_path(tmp_path, 1)
+    save({"w": torch.ones(4)}, committed)
+    before = sorted(os.listdir(committed))
+    with pytest.raises(CheckpointingError, match="overwrite must be True or False, got 'no'"):
+        save({"w": torch.zeros(4)}, committed, overwrite="no")
+    assert sorted(os.listdir(committed)) == before
+    target = step_path(tmp_path, 2)
+    for keywords, message in [
+        ({"sync_files": None}, "sync_files must be True or False"),
+        ({"enable_cache": "no"}, "enable_cache must be True or False"),
+        ({"coordinator_rank": 3}, r"coordinator_rank must be a rank of the group \(0 to 0\)"),
+        ({"coordinator_rank": "0"}, "coordinator_rank must be an int >= 0"),
+        ({"metadata_cache": "cache"}, "metadata_cache must be a CheckpointMetadataCache"),
+        ({"storage_options": "endpoint"}, "storage_options must be a mapping"),
+    ]:
+        for fn in (save, async_save):
+            with pytest.raises(CheckpointingError, match=message):
+                fn({"w": torch.ones(4)}, target, **keywords)
+    with pytest.raises(CheckpointingError, match="queue must be an AsyncCallsQueue or None"):
+        async_save({"w": torch.ones(4)}, target, queue="queue")
+    assert not os.path.exists(target)

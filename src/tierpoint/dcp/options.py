@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from ..errors import CheckpointingError, check_flag
 from ..staging import SourceFile
 from ..storage import DEFAULT_UPLOAD, UploadOptions
 from .staging_pool import StagingPool
@@ -57,6 +58,20 @@ class SaveOptions:
     upload: UploadOptions = DEFAULT_UPLOAD
     overwrite: bool = False
     source_file: SourceFile | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse a wrong keyword before the save touches anything (``overwrite="no"`` would
+        un-commit a checkpoint, ``sync_files=None`` skip every fsync)."""
+        for name in ("enable_cache", "sync_files", "overwrite"):
+            check_flag(name, getattr(self, name))
+        rank = self.coordinator_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise CheckpointingError(f"coordinator_rank must be an int >= 0, got {rank!r}")
+        cache = self.metadata_cache
+        if cache is not None and not isinstance(cache, CheckpointMetadataCache):
+            raise CheckpointingError(
+                f"metadata_cache must be a CheckpointMetadataCache or None, got {type(cache).__name__}"
+            )
 
 
 _FIELDS = dataclasses.fields(SaveOptions)

@@ -87,6 +87,11 @@ def save_state_dict_async_plan(
     if not use_dist:
         tpdist.refuse_uninitialised_launch()
     group = (process_group or tpdist.coordination_group()) if use_dist else None
+    size = torch.distributed.get_world_size(group) if use_dist else 1
+    if not 0 <= coordinator_rank < size:  # (its type is checked by the save's options)
+        raise CheckpointingError(
+            f"coordinator_rank must be a rank of the group (0 to {size - 1}), got {coordinator_rank!r}"
+        )
     dist_wrapper = _DistWrapper(group, use_dist, coordinator_rank)
     default_planner = planner is None
     planner = planner if planner is not None else DefaultSavePlanner()

@@ -239,6 +239,10 @@ def async_save(
     :func:`async_save_request`'s.
     """
     path_or_url = checkpoint_id_or_path(path_or_url, checkpoint_id, "async_save")
+    if queue is not None and not isinstance(queue, AsyncCallsQueue):
+        raise CheckpointingError(
+            f"queue must be an AsyncCallsQueue or None, got {type(queue).__name__}"
+        )
     request = _request(state_dict, path_or_url, options)
     q = queue if queue is not None else default_queue()
     future = SaveFuture(q, request, os.fspath(path_or_url))
