@@ -276,3 +276,36 @@ def test_an_optimizer_that_cannot_take_a_zero_step_is_left_as_it_was_by_restore(
             manager.restore({"model": fresh_model, "optimizer": fresh})
     assert fresh.param_groups[0]["lr"] == 0.5 and not fresh.state
     assert all(p.grad is None for p in fresh_model.parameters())
+
+
+def test_a_state_refused_at_a_step_leaves_that_step_to_save_again(tmp_path):
+    """A state that is not a dict was refused after its step was taken: saving the step again
+    with the right state said "steps must increase"."""
+    state = make_state(0)
+    with _manager(tmp_path) as manager:
+        with pytest.raises(CheckpointingError, match="the state must be a dict, got NoneType"):
+            manager.maybe_save(2, None)
+        assert manager.maybe_save(2, state) == ("local",)
+
+
+def test_a_closed_manager_refuses_every_step_not_only_the_saved_ones(tmp_path):
+    manager = _manager(tmp_path)
+    manager.close()
+    with pytest.raises(CheckpointingError, match="closed"):
+        manager.maybe_save(1, make_state(0))  # not due: it returned () before
+
+
+def test_a_local_root_that_cannot_be_made_fails_the_saves_not_the_warm_up(tmp_path):
+    """The warm-up (not collective) raised the OSError of an unusable local root on its rank
+    alone, whose peers then hung in the next save: now the save fails, on every rank, and
+    training goes on."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    events: list[dict] = []
+    state = make_state(0)
+    with TieredCheckpointManager(str(blocker), None, "job", on_event=events.append) as manager:
+        for step in range(1, 11):
+            manager.maybe_save(step, state)  # step 1 warms up, step 10 saves
+        manager.wait()
+    saves = [(e["step"], e["ok"]) for e in events if e["kind"] == "save"]
+    assert saves == [(10, False)] and "Not a directory" in events[-1]["error"]

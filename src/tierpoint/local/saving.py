@@ -213,7 +213,10 @@ class PartSaver:
             flat, self._extra((self.store.latest or 0) + 1), like=self._last_plan
         )
         self._last_plan = plan
-        self.store.ensure_dir()
+        try:
+            self.store.ensure_dir()
+        except OSError as e:  # not collective: the next save reports it on every rank
+            raise CheckpointingError(f"warm_up: cannot create {self.store.directory}: {e}") from e
         in_place = self._snapshots_in_place()
         device = copy_device(flat.tensors)
         # Own parts in flight and kept, and the replicas of as many saves of other ranks.

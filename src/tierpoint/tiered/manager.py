@@ -223,6 +223,7 @@ class TieredCheckpointManager(SavePath):
         After :meth:`install_signal_handler`'s signal: writes a final persistent checkpoint of
         ``step`` instead, closes the manager and exits the process with status 0.
         """
+        self._refuse_if_closed()
         step = self._check_step(step)
         tiers = self.due(step)
         if step % self.poll_every == 0 or tiers:
@@ -255,6 +256,7 @@ class TieredCheckpointManager(SavePath):
             for t in TIERS
             if t in wanted and (self.local if t == "local" else self.persistent_dir)
         )
+        tree = st.template(state)  # a state refused here leaves the step unused
         if "local" not in wanted:  # the local tier's save agrees on the step itself
             self._agree_on_step(step)
         self._last_step = step
@@ -264,7 +266,6 @@ class TieredCheckpointManager(SavePath):
                     self._optimizer_hooks[id(optimizer)] = self.queue.install_optimizer_hook(
                         optimizer
                     )
-        tree = st.template(state)
         rank_local = [k for k, v in tree.items() if isinstance(v, st.RankLocal)]
         sharded = st.has_dtensor(tree)
         if "local" in wanted:
