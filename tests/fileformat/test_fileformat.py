@@ -735,3 +735,12 @@ def test_lazy_conjugate_and_negative_views_are_written_as_their_values(tmp_path:
     back = fileformat.read(tmp_path / "part")
     assert torch.equal(back["conj"], torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64))
     assert torch.equal(back["neg"], torch.tensor([-2.0, 4.0]))
+
+
+def test_a_write_whose_rename_fails_leaves_no_dirty_file(tmp_path):
+    """Writing onto a directory's name failed at the rename and left ``<name>.dirty`` behind."""
+    target = tmp_path / "a_directory"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError):
+        fileformat.write(target, {"w": torch.ones(2)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_directory"]

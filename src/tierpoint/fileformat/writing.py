@@ -253,7 +253,11 @@ def _seal(
         unlink_quietly(dirty)
         raise
     os.close(fd)
-    os.replace(dirty, path)
+    try:
+        os.replace(dirty, path)
+    except BaseException:  # (``path`` is a directory, its parent is gone): no dirty file is left
+        unlink_quietly(dirty)
+        raise
     if fsync:
         fsync_dir(path.parent)
     return PartWritten(str(path), plan.file_size(), time.perf_counter() - start)
