@@ -250,12 +250,8 @@ def check_loaded(live: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
     """Every difference between ``live`` (a :func:`local_form`) and a loaded local part of the same
     sharding (:func:`shardings_differ`): keys, shapes and dtypes."""
     problems: list[str] = []
-    _compare(
-        {k: v for k, v in live.items() if k != SHARDING_KEY},
-        {k: v for k, v in loaded.items() if k != SHARDING_KEY},
-        "",
-        problems,
-    )
+    unsharded = [{k: v for k, v in t.items() if k != SHARDING_KEY} for t in (live, loaded)]
+    _compare(*unsharded, "", problems)
     return problems
 
 
