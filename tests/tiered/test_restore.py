@@ -19,6 +19,7 @@ from tierpoint import RankLocal, TieredCheckpointManager
 from tierpoint.errors import CheckpointingError, StateMismatchError, StorageUnavailableError
 from tierpoint.testing import run_ranks
 
+from ..local.helpers import WarningRecords
 from .helpers import as_node, assert_same, fingerprint, make_state, train_step, wipe
 
 EVERY = {"local_every": 2, "persistent_every": 4, "keep_local": 2, "keep_persistent": 2}
@@ -664,3 +665,41 @@ def test_a_persistent_tier_the_store_cannot_list_fails_the_restore_rather_than_r
     for kind, message in outs:
         assert kind == "StorageUnavailableError", message
         assert "cannot list" in message and "did not answer" in message, message
+
+
+def _save_on_two_nodes(rank: int, world: int, root: Path) -> dict:
+    node = as_node(rank, ranks_per_node=1)
+    state = make_state(rank)
+    kwargs = {"local_every": 2, "persistent_every": 2}
+    with TieredCheckpointManager(str(root / f"node{node}"), str(root / "p"), "job", **kwargs) as m:
+        for step in range(1, 5):
+            train_step(state, world)
+            m.maybe_save(step, state)
+    torch.save(fingerprint(state), root / f"saved{rank}.pt")
+
+
+def _go_on_with_three_nodes(rank: int, world: int, root: Path) -> list:
+    node = as_node(rank, ranks_per_node=1)
+    records = WarningRecords()
+    state = make_state(rank)
+    kwargs = {"local_every": 2, "persistent_every": 2}
+    with TieredCheckpointManager(str(root / f"node{node}"), str(root / "p"), "job", **kwargs) as m:
+        step, tier = m.restore(state), m.last_restore.tier
+        saved = torch.load(root / f"saved{rank if rank < 2 else 0}.pt")  # new ranks take rank 0's
+        assert_same(fingerprint(state), saved)
+        m.maybe_save(6, state)
+    again = make_state(rank)
+    with TieredCheckpointManager(str(root / f"node{node}"), str(root / "p"), "job", **kwargs) as m:
+        resumed = [m.restore(again), m.last_restore.tier]
+    return [step, tier, resumed, records.messages]
+
+
+def test_a_job_back_on_three_nodes_runs_unreplicated_rather_than_refusing(shm_dir):
+    """Two copies of each local part cannot be spread over 3 nodes of one rank each (a job
+    restarted with another node, or with one of 4 lost): the manager warns and saves its local
+    tier unreplicated instead of refusing to start, so the job reaches its persistent step."""
+    run_ranks(_save_on_two_nodes, 2, shm_dir)
+    results = run_ranks(_go_on_with_three_nodes, 3, shm_dir)
+    assert [r[:3] for r in results] == [[4, "persistent", [6, "local"]]] * 3
+    warned = [m for m in results[0][3] if "local checkpoints are not replicated" in m]
+    assert warned and "3 ranks on 3 nodes do not form cliques of 2" in warned[0], results[0][3]

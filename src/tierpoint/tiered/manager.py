@@ -77,7 +77,8 @@ class TieredCheckpointManager(SavePath):
         session_id: separates jobs sharing a local root.
         local_every / persistent_every: save every N steps to that tier (0: never).
         replication_factor: copies of each local part, counting the original, kept on other nodes
-            (1: none; with fewer nodes than copies, replication is off and a WARNING says so).
+            (1: none; where the nodes cannot hold the copies, such as fewer nodes than copies or
+            3 nodes for 2 copies, replication is off and a WARNING says so).
         replication_jump: distance between ranks holding copies (default: ranks per node).
         keep_local / keep_persistent: newest complete checkpoints kept in each tier.
         storage_options: fsspec options for ``persistent_dir`` (endpoint, credentials).
@@ -193,19 +194,31 @@ class TieredCheckpointManager(SavePath):
 
     @staticmethod
     def _replication(factor: int, jump: int | None) -> CliqueReplicationStrategy | None:
-        if factor < 2 or tpdist.get_world_size() < 2:
+        """The strategy, or ``None`` with a WARNING where this job's nodes cannot hold the copies
+        (a job restarted on the nodes left after one was lost still runs, unreplicated)."""
+        world = tpdist.get_world_size()
+        if factor < 2 or world < 2:
             return None
-        nodes = len(tpdist.node_layout().nodes)
-        if nodes < factor:
-            if tpdist.get_rank() == 0:
-                logger.warning(
-                    "replication_factor=%d but the job spans %d node(s): local checkpoints are not "
-                    "replicated (a lost node is restored from the persistent tier)",
-                    factor,
-                    nodes,
-                )
-            return None
-        return CliqueReplicationStrategy(jump, factor)
+        layout = tpdist.node_layout()
+        nodes = layout.nodes
+        sizes = sorted({layout.node_of_rank.count(n) for n in nodes})
+        why = None
+        if len(nodes) < factor:
+            why = f"the job spans {len(nodes)} node(s)"
+        elif jump is None and len(sizes) > 1:
+            why = f"its nodes run different numbers of ranks {sizes}"
+        elif world % ((jump or sizes[0]) * factor):
+            why = f"its {world} ranks on {len(nodes)} nodes do not form cliques of {factor}"
+        if why is None:
+            return CliqueReplicationStrategy(jump, factor)
+        if tpdist.get_rank() == 0:
+            logger.warning(
+                "replication_factor=%d but %s: local checkpoints are not replicated (a lost "
+                "node's part comes back from the persistent tier)",
+                factor,
+                why,
+            )
+        return None
 
     # ------------------------------------------------------------------------------ saving
 
