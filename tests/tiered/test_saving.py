@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -205,11 +206,12 @@ def test_a_local_directory_that_cannot_be_made_fails_local_saves_not_training(tm
     assert "the local save of step 1 failed; training goes on" in caplog.text
 
 
-def _save_keeping(rank: int, world: int, root: Path) -> str:
+def _save_keeping(rank: int, world: int, root: Path, differing: str) -> str:
     as_node(rank)
     state = make_state(rank)
-    kwargs = {"local_every": 1, "keep_local": 1 + rank}
-    with TieredCheckpointManager(str(root / "node0"), None, "job", **kwargs) as manager:
+    kwargs = {"local_every": 1, "keep_local": 1 + rank if differing == "keep_local" else 2}
+    session = f"job-{rank}" if differing == "session_id" else "job"
+    with TieredCheckpointManager(str(root / "node0"), None, session, **kwargs) as manager:
         train_step(state, world)
         try:
             manager.maybe_save(1, state)
@@ -218,11 +220,20 @@ def _save_keeping(rank: int, world: int, root: Path) -> str:
     return "saved"
 
 
-def test_a_local_save_refused_as_misuse_raises_on_every_rank(shm_dir):
-    """Ranks keeping different numbers of local checkpoints: the local save's refusal is misuse,
-    raised from maybe_save on every rank, not a failed save each step with a WARNING."""
-    messages = run_ranks(_save_keeping, 2, shm_dir)
-    assert all("keep different numbers of local checkpoints" in m for m in messages), messages
+@pytest.mark.parametrize(
+    "differing, said",
+    [
+        ("keep_local", "keep different numbers of local checkpoints"),
+        ("session_id", "ranks save into different sessions (session_id): {0: 'job-0', 1: 'job-1'}"),
+    ],
+)
+def test_a_local_save_refused_as_misuse_raises_on_every_rank(shm_dir, differing, said):
+    """Ranks keeping different numbers of local checkpoints, or naming different sessions (each
+    would save into its own directory, and no restore would find an iteration complete): the
+    local save's refusal is misuse, raised from maybe_save on every rank, not a failed save each
+    step with a WARNING."""
+    messages = run_ranks(_save_keeping, 2, shm_dir, differing)
+    assert all(said in m for m in messages), messages
 
 
 def test_a_persistent_commit_that_fills_the_disk_is_a_failed_save_on_record(tmp_path, caplog):

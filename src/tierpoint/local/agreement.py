@@ -8,7 +8,7 @@ gathered and the complete iterations are computed from them.
 Invariants: every rank returns the same set of complete iterations to keep and the same save token
 (rank 0's random one: it tells this save's parts from another save's of the same iteration), or
 raises the same
-:class:`CheckpointingError` (ranks disagree on the iteration; it is not newer than every complete,
+:class:`CheckpointingError` (ranks disagree on the iteration, ``keep_last`` or the session; it is not newer than every complete,
 loadable iteration or than an async save still in flight). ``keep_last`` counts the new iteration.
 Nothing is written, except this rank's directory is created.
 """
@@ -64,6 +64,7 @@ def agree_on_iteration(
             "unloadable": sorted(store.unloadable),
             "token": offer,
             "keep_last": keep_last,
+            "session_id": store.session_id,
         },
     )
     requested = [g["iteration"] for g in gathered]
@@ -71,12 +72,15 @@ def agree_on_iteration(
         raise CheckpointingError(
             f"ranks disagree on the iteration to save: {dict(enumerate(requested))}"
         )
-    kept = [g["keep_last"] for g in gathered]
-    if len(set(kept)) != 1:  # (each rank would retire other iterations)
-        raise CheckpointingError(
-            f"ranks keep different numbers of local checkpoints (keep_last): "
-            f"{dict(enumerate(kept))}; every rank must use the same"
-        )
+    for key, what in (
+        ("keep_last", "keep different numbers of local checkpoints"),  # (would retire others)
+        ("session_id", "save into different sessions"),  # (a restore would find no iteration)
+    ):
+        values = [g[key] for g in gathered]
+        if len(set(values)) != 1:
+            raise CheckpointingError(
+                f"ranks {what} ({key}): {dict(enumerate(values))}; every rank must use the same"
+            )
     unloadable = {i for g in gathered for i in g["unloadable"]}
     complete = {
         i: world
@@ -143,7 +147,7 @@ def _agree_unchanged(
         except (OSError, CheckpointingError):
             unchanged = False  # the gathered path reports it
     complete = sorted(known[0]) if known is not None and unchanged else []
-    digest = zlib.crc32(json.dumps([complete, keep_last]).encode()) & 0x7FFFFFFF
+    digest = zlib.crc32(json.dumps([complete, keep_last, store.session_id]).encode()) & 0x7FFFFFFF
     low = tpdist.reduce_ints(
         [unchanged, iteration, -iteration, digest, -digest, -in_flight, offer],
         "min",
