@@ -182,3 +182,16 @@ def test_storage_options_must_be_a_mapping():
     assert storage.options_dict(None) == {} and storage.options_dict({"a": 1}) == {"a": 1}
     with pytest.raises(CheckpointingError, match="storage_options must be a mapping.*got str"):
         storage.options_dict("endpoint=http://x")
+
+
+def test_urls_of_stores_whose_paths_start_at_the_root_are_kept():
+    """``memory:///run`` and ``hdfs:///run`` (the default name node) name no bucket or host, and
+    need none: they were refused as if they were ``s3://``."""
+    for url in ("memory:///run", "hdfs:///user/run", "memory://run"):
+        assert storage.checkpoint_path(url) == url
+
+
+def test_a_file_url_with_one_slash_is_told_the_url_that_names_the_same_path():
+    """``file:/tmp/run`` was told to write ``file://tmp/run``: a relative path ``tmp/run``."""
+    with pytest.raises(CheckpointingError, match="write file:///tmp/run$"):
+        storage.checkpoint_path("file:/tmp/run")

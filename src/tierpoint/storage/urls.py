@@ -21,12 +21,19 @@ from ..errors import CheckpointingError
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/]*)")
 _ONE_SLASH = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
+_LOCAL_SCHEMES = ("file", "local")
+_BUCKET_SCHEMES = frozenset(
+    {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci", "tos", "tosfs"}
+)
+"""Object stores whose URLs name a bucket (or container) first: ``s3://`` alone names none. Other
+schemes may leave it empty (``memory:///run``, ``hdfs:///run`` on the default name node)."""
 
 
 def checkpoint_path(value: Any, argument: str = "path") -> str:
     """``value`` as a path or URL string; anything else is a clear error naming ``argument``, and
-    so is a URL no store serves: an unknown scheme, no bucket (``s3://``), or a scheme followed by
-    one slash (``s3:/bucket``, which would be a local directory named ``s3:``)."""
+    so is a URL no store serves: an unknown scheme, an object store's without a bucket
+    (``s3://``), or a scheme followed by one slash (``s3:/bucket``, which would be a local
+    directory named ``s3:``)."""
     if isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
         if isinstance(path, str) and path:
@@ -60,9 +67,10 @@ def _check_url(path: str, argument: str) -> None:
     if url is None:
         one = _ONE_SLASH.match(path)
         if one is not None and _known_scheme(one[1]):
+            rest = path[one.end() - (one[1].lower() in _LOCAL_SCHEMES) :]  # file:/x: file:///x
             raise CheckpointingError(
                 f"{argument} {path!r} has one slash after {one[1]}: (a local directory named "
-                f"'{one[1]}:'); write {one[1]}://{path[one.end() :]}"
+                f"'{one[1]}:'); write {one[1]}://{rest}"
             )
         return
     scheme, location = url[1].lower(), url[2]
@@ -71,7 +79,7 @@ def _check_url(path: str, argument: str) -> None:
             f"{argument} {path!r}: unknown URL scheme {scheme!r} (accepted: a local path, "
             "file://, s3:// or another fsspec protocol)"
         )
-    if scheme not in ("file", "local") and not location:
+    if scheme in _BUCKET_SCHEMES and not location:
         raise CheckpointingError(f"{argument} {path!r} names no bucket or host after {scheme}://")
 
 
