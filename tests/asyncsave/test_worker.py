@@ -82,3 +82,44 @@ def test_a_worker_busy_in_a_call_dies_with_its_killed_trainer(daemon):
         time.sleep(0.05)
     os.kill(worker_pid, 9)
     pytest.fail(f"worker {worker_pid} went on with its call after its trainer was killed")
+
+
+_NO_PIDFD_ORPHAN = """
+import os, signal, subprocess, sys
+child = '''
+import errno, os, sys, time
+def refused(pid, flags=0):
+    raise OSError(errno.ENOSYS, "pidfd_open refused")  # a kernel before 5.3, a seccomp filter
+os.pidfd_open = refused
+from tierpoint.asyncsave import worker
+worker._die_with_trainer(int(sys.argv[1]), False)
+print(os.getpid(), flush=True)
+time.sleep(300)  # a call in flight
+'''
+worker = subprocess.Popen(
+    [sys.executable, "-c", child, str(os.getpid())],
+    stdin=subprocess.DEVNULL,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,  # (the test reads this process's output to its end)
+)
+print(int(worker.stdout.readline()), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_worker_started_on_a_thread_dies_with_its_trainer_where_no_pidfd_can_be_had():
+    """Without a pidfd of its trainer (``pidfd_open`` refused), a worker started by a thread other
+    than the main one had no watch at all: it went on writing after its trainer died."""
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_PIDFD_ORPHAN], capture_output=True, text=True, timeout=120
+    )
+    (worker_pid,) = map(int, out.stdout.split())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(worker_pid, 9)
+    pytest.fail(f"worker {worker_pid} went on after its trainer was killed")

@@ -53,6 +53,8 @@ logger = logging.getLogger("tierpoint")
 
 SWEEP_EVERY = 1.0
 """Seconds between the idle worker's sweeps of the files it keeps mapped (:mod:`.target_files`)."""
+_PARENT_POLL_S = 0.2
+"""How often a worker without a pidfd of its trainer checks that the trainer is still its parent."""
 
 _buffers: dict[str, memoryview] = {}
 """Worker side: staging buffers mapped from the trainer, by id."""
@@ -87,7 +89,8 @@ def _die_with_trainer(parent_pid: int | None, from_main_thread: bool) -> None:
     process: a queue made on a thread that then ended (a set-up thread, a pool's) lost its worker
     and the save in flight with it. It is used only when the trainer's main thread started us
     (that thread ends with the process); otherwise a thread waits on a pidfd of the trainer
-    process and kills this process when it exits."""
+    process (where there is none, it polls for this process's parent to change) and kills this
+    process when it exits."""
     if from_main_thread or parent_pid is None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -96,12 +99,16 @@ def _die_with_trainer(parent_pid: int | None, from_main_thread: bool) -> None:
             pass
         return
     try:
-        pidfd = os.pidfd_open(parent_pid)
-    except (AttributeError, OSError):  # pragma: no cover - gone already (checked next), or no pidfd
-        return
+        pidfd: int | None = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):  # no pidfd (a kernel before 5.3, a seccomp filter), or gone
+        pidfd = None
 
     def watch() -> None:
-        select.select([pidfd], [], [])  # readable once the trainer process has exited
+        if pidfd is not None:
+            select.select([pidfd], [], [])  # readable once the trainer process has exited
+        else:  # an orphan is adopted by another process: its parent changes
+            while os.getppid() == parent_pid:
+                time.sleep(_PARENT_POLL_S)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="tierpoint-trainer-watch", daemon=True).start()
