@@ -117,6 +117,34 @@ def test_a_local_step_of_another_parallel_layout_gives_way_to_the_persistent_tie
         assert resumed == [6, "local"]
 
 
+def _fsdp_then_grown(rank: int, world: int, root: Path) -> str:
+    state = _fsdp_state(rank)
+    with TieredCheckpointManager(str(root / "local"), None, "g", local_every=2) as manager:
+        _fsdp_step(state, 2)
+        manager.maybe_save(2, state)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model.append(torch.nn.Linear(4, 4))  # another model, sharded alike: not another layout
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    grown = {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "step": 0}
+    with TieredCheckpointManager(str(root / "local"), None, "g", local_every=2) as manager:
+        try:
+            manager.restore(grown)
+        except Exception as e:  # noqa: BLE001 - its class and text are what is checked
+            return f"{type(e).__name__}: {e}"
+    return "restored"
+
+
+def test_a_local_step_of_another_model_is_a_state_mismatch_not_another_layout(tmp_path):
+    """A model grown by a layer has DTensors the checkpoint lacks, so its shardings differ too:
+    the restore said "saved in another parallel layout" (a CheckpointingError) instead of the
+    StateMismatchError naming the missing parameters."""
+    for error in run_ranks(_fsdp_then_grown, 2, tmp_path, timeout=200):
+        assert error.startswith("StateMismatchError") and "not in the checkpoint: 3.weight" in error
+
+
 def _on_s3(rank: int, world: int, root: Path, base: str, options: dict) -> list:
     state = make_state(rank)
     kwargs = {"local_every": 2, "persistent_every": 2, "keep_persistent": 2}

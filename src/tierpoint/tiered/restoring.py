@@ -226,10 +226,13 @@ def _apply_local(
     live = st.local_form(tree)
     what = f"checking the state against local checkpoint step {record.iteration}"
     with tpdist.agree(what) as layout:
-        if st.shardings_differ(live, checkpoint):
+        resharded = st.shardings_differ(live, checkpoint)
+        if resharded and not st.check_loaded(_shapeless(live), _shapeless(checkpoint)):
             layout.key = "another layout"  # shapes differ too: the shards are another layout's
-        else:
+        else:  # (other keys or parameter groups: the state differs, not only its layout)
             problems = st.check_loaded(live, checkpoint)
+            if resharded:
+                problems.append("DTensor shardings differ from the checkpoint's")
             if problems:
                 raise StateMismatchError(_mismatch(record.iteration, problems))
     if layout.key or not layout.same:  # (some rank's layout differs: alike on every rank)
@@ -249,6 +252,18 @@ def _apply_local(
     return RestoreRecord(
         record.iteration, tier, time.perf_counter() - start, record.nbytes, skipped
     )
+
+
+def _shapeless(tree: Any) -> Any:
+    """``tree`` with an empty tensor for each tensor: what :func:`st.check_loaded` then finds
+    between two of them is a difference of structure (keys, parameter groups), not of shards."""
+    if isinstance(tree, torch.Tensor):
+        return torch.empty(0)
+    if isinstance(tree, dict):
+        return {k: _shapeless(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_shapeless(v) for v in tree]
+    return tree
 
 
 def _restore_persistent(
