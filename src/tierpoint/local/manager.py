@@ -235,9 +235,9 @@ class LocalCheckpointManager(NVRxFileNames):
 
     def set_aside(self, iteration: int) -> None:
         """Do not resume from ``iteration``, which :meth:`load` returned but the caller cannot use
-        (saved in another parallel layout, say): :meth:`find_latest` looks anew, and the next save
-        removes it and anything newer instead of refusing an older iteration. Not collective: call
-        it alike on every rank."""
+        (saved in another parallel layout, say): the next save removes it and anything newer
+        instead of refusing an older iteration (:meth:`find_latest` still finds it, complete, until
+        then). Not collective: call it alike on every rank."""
         self._store.unloadable.add(iteration)
         self._store.latest = None
 
