@@ -104,6 +104,22 @@ class CliqueReplicationStrategy(_ReplicaGroups):
         if not self.lazy and tpdist.is_distributed():
             self.setup()
 
+    @staticmethod
+    def unfit(factor: int, jump: int | None = None) -> str | None:
+        """Why this job's nodes cannot hold ``factor`` copies of each part, ``jump`` ranks apart
+        (default: ranks per node), or ``None`` when they can. Collective on first use (the node
+        layout)."""
+        layout = tpdist.node_layout()
+        nodes, world = layout.nodes, len(layout.node_of_rank)
+        sizes = sorted({layout.node_of_rank.count(n) for n in nodes})
+        if len(nodes) < factor:
+            return f"the job spans {len(nodes)} node(s)"
+        if jump is None and len(sizes) > 1:
+            return f"its nodes run different numbers of ranks {sizes}"
+        if world % ((jump or sizes[0]) * factor):
+            return f"its {world} ranks on {len(nodes)} nodes do not form cliques of {factor}"
+        return None
+
     @classmethod
     def from_replication_params(
         cls, replication_jump: int | None = None, replication_factor: int = 2, **kwargs: Any

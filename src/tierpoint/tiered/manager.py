@@ -196,19 +196,9 @@ class TieredCheckpointManager(SavePath):
     def _replication(factor: int, jump: int | None) -> CliqueReplicationStrategy | None:
         """The strategy, or ``None`` with a WARNING where this job's nodes cannot hold the copies
         (a job restarted on the nodes left after one was lost still runs, unreplicated)."""
-        world = tpdist.get_world_size()
-        if factor < 2 or world < 2:
+        if factor < 2 or tpdist.get_world_size() < 2:
             return None
-        layout = tpdist.node_layout()
-        nodes = layout.nodes
-        sizes = sorted({layout.node_of_rank.count(n) for n in nodes})
-        why = None
-        if len(nodes) < factor:
-            why = f"the job spans {len(nodes)} node(s)"
-        elif jump is None and len(sizes) > 1:
-            why = f"its nodes run different numbers of ranks {sizes}"
-        elif world % ((jump or sizes[0]) * factor):
-            why = f"its {world} ranks on {len(nodes)} nodes do not form cliques of {factor}"
+        why = CliqueReplicationStrategy.unfit(factor, jump)
         if why is None:
             return CliqueReplicationStrategy(jump, factor)
         if tpdist.get_rank() == 0:
