@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from tierpoint.staging import in_memory_filesystem
 from tierpoint.testing import run_ranks
 
 from ..mounts import small_tmpfs
+from .orphans import assert_worker_dies_with_trainer
 
 WORLD = 4
 
@@ -596,18 +595,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_the_worker_dies_with_its_trainer():
-    out = subprocess.run(
-        [sys.executable, "-c", _ORPHAN_SCRIPT], capture_output=True, text=True, timeout=120
-    )
-    worker_pid = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(worker_pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"worker {worker_pid} outlived its killed trainer")
+    assert_worker_dies_with_trainer(_ORPHAN_SCRIPT)
 
 
 def test_request_runs_synchronously_with_added_finalize_fns():

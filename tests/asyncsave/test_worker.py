@@ -4,14 +4,14 @@ of the trainer started it, and ends at once when that process dies, also in the 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
+
+from .orphans import assert_worker_dies_with_trainer
 
 
 def _slow(seconds: float) -> float:
@@ -68,20 +68,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 @pytest.mark.parametrize("daemon", [False, True])
 def test_a_worker_busy_in_a_call_dies_with_its_killed_trainer(daemon):
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = _BUSY_ORPHAN.format(tests=tests, daemon=daemon)
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    (worker_pid,) = map(int, out.stdout.split())
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(worker_pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    os.kill(worker_pid, 9)
-    pytest.fail(f"worker {worker_pid} went on with its call after its trainer was killed")
+    assert_worker_dies_with_trainer(_BUSY_ORPHAN.format(tests=tests, daemon=daemon))
 
 
 _NO_PIDFD_ORPHAN = """
@@ -110,16 +97,4 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_a_worker_started_on_a_thread_dies_with_its_trainer_where_no_pidfd_can_be_had():
     """Without a pidfd of its trainer (``pidfd_open`` refused), a worker started by a thread other
     than the main one had no watch at all: it went on writing after its trainer died."""
-    out = subprocess.run(
-        [sys.executable, "-c", _NO_PIDFD_ORPHAN], capture_output=True, text=True, timeout=120
-    )
-    (worker_pid,) = map(int, out.stdout.split())
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(worker_pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    os.kill(worker_pid, 9)
-    pytest.fail(f"worker {worker_pid} went on after its trainer was killed")
+    assert_worker_dies_with_trainer(_NO_PIDFD_ORPHAN)

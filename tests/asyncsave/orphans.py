@@ -1,0 +1,29 @@
+"""A worker must not outlive its trainer: run a trainer script that prints its worker's pid and
+kills itself, then check the worker ends."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def assert_worker_dies_with_trainer(script: str, within: float = 10.0) -> None:
+    """Run ``script`` (prints the worker's pid first, then SIGKILLs itself); fail, killing the
+    worker, unless the worker is gone within ``within`` seconds."""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    worker_pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(worker_pid, 9)
+    pytest.fail(f"worker {worker_pid} outlived its killed trainer")
