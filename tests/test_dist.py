@@ -111,9 +111,9 @@ def _store_host_stopped(rank: int, world: int, port: int) -> str | None:
     long = timedelta(seconds=600)  # torch's default store timeout is 30 minutes
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=long)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    pids: list[int | None] = [None] * world
-    dist.all_gather_object(pids, os.getpid())
     tpdist.coordination_group()
+    pids: list[int | None] = [None] * world  # (gathered after every rank made the group: its
+    dist.all_gather_object(pids, os.getpid())  # making asks the store, which rank 0 hosts)
     if rank == 0:
         os.kill(os.getpid(), signal.SIGSTOP)  # stopped: its store answers no one
         return None
