@@ -458,3 +458,27 @@ def test_a_future_whose_commit_failed_is_done_and_says_why(tmp_path, monkeypatch
         assert future.done()
         with pytest.raises(CheckpointingError, match="failed: .*No space left"):
             future.result()
+
+
+def test_a_save_whose_step_was_taken_over_before_its_commit_is_not_committed(tmp_path, monkeypatch):
+    """A save whose process stopped before its commit (SIGSTOP, a hung node) while a restarted
+    job saved the same step again: the later save's set-up cleared this one's files. Committing
+    published a ``.metadata`` naming files that are gone, and removed the later save's files."""
+    path = str(tmp_path / "step-6")
+    original = Writer.commit
+
+    def taken_over(self, *args, **kwargs):
+        for name in os.listdir(path):
+            if name.endswith(".distcp"):
+                os.unlink(os.path.join(path, name))  # as the later save's set-up removes them
+        with open(os.path.join(path, "__0_0.0123456789abcdef.distcp"), "wb") as f:
+            f.write(b"the later save's data")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Writer, "commit", taken_over)
+    with AsyncCallsQueue() as queue:
+        future = async_save(local_state(1), path, queue=queue)
+        with pytest.raises(CheckpointingError, match="another save into this step took it"):
+            future.result(timeout=120)
+    assert ".metadata" not in os.listdir(path)
+    assert "__0_0.0123456789abcdef.distcp" in os.listdir(path)  # the later save's, untouched

@@ -7,8 +7,9 @@ writing, :func:`make_marker` creates the directory and ``.unfinished-<rank>``, a
 :func:`earlier_save_files` lists what an earlier save left, and :func:`flashpoint_markers` the
 unfinished markers ML Flashpoint left next to a ``step-<N>_ckpt`` directory (both removed by the
 writer once every rank agreed, while this save's own markers keep the step unfinished); an async save then holds its :func:`claim` until :func:`release` (finalized or discarded);
-after the commit, :func:`remove_unreferenced_files` removes the data files ``.metadata`` does not
-name and returns the markers its listing saw, which the coordinator removes (one listing, one bulk
+at the commit, before ``.metadata`` is written, :func:`remove_unreferenced_files` removes the data
+files it will not name (refusing the commit when this save's own are gone) and returns the markers
+its listing saw, which the coordinator removes (one listing, one bulk
 removal on an object store; :func:`visible_markers` lists them where that listing was not made).
 In tierpoint's own flow on an object store the coordinator's writing job does that instead, in the
 worker, before any data of its own is written (:func:`clear_for_new_save`): the commit then lists
@@ -31,6 +32,7 @@ import threading
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from .. import dist as tpdist
 from .. import storage
 from ..errors import CheckpointingError
 from .checksums import is_manifest, manifest_name
@@ -211,25 +213,38 @@ def remove_unreferenced_files(
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
 ) -> list[str] | None:
-    """Remove the data files in ``path`` that the new ``.metadata`` does not name (an earlier save
+    """Remove the data files in ``path`` that the new ``.metadata`` will not name (an earlier save
     into this directory left them: on an object store, or through torch's own save flow, nothing
     removed them before). Safe while an unfinished marker exists: the directory does not count as
     complete until the markers go. Nothing reads such files, so a failure to list or remove them
-    is only logged: it never fails the save. Returns the markers the listing showed (every marker
-    of this save: none is removed before the commit is agreed), so that the coordinator removes
-    them without listing again; None if the listing failed."""
+    is only logged. Returns the markers the listing showed (every marker of this save: none is
+    removed before the commit is agreed), so that the coordinator removes them without listing
+    again; None if the listing failed.
+
+    Raises :class:`CheckpointingError`, removing nothing, when this rank's ``referenced`` files are
+    missing: a later save into this step cleared them (a restarted job's, while this save's process was
+    stopped), and committing would take its step over and remove its files."""
     named = set(referenced)
     keep = named | {manifest_name(name) for name in named}  # every rank's manifest
     earlier: list[str] = []
-    markers = None
     try:
         names = storage.listdir(path, storage_options, upload)
-        markers = markers_in(names)
-        earlier = [name for name in names if is_data_file(name) and name not in keep]
+    except CheckpointingError as e:
+        _warn_left(path, earlier, e)
+        return None
+    own = f"__{tpdist.get_rank()}_"  # (on node-local paths the other ranks' are elsewhere)
+    gone = sorted(n for n in named.difference(names) if n.startswith(own))
+    if gone:
+        raise CheckpointingError(
+            f"{path}: not committed: files of this save are gone ({', '.join(gone[:3])}"
+            f"{', ...' if len(gone) > 3 else ''}): another save into this step took it over"
+        )
+    earlier = [name for name in names if is_data_file(name) and name not in keep]
+    try:
         storage.remove_files(path, earlier, storage_options=storage_options, upload=upload)
     except CheckpointingError as e:
         _warn_left(path, earlier, e)
-    return markers
+    return markers_in(names)
 
 
 def _warn_left(path: str, earlier: list[str], error: CheckpointingError) -> None:

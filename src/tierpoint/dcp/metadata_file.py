@@ -11,9 +11,11 @@ Invariants:
   complete and is saved into again (with a warning on the coordinator).
 - ``.metadata`` is torch's pickled ``Metadata`` (:mod:`tierpoint.dcp.metadata_bytes`) followed
   by its checksum seal (:mod:`tierpoint.dcp.metadata_seal`), written atomically (tmp + fsync +
-  rename, or one PUT on object stores); after it, the files of an earlier save that it does not name are removed
-  (the markers still keep the step from counting as complete meanwhile), unless the writing job
-  cleared them before (tierpoint's saves to object stores: ``tidy=False``).
+  rename, or one PUT on object stores); before it, the files of an earlier save that it does not
+  name are removed (the markers still keep the step from counting as complete meanwhile), unless
+  the writing job cleared them before (tierpoint's saves to object stores: ``tidy=False``), and a
+  save whose own files are gone by then (a later save into the step took it over) is not
+  committed.
 """
 
 from __future__ import annotations
@@ -115,18 +117,18 @@ def publish_metadata(
     storage_options: Mapping[str, Any],
     upload: storage.UploadOptions,
 ) -> list[str] | None:
-    """Write ``.metadata`` (atomically): ``data`` (:mod:`tierpoint.dcp.metadata_bytes`) and its
-    seal (:mod:`tierpoint.dcp.metadata_seal`); then remove the files of an earlier save into ``path`` that are not ``referenced`` (``None``: the
-    names are not known, nothing is removed). Returns the unfinished markers seen meanwhile (see
-    :func:`~tierpoint.dcp.directory.remove_unreferenced_files`), or None."""
+    """Remove the files of an earlier save into ``path`` that are not ``referenced`` (``None``: the
+    names are not known, nothing is listed or removed), refusing the commit if ``referenced`` files
+    are gone (see :func:`~tierpoint.dcp.directory.remove_unreferenced_files`); then write
+    ``.metadata`` (atomically): ``data`` (:mod:`tierpoint.dcp.metadata_bytes`) and its seal
+    (:mod:`tierpoint.dcp.metadata_seal`). Returns the unfinished markers the listing saw, or None."""
+    markers = None
+    if referenced is not None:  # (the markers keep the step from counting as complete meanwhile)
+        markers = directory.remove_unreferenced_files(path, referenced, storage_options, upload)
     storage.publish(
         storage.join(path, METADATA_NAME),
         sealed(data),
         storage_options=storage_options,
         upload=upload,
     )
-    if referenced is None:
-        return None
-    # Files of an earlier save into this directory that this one did not replace (the markers
-    # still keep the step from counting as complete meanwhile).
-    return directory.remove_unreferenced_files(path, referenced, storage_options, upload)
+    return markers
