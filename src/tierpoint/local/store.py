@@ -234,8 +234,7 @@ class PartStore:
         (:meth:`remove_from`)."""
         directory = self.directory
         newest = max(keep, default=naming.NO_CHECKPOINT)
-        world_size = self.world_size
-        other_world = {(i, o) for i, o, w in self.scan() if i > newest and w != world_size}
+        other_world = self._other_world_after(newest)
         spares = [e.name for e in os.scandir(directory) if naming.is_spare_name(e.name)]
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
             parsed = naming.parse_part_name(entry.name)
@@ -290,13 +289,18 @@ class PartStore:
                     self.mappings.pin(entry, pin_for)
         return made
 
+    def _other_world_after(self, iteration: int) -> set[tuple[int, int]]:
+        """``(iteration, origin)`` of this rank's parts newer than ``iteration`` saved with another
+        world size."""
+        world_size = self.world_size
+        return {(i, o) for i, o, w in self.scan() if i > iteration and w != world_size}
+
     def remove_from(self, iteration: int) -> None:
         """Remove this rank's committed parts (own and replicas) of ``iteration`` and newer ones; a
         part that cannot be removed raises (``OSError``). A newer part saved with another world
         size stays (it may be the only checkpoint a job of that size can load, should this save
         fail): the commit of this save retires it (:meth:`retire`)."""
-        world_size = self.world_size
-        other_world = {(i, o) for i, o, w in self.scan() if i > iteration and w != world_size}
+        other_world = self._other_world_after(iteration)
         removed = False
         for entry, saved in self.part_files():
             if saved >= iteration and naming.parse_part_name(entry.name) not in other_world:
