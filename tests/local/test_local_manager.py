@@ -794,3 +794,29 @@ def test_a_url_is_refused_as_the_local_root(tmp_path):
         LocalCheckpointManager("s3://bucket/x", session_id="s")
     file_url = LocalCheckpointManager(f"file://{tmp_path}", session_id="s")
     assert file_url.root_local_ckpt_dir == tmp_path
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_steady_saves_read_no_part_headers(is_async, shm_dir, monkeypatch):
+    """A save's commit lists this rank's parts (retention) without reading back the header of the
+    part it just wrote: for a state of thousands of tensors that is milliseconds of JSON on the
+    training thread at every save."""
+    reads: list[str] = []
+    read_header = fileformat.read_header
+
+    def counted(path, *args, **kwargs):
+        reads.append(str(path))
+        return read_header(path, *args, **kwargs)
+
+    monkeypatch.setattr(fileformat, "read_header", counted)
+    manager = LocalCheckpointManager(shm_dir, session_id="job", keep_last=2)
+    with AsyncCallsQueue() as queue:
+        for it in range(1, 7):
+            ta = BasicTensorAwareStateDict(make_state(0, it))
+            request = manager.save(ta, it, is_async=is_async)
+            if is_async:
+                queue.schedule_async_request(request)
+                queue.maybe_finalize_async_calls(blocking=True)
+    assert reads == []
+    assert manager.find_latest() == 6
+    assert_bitwise_equal(manager.load()[0].state_dict, make_state(0, 6))

@@ -278,13 +278,13 @@ class PartSaver:
         store.latest = iteration
         self.after_commit = None
         copies = self.replication.replication_factor if self.replication is not None else 1
+        store.remember_own_part(iteration)  # (retire lists the parts: no header read for it)
         try:
             store.retire(keep | {iteration}, max_spares=copies if self.recycle else 0)
         except OSError as e:  # clean-up after an agreed commit: never this rank's failure alone
             logger.warning("iteration %d committed; older files not retired: %s", iteration, e)
         else:  # the unloadable iterations went with the rest: the next save may agree by counting
             store.unloadable.clear()
-        store.remember_own_part(iteration)
         with contextlib.suppress(OSError, CheckpointingError):  # else the next save gathers
             self.after_commit = (frozenset(keep | {iteration}), sorted(store.scan()))
         tpdist.log_progress(
