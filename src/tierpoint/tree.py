@@ -163,7 +163,10 @@ def flatten(state: Any, *, allow_pickle: bool = False, hint: str = PICKLE_HINT) 
             f"without pickle; {hint}",
         )
 
-    flat.skeleton = enc(state, "", 0)
+    try:
+        flat.skeleton = enc(state, "", 0)
+    finally:
+        enc = None  # (a recursive closure is a reference cycle: it would keep ``flat`` until a GC)
     return flat
 
 
@@ -254,6 +257,10 @@ def unflatten(
         return dec(skeleton, 0)
     except RecursionError:
         raise SkeletonError("skeleton nested too deeply") from None
+    finally:
+        # A recursive closure is a reference cycle: it would keep ``tensors`` (a mapped file's,
+        # which is not rewritten while they live) alive until a garbage collection.
+        dec = None
 
 
 def _dec_dict(node: dict, dec: Any, depth: int, *_: Any) -> dict:

@@ -122,6 +122,51 @@ def test_the_copy_from_the_local_part_costs_the_trainer_no_copy_and_holds_its_ow
         assert out["mismatched"] == []
 
 
+def _part_files_made(rank: int, world: int, root: Path, slow: bool) -> dict[str, Any]:
+    """The files (inodes) of this rank's local directory over steady saves, with the collector
+    off: a file freed only by a garbage collection would be a new file at a later save."""
+    import gc
+
+    if slow:  # each persistent copy still reads its part after the next local saves committed
+        slow_down_persistent_writes()
+    state, events = make_state(rank, width=64), []
+    manager = TieredCheckpointManager(
+        str(root / "local"),
+        str(root / "persistent"),
+        "job",
+        local_every=1,
+        persistent_every=3,
+        keep_local=2,
+        replication_factor=1,
+        on_event=events.append,
+    )
+    inodes: dict[int, set[int]] = {}
+    gc.disable()
+    try:
+        with manager:
+            for step in range(1, 25):
+                train_step(state, world)
+                manager.maybe_save(step, state)
+                inodes[step] = {e.inode() for e in os.scandir(root / "local" / "job" / str(rank))}
+    finally:
+        gc.enable()
+    steady = set().union(*(inodes[s] for s in range(13, 25)))
+    before = set().union(*(inodes[s] for s in range(1, 13)))
+    failed = [e for e in events if not e["ok"]]
+    return {"new": len(steady - before), "failed": failed}
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["copy-in-time", "slow-copy"])
+def test_steady_saves_with_persistent_copies_make_no_new_part_files(shm_dir, slow):
+    """A part held for a persistent copy is given back to the local tier as soon as the copy is
+    finalized (no garbage collection needed), and a part still held when it is retired becomes a
+    spare for a later save: steady saves rewrite the same files, never allocate (and, for CUDA
+    states, pin) new ones."""
+    for out in run_ranks(_part_files_made, 2, shm_dir, slow, timeout=240):
+        assert out["failed"] == []
+        assert out["new"] == 0
+
+
 def _failing_copies(rank: int, world: int, root: Path) -> dict[str, Any]:
     fail_persistent_writes()
     state, events, holds = make_state(rank), [], []

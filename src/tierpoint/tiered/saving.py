@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -141,10 +142,15 @@ class SavePath:
                 background(ok)
                 marks["background"] = time.perf_counter()
 
+        # The finalize functions reach the request through a weak reference: a cycle through it
+        # would keep its state (a held part's mapped tensors) alive until a garbage collection.
+        request_ref = weakref.ref(request)
+
         def done(outcome: Callable[[], None]) -> Callable[[], None]:
             def run() -> None:
                 self._in_flight.pop(tier, None)
-                record.error = record.error or request.failure  # (a failed call's agreed error)
+                failure = getattr(request_ref(), "failure", None)  # (a failed call's agreed error)
+                record.error = record.error or failure
                 now = time.perf_counter()
                 if "snapshot" in marks and "worker" in marks:
                     record.phases["write"] = max(0.0, marks["worker"] - marks["snapshot"])
