@@ -108,7 +108,7 @@ def slow_write_staged(*args: Any, **kwargs: Any) -> int:
 
     from tierpoint.dcp.jobs import write_staged
 
-    time.sleep(SLOW_WRITE)
+    time.sleep(float(os.environ.get("TEST_SLOW_WRITE", SLOW_WRITE)))
     return write_staged(*args, **kwargs)
 
 

@@ -169,7 +169,7 @@ def _wait_past_a_failed_save(rank: int, world: int, root: Path) -> dict[str, Any
         manager.maybe_save(step, state)
     manager.wait()
     out = {
-        "pending": manager.queue.get_num_unfinalized_calls(),
+        "pending": manager.queues.pending(),
         "saves": [(e["tier"], e["step"], e["ok"]) for e in events if e["kind"] == "save"],
     }
     manager.close()

@@ -167,6 +167,35 @@ def test_steady_saves_with_persistent_copies_make_no_new_part_files(shm_dir, slo
         assert out["new"] == 0
 
 
+def _saves_during_an_upload(rank: int, world: int, root: Path) -> list[tuple[str, int]]:
+    os.environ["TEST_SLOW_WRITE"] = "3"  # (the workers start with the manager: they see it)
+    slow_down_persistent_writes()
+    state, events = make_state(rank, width=64), []
+    with TieredCheckpointManager(
+        str(root / "local"),
+        str(root / "persistent"),
+        "job",
+        local_every=1,
+        persistent_every=4,
+        keep_local=2,
+        replication_factor=1,
+        on_event=events.append,
+    ) as manager:
+        for step in range(1, 9):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+    assert all(e["ok"] for e in events), events
+    return [(e["tier"], e["step"]) for e in events]
+
+
+def test_local_saves_never_wait_behind_a_persistent_upload(shm_dir):
+    """Each tier has its own worker: while the persistent copy of step 4 uploads (3 s), the local
+    saves of the next steps are written and committed."""
+    for done in run_ranks(_saves_during_an_upload, 2, shm_dir, timeout=240):
+        upload = done.index(("persistent", 4))
+        assert {("local", 5), ("local", 6), ("local", 7)} <= set(done[:upload]), done
+
+
 def _failing_copies(rank: int, world: int, root: Path) -> dict[str, Any]:
     fail_persistent_writes()
     state, events, holds = make_state(rank), [], []

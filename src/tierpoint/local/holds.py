@@ -9,11 +9,11 @@ pages, nothing copied) and :attr:`HeldPart.source` (the file, for a worker job t
 finalized or aborted, or never started.
 
 Invariants:
-- While held, the file (its inode, under whatever name) is never made a spare nor handed out for
-  reuse (:meth:`~tierpoint.local.store.PartStore.retire`,
-  :meth:`~tierpoint.local.store.PartStore.take_spare`), so nothing rewrites its pages: the
-  in-place snapshot of a later local save writes only into a spare. Retirement may remove its name
-  meanwhile: the reader reads through its own descriptor, and the pages live until it closes it.
+- While held, the file (its inode, under whatever name) is never handed out for reuse
+  (:meth:`~tierpoint.local.store.PartStore.take_spare`), so nothing rewrites its pages: the
+  in-place snapshot of a later local save writes only into a spare that is not held. Retirement
+  may rename it to a spare (reused once released) or remove its name meanwhile: the reader reads
+  through its own descriptor, and the pages live until it closes it.
 - The tree's tensors and the source are the same file, the one opened and held first (a part
   renamed over it in between is refused).
 - :meth:`HeldPart.release` is idempotent; it drops the hold, the tensors and the descriptor.

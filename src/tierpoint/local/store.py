@@ -54,6 +54,7 @@ class PartStore:
         self.unloadable: set[int] = set()
         self._scan_cache: dict[str, tuple[tuple[int, int, int] | None, list[int] | None]] = {}
         self._held: Counter[tuple[int, int]] = Counter()  # (device, inode) -> holds
+        self._spare_for_holds = 0  # 1 once a part was retired while held (see retire)
 
     # ------------------------------------------------------------------------------ places
 
@@ -216,6 +217,10 @@ class PartStore:
         if self._held[key] <= 0:
             del self._held[key]
 
+    def _is_held(self, path: str | os.PathLike) -> bool:
+        st = _regular_file(path)
+        return st is not None and (st.st_dev, st.st_ino) in self._held
+
     def _reusable(self, path: str) -> bool:
         """Whether the file's pages may be rewritten: a regular file (not a link, which a save
         would write through), not mapped by live tensors, not held."""
@@ -226,7 +231,10 @@ class PartStore:
 
     def retire(self, keep: set[int], max_spares: int) -> None:
         """Remove every file of this rank that no iteration in ``keep`` needs, keeping up to
-        ``max_spares`` of them as spares. Committed parts newer than every iteration in ``keep``
+        ``max_spares`` of them as spares. A part still held (:meth:`hold`) becomes a spare too, not
+        counted: it is reused once released; and from then on one more spare is kept, so that the
+        save after the next held part is retired finds one (else it makes a new file, which for
+        CUDA states is pinned anew). Committed parts newer than every iteration in ``keep``
         stay if saved with this world size: this process's save removed such parts before it
         wrote, so another process committed them since (a rank of an earlier attempt of the job
         that was stopped or slow and woke up here, after the restarted job saved newer
@@ -236,6 +244,8 @@ class PartStore:
         newest = max(keep, default=naming.NO_CHECKPOINT)
         other_world = self._other_world_after(newest)
         spares = [e.name for e in os.scandir(directory) if naming.is_spare_name(e.name)]
+        counted = sum(not self._is_held(directory / name) for name in spares)
+        max_spares += self._spare_for_holds
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
             parsed = naming.parse_part_name(entry.name)
             stale = naming.is_dirty_name(entry.name) or (
@@ -245,10 +255,13 @@ class PartStore:
             )
             if not stale:
                 continue
-            if len(spares) < max_spares and self._reusable(entry.path):
+            held = self._is_held(entry.path)
+            self._spare_for_holds |= held
+            if held or counted < max_spares and self._reusable(entry.path):
                 spare = _unused_spare_name(spares)
                 os.replace(entry.path, directory / spare)
                 spares.append(spare)
+                counted += not held
             else:
                 unlink_quietly(entry.path)
         fileformat.fsync_dir(directory)

@@ -14,8 +14,8 @@ Call order (every rank, at the same points of the training loop)::
 
 The parts it composes: the local tier (:class:`~tierpoint.local.LocalCheckpointManager`, with clique
 replication across nodes), the persistent tier (:mod:`tierpoint.dcp`, torch DCP files on a shared
-path or an object store), one :class:`~tierpoint.asyncsave.AsyncCallsQueue` (one worker process per
-rank serves both tiers), :mod:`.state` (stateful members taken apart and put back in place),
+path or an object store), one :class:`~tierpoint.asyncsave.AsyncCallsQueue` per tier (each with
+its worker process: a local save never waits behind a persistent upload), :mod:`.state` (stateful members taken apart and put back in place),
 :mod:`.retention` and :mod:`.events`. This module holds the configuration, the schedule and the
 checks of every call; the save path (each tier's save, the persistent copy from the local part,
 the final save) is :mod:`.saving` (a mixin of the manager), the restore path across tiers
@@ -53,11 +53,11 @@ from typing import Any
 
 from .. import dcp, storage
 from .. import dist as tpdist
-from ..asyncsave import AsyncCallsQueue
 from ..errors import CheckpointingError, check_flag
 from ..local import CliqueReplicationStrategy, LocalCheckpointManager
 from . import state as st
 from .events import EventLog, RestoreRecord
+from .queues import TierQueues
 from .replicas import ReplicaCheck
 from .restoring import reset, restore_newest
 from .saving import SavePath, _Deferred
@@ -83,7 +83,7 @@ class TieredCheckpointManager(SavePath):
         keep_local / keep_persistent: newest complete checkpoints kept in each tier.
         storage_options: fsspec options for ``persistent_dir`` (endpoint, credentials).
         on_event: called with a dict for every save and restore (see :mod:`.events`).
-        timeout: seconds the manager's queue waits for a save to finish (default
+        timeout: seconds the manager's queues wait for a save to finish (default
             ``TIERPOINT_TIMEOUT`` or 300). tierpoint's collectives (one gloo group every tierpoint
             object of the process shares) wait up to ``TIERPOINT_TIMEOUT``: set that variable to
             bound how long a rank waits for a stopped or departed peer.
@@ -166,13 +166,11 @@ class TieredCheckpointManager(SavePath):
                 keep_last=keep_local,
                 device_snapshot=device_snapshot,
             )
-        self.queue = AsyncCallsQueue(
-            max_in_flight=2, timeout=timeout, overlap_snapshot=overlap_snapshot
-        )
-        self._optimizer_hooks: dict[int, Any] = {}  # id(optimizer) -> hook (overlap_snapshot)
+        in_use = {"local": self.local is not None, "persistent": self.persistent_dir is not None}
+        self.queues = TierQueues([t for t in TIERS if in_use[t]], timeout, overlap_snapshot)
         self._staging_pool = dcp.StagingPool()  # the persistent saves' staging memory
         if self.persistent_dir is not None:  # the worker's first persistent save needs them
-            self.queue.preload("tierpoint.dcp.writer", "tierpoint.dcp.checksums")
+            self.queues["persistent"].preload("tierpoint.dcp.writer", "tierpoint.dcp.checksums")
         self.last_restore: RestoreRecord | None = None
         """What the last :meth:`restore` did (step, tier, seconds, bytes, skipped steps)."""
         self._events = EventLog(on_event)
@@ -263,15 +261,11 @@ class TieredCheckpointManager(SavePath):
         if "local" not in wanted:  # the local tier's save agrees on the step itself
             self._agree_on_step(step)
         self._last_step = step
-        if self.queue.overlap_snapshot:
-            for optimizer in st.optimizers(state):
-                if id(optimizer) not in self._optimizer_hooks:
-                    self._optimizer_hooks[id(optimizer)] = self.queue.install_optimizer_hook(
-                        optimizer
-                    )
+        optimizers = list(st.optimizers(state))  # (a tier's queue hooks them before its snapshot)
         rank_local = [k for k, v in tree.items() if isinstance(v, st.RankLocal)]
         sharded = st.has_dtensor(tree)
         if "local" in wanted:
+            self.queues.hook("local", optimizers)
             # The previous local save is committed first; its persistent copy (if due) starts now.
             self._make_room("local")
             self._start_deferred()
@@ -280,6 +274,7 @@ class TieredCheckpointManager(SavePath):
             if "local" in wanted and not sharded and not self._local_failing:
                 self._deferred = _Deferred(step, rank_local)
             else:
+                self.queues.hook("persistent", optimizers)
                 self._save_persistent(step, st.persistent_form(tree, tpdist.get_rank()))
             self._persistent_owed = None  # a copy lost meanwhile is made up for by this one
 
@@ -343,7 +338,7 @@ class TieredCheckpointManager(SavePath):
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
         """With ``overlap_snapshot``: return once the snapshot copy in flight (if any) is done, so
         that the state's tensors may change. Not collective; the optimizers' steps call it."""
-        self.queue.wait_for_snapshot(timeout)
+        self.queues.wait_for_snapshot(timeout)
 
     def stats(self) -> dict[str, Any]:
         """Counts, blocking time per save and time to durable per tier (medians of the last 1000
@@ -365,7 +360,7 @@ class TieredCheckpointManager(SavePath):
         try:
             if abort:
                 self._aborting = True  # (the saves dropped are recorded as such)
-                self.queue.close(abort=True)
+                self.queues.close(abort=True)
             else:
                 self.wait()
         except BaseException:
@@ -377,11 +372,8 @@ class TieredCheckpointManager(SavePath):
                 if self.local is not None:
                     self.local.wait_for_warm_up()
             finally:
-                for hook in self._optimizer_hooks.values():
-                    hook.remove()
-                self._optimizer_hooks.clear()
                 self._aborting = self._aborting or abort
-                self.queue.close(abort=abort)
+                self.queues.close(abort=abort)
                 self._staging_pool.close()
                 if self.local is not None and self.local.repl_strategy is not None:
                     if not abort:  # the replicas a restore gives back travel on its groups

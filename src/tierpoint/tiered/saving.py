@@ -10,8 +10,8 @@ the first step not saved, ``_with_owed_copy`` at every step)::
     poll() / wait()                        # finalize; start the persistent copy when due
     _save_final(step, tree)                # final_save, after wait()
 
-Invariants: each tier keeps one save in flight (:meth:`_make_room` waits for the previous one, so at
-most two calls are in flight; a failed call ends no wait: the calls after it are waited for too); a
+Invariants: each tier keeps one save in flight (:meth:`_make_room` waits for the previous one), in
+its own queue and worker (:mod:`.queues`: a local save never waits behind a persistent upload); a
 persistent copy is made from the local part's bytes only after the local save of its step is
 committed on every rank, and is dropped if that save failed; it costs the training thread the
 planning and no copy: the part is held (never recycled, so its bytes stay those of its step:
@@ -41,7 +41,6 @@ from typing import Any
 
 from .. import dcp
 from .. import dist as tpdist
-from ..asyncsave import AsyncCallsQueue
 from ..asyncsave.request import Commit
 from ..dcp.step_dirs import step_path
 from ..errors import (
@@ -56,6 +55,7 @@ from ..local import HeldPart, LocalCheckpointManager
 from ..tensor_aware import BasicTensorAwareStateDict
 from . import state as st
 from .events import EventLog, SaveRecord, finalize_or_fail
+from .queues import TierQueues
 from .replicas import ReplicaCheck
 from .retention import retire_persistent_steps
 
@@ -82,13 +82,13 @@ class _Deferred:
 
 
 class SavePath:
-    """Saving to the tiers, asynchronously through one queue (see the module docstring)."""
+    """Saving to the tiers, asynchronously through a queue per tier (see the module docstring)."""
 
     local: LocalCheckpointManager | None
     persistent_dir: str | None
     keep_persistent: int
     storage_options: dict[str, Any]
-    queue: AsyncCallsQueue
+    queues: TierQueues
     _staging_pool: dcp.StagingPool
     _events: EventLog
     _deferred: _Deferred | None
@@ -113,7 +113,7 @@ class SavePath:
     def _make_room(self, tier: str) -> None:
         """Each tier keeps one save in flight: wait (collective) for the previous one."""
         if (call := self._in_flight.get(tier)) is not None:
-            self._finalize(True, through=call)
+            self.queues.finalize(True, tier, through=call)
 
     def _schedule(
         self,
@@ -165,7 +165,7 @@ class SavePath:
         request.preload_fn, request.background_fn = timed_snapshot, after_worker
         finalize = finalize_or_fail(request.finalize_fns, record, done(committed), done(failed))
         request.finalize_fns, request.abort_fns = [finalize], [*request.abort_fns, done(failed)]
-        self._in_flight[tier] = self.queue.schedule_async_request(request)
+        self._in_flight[tier] = self.queues[tier].schedule_async_request(request)
 
     def _save_local(self, step: int, tree: dict[str, Any]) -> None:
         assert self.local is not None
@@ -299,7 +299,7 @@ class SavePath:
     def poll(self) -> None:
         """Finalize what finished on every rank (no collective when nothing is in flight) and start
         the persistent copy of a step whose local save was just committed."""
-        self._finalize(blocking=False)
+        self.queues.finalize(blocking=False)
         self._start_deferred()
 
     def _start_deferred(self) -> None:
@@ -326,27 +326,13 @@ class SavePath:
             tree[key] = st.RankLocal(tree[key])
         self._save_persistent(deferred.step, st.persistent_form(tree, tpdist.get_rank()), held)
 
-    def _finalize(self, blocking: bool, through: int | None = None) -> None:
-        """Finalize what finished (``blocking``: all, or up to ``through``), past failed calls."""
-        while True:
-            try:
-                if through is None:
-                    self.queue.maybe_finalize_async_calls(blocking=blocking)
-                else:
-                    self.queue.finalize_through(through)
-                return
-            except CheckpointingError as e:  # its record says which save; training goes on
-                logger.warning("a checkpoint save failed: %s", e)
-            if not blocking or not self.queue.get_num_unfinalized_calls():
-                return
-
     def wait(self) -> None:
         """Wait until every save in flight (and a pending persistent copy) is committed or failed,
         and the persistent retention they started is done. Collective."""
-        self._finalize(blocking=True)
+        self.queues.finalize(blocking=True)
         if self._deferred is not None:
             self.poll()
-            self._finalize(blocking=True)
+            self.queues.finalize(blocking=True)
         self._wait_for_retirement()
 
     def _retire_in_background(self, committed: int) -> None:
@@ -389,7 +375,7 @@ class SavePath:
         self._retention_started = False
         thread = self._retiring
         if thread is not None:
-            bound = min(self.queue.timeout, tpdist.default_timeout().total_seconds() / 2)
+            bound = min(self.queues.timeout, tpdist.default_timeout().total_seconds() / 2)
             thread.join(bound)
             if thread.is_alive():
                 logger.warning(
