@@ -13,6 +13,10 @@ skeleton.
 A subclass written for NVRx implements NVRx's seven abstract methods only; :meth:`TensorAwareStateDict.to_flat`
 (what a manager saves) has a default built on its ``state_dict`` or its attributes.
 
+A rank that cannot store its state in a collective save (a lambda, an object) still joins the
+save: :func:`for_collective_save` gives it a :class:`RefusedStateDict`, which raises that error where
+the save reads the state (inside the save's agreement), so every rank raises it at once.
+
 Invariants: every tensor's original device is remembered per tensor (CPU and CUDA tensors may mix); a
 device that does not exist when restoring leaves the tensor on CPU and logs a note.
 """
@@ -22,11 +26,11 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence, ValuesView
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from .errors import CheckpointingError
+from .errors import CheckpointingError, UnsupportedStateError
 from .tree import FlatState, SkeletonError, flatten, unflatten
 
 logger = logging.getLogger("tierpoint")
@@ -255,6 +259,41 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     def __repr__(self) -> str:
         state = "hollow" if self.is_hollow else f"{len(self._meta)} tensors"
         return f"BasicTensorAwareStateDict({state})"
+
+
+class RefusedStateDict(TensorAwareStateDict):
+    """Stands in for a state this rank cannot store, keeping the ``error`` that refused it: a
+    checkpoint manager's save still runs its collectives with it, and reading it (``to_flat``, where
+    the local tier's save flattens the state inside its first agreement) raises ``error``, so every
+    rank raises the same error at once instead of the other ranks waiting in the save's collectives
+    until the timeout."""
+
+    def __init__(self, error: CheckpointingError) -> None:
+        self.error = error
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise self.error
+
+    @property
+    def tensors(self) -> NoReturn:
+        self._refuse()
+
+    @property
+    def is_hollow(self) -> bool:
+        return False
+
+    to_flat = pop_tensors = insert_tensors = init_tensors = _refuse
+    copy_tensors_to_cpu = restore_tensor_device = _refuse
+
+
+def for_collective_save(state: Any) -> TensorAwareStateDict:
+    """``BasicTensorAwareStateDict(state)`` for a collective save, or, where ``state`` holds what
+    cannot be stored (:class:`UnsupportedStateError`), a :class:`RefusedStateDict` that raises it
+    inside the save's agreement, on every rank."""
+    try:
+        return BasicTensorAwareStateDict(state)
+    except UnsupportedStateError as e:
+        return RefusedStateDict(e)
 
 
 def _device_exists(device: torch.device) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierpoint import StateMismatchError, TieredCheckpointManager
+from tierpoint import StateMismatchError, TieredCheckpointManager, UnsupportedStateError
 from tierpoint.errors import CheckpointingError
 from tierpoint.testing import run_ranks
 
@@ -309,3 +309,39 @@ def test_a_local_root_that_cannot_be_made_fails_the_saves_not_the_warm_up(tmp_pa
         manager.wait()
     saves = [(e["step"], e["ok"]) for e in events if e["kind"] == "save"]
     assert saves == [(10, False)] and "Not a directory" in events[-1]["error"]
+
+
+ONE_RANK_TIMEOUT = "30"
+"""``TIERPOINT_TIMEOUT`` of the tests of a failure on one rank: its peers must learn of it long before."""
+
+
+def _one_rank_refuses_its_state(rank: int, world: int, root: Path) -> dict:
+    """Rank 1's state holds a lambda at step 2; each rank catches the error and goes on, as a
+    training loop would, and saves step 2 again once the state is fixed."""
+    import time
+
+    state = make_state(rank)
+    train_step(state, world)
+    with _manager(root) as manager:
+        if rank == 1:
+            state["hook"] = lambda: None
+        start = time.perf_counter()
+        with pytest.raises(UnsupportedStateError) as caught:
+            manager.maybe_save(2, state)
+        seconds = time.perf_counter() - start
+        state.pop("hook", None)
+        saved = manager.maybe_save(2, state)  # the step refused was not taken
+        manager.wait()
+        return {"message": str(caught.value), "seconds": seconds, "saved": saved}
+
+
+def test_a_state_refused_on_one_rank_fails_that_save_on_every_rank_at_once(tmp_path):
+    """The refusal (before any collective, on rank 1 alone) left rank 0 in the local save's
+    agreement until the timeout; it is raised inside that agreement now, on every rank."""
+    env = {"TIERPOINT_TIMEOUT": ONE_RANK_TIMEOUT}
+    out = run_ranks(_one_rank_refuses_its_state, 2, tmp_path, timeout=200, env=env)
+    assert out[0]["message"] == out[1]["message"]
+    assert "failed on rank 1" in out[0]["message"]
+    assert "hook: objects of type builtins.function" in out[0]["message"]
+    assert all(o["seconds"] < 10 for o in out), out  # well before the timeout
+    assert all(o["saved"] == ("local",) for o in out)

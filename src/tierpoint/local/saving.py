@@ -145,7 +145,7 @@ class PartSaver:
                 # Before any rank writes (this agreement is the barrier): a part of this iteration
                 # left by a killed job would complete it together with another rank's new part.
                 self.store.remove_from(iteration)
-                flat = state.to_flat()
+                flat = state.to_flat()  # (here: a RefusedStateDict raises on every rank)
                 plan = fileformat.plan_part(flat, self._extra(iteration), like=self._last_plan)
                 self._last_plan = plan
                 if is_async and self.device_snapshot is not None:

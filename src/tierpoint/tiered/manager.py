@@ -257,10 +257,9 @@ class TieredCheckpointManager(SavePath):
             for t in TIERS
             if t in wanted and (self.local if t == "local" else self.persistent_dir)
         )
-        tree = st.template(state)  # a state refused here leaves the step unused
+        tree = st.template(state)  # a state refused here or by the local save: the step stays free
         if "local" not in wanted:  # the local tier's save agrees on the step itself
             self._agree_on_step(step)
-        self._last_step = step
         optimizers = list(st.optimizers(state))  # (a tier's queue hooks them before its snapshot)
         rank_local = [k for k, v in tree.items() if isinstance(v, st.RankLocal)]
         sharded = st.has_dtensor(tree)
@@ -270,6 +269,7 @@ class TieredCheckpointManager(SavePath):
             self._make_room("local")
             self._start_deferred()
             self._save_local(step, tree)
+        self._last_step = step
         if "persistent" in wanted:
             if "local" in wanted and not sharded and not self._local_failing:
                 self._deferred = _Deferred(step, rank_local)

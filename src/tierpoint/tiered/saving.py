@@ -52,7 +52,7 @@ from ..errors import (
     error_text,
 )
 from ..local import HeldPart, LocalCheckpointManager
-from ..tensor_aware import BasicTensorAwareStateDict
+from ..tensor_aware import BasicTensorAwareStateDict, for_collective_save
 from . import state as st
 from .events import EventLog, SaveRecord, finalize_or_fail
 from .queues import TierQueues
@@ -174,7 +174,7 @@ class SavePath:
         record = SaveRecord("local", step, st.nbytes(local_tree))
         start = time.perf_counter()
         try:
-            request = self.local.save(BasicTensorAwareStateDict(local_tree), step, is_async=True)
+            request = self.local.save(for_collective_save(local_tree), step, is_async=True)
         except CheckpointingError as e:
             # Some rank's failure, agreed (its directory, a full disk): a failed save; else raised
             if not e.failures or isinstance(e, _RAISED_FROM_LOCAL_SAVES):
@@ -393,7 +393,7 @@ class SavePath:
             local_tree = st.local_form(tree)
             record = SaveRecord("local", step, st.nbytes(local_tree))
             if step != self.local.find_latest():
-                self.local.save(BasicTensorAwareStateDict(local_tree), step)
+                self.local.save(for_collective_save(local_tree), step)
         else:
             ptree = st.persistent_form(tree, tpdist.get_rank())
             record = SaveRecord("persistent", step, st.nbytes(ptree))
