@@ -368,6 +368,37 @@ def test_same_older_or_disagreeing_iteration_is_a_clear_error_everywhere(tmp_pat
     assert len(set(disagree)) == 1 and "disagree" in disagree[0]
 
 
+def _arguments_refused_on_one_rank(rank: int, world: int, root: str) -> list[tuple[str, float]]:
+    """Rank 1 alone passes a bad iteration, then a plain dict; every rank catches the error and
+    goes on, as a training loop would, and then saves iteration 1."""
+    manager = LocalCheckpointManager(root, session_id="job")
+    state = make_state(rank, 1)
+    errors = []
+    for bad in ({"iteration": -1}, {"state": state}):
+        arguments = {"state": BasicTensorAwareStateDict(state), "iteration": 1}
+        if rank == 1:
+            arguments.update(bad)
+        start = time.perf_counter()
+        with pytest.raises(CheckpointingError) as caught:
+            manager.save(arguments["state"], arguments["iteration"])
+        errors.append((str(caught.value), time.perf_counter() - start))
+    manager.save(BasicTensorAwareStateDict(state), 1)
+    assert manager.find_latest() == 1
+    return errors
+
+
+def test_an_argument_refused_on_one_rank_fails_the_save_on_every_rank_at_once(tmp_path):
+    """Refused before the save's first collective, on rank 1 alone: the other ranks waited in
+    it until the timeout. The refusal travels in the iteration's agreement now."""
+    env = {"TIERPOINT_TIMEOUT": "30"}
+    results = run_ranks(_arguments_refused_on_one_rank, WORLD, str(tmp_path), env=env)
+    iteration, state = zip(*results)
+    for errors, text in ((iteration, "got -1"), (state, "expects a TensorAwareStateDict")):
+        assert len({message for message, _ in errors}) == 1  # the same error on every rank
+        assert "failed on rank 1" in errors[0][0] and text in errors[0][0]
+        assert all(seconds < 10 for _, seconds in errors), errors  # well before the timeout
+
+
 def _save_world(rank: int, world: int, root: str) -> None:
     save_iterations(root, rank, [9])
 

@@ -8,7 +8,7 @@ gathered and the complete iterations are computed from them.
 Invariants: every rank returns the same set of complete iterations to keep and the same save token
 (rank 0's random one: it tells this save's parts from another save's of the same iteration), or
 raises the same
-:class:`CheckpointingError` (ranks disagree on the iteration, ``keep_last`` or the session; it is not newer than every complete,
+:class:`CheckpointingError` (a rank refused its arguments; ranks disagree on the iteration, ``keep_last`` or the session; it is not newer than every complete,
 loadable iteration or than an async save still in flight). ``keep_last`` counts the new iteration.
 Nothing is written, except this rank's directory is created.
 """
@@ -43,16 +43,19 @@ def agree_on_iteration(
     keep_last: int,
     in_flight: int,
     after_commit: AfterCommit | None,
+    refusal: CheckpointingError | None = None,
 ) -> tuple[set[int], str]:
     """Check (on every rank alike) that all ranks save the same, new ``iteration``; return the
     complete iterations to keep besides it and the save's token. Collective.
 
     ``in_flight``: the newest async save this rank requested and that is not finalized (-1: none);
     ``after_commit``: what this rank knew after its last commit (``None``: nothing, listings are
-    gathered).
+    gathered); ``refusal``: why this rank does not save (an argument it refused): every rank
+    raises it, with the listings gathered (the all-reduce of an unchanged tier says "changed").
     """
     offer = random.SystemRandom().randrange(_NO_TOKEN) if store.rank == 0 else _NO_TOKEN
-    agreed = _agree_unchanged(store, iteration, keep_last, in_flight, after_commit, offer)
+    known = after_commit if refusal is None else None
+    agreed = _agree_unchanged(store, iteration, keep_last, in_flight, known, offer)
     if agreed is not None:
         return agreed
     gathered = _gather_parts(
@@ -66,6 +69,7 @@ def agree_on_iteration(
             "keep_last": keep_last,
             "session_id": store.session_id,
         },
+        refusal,
     )
     requested = [g["iteration"] for g in gathered]
     if len(set(requested)) != 1:
@@ -158,15 +162,19 @@ def _agree_unchanged(
     return keep_for(iteration, complete, -low[5], keep_last), _token_text(low[6])
 
 
-def _gather_parts(store: PartStore, what: str, payload: dict[str, Any]) -> list[Any]:
+def _gather_parts(
+    store: PartStore, what: str, payload: dict[str, Any], refusal: CheckpointingError | None = None
+) -> list[Any]:
     """Every rank's ``payload`` with its committed parts (``"parts"``, see :meth:`PartStore.scan`);
-    a rank that cannot create or list its directory makes every rank raise."""
-    error = None
+    a rank that refused (``refusal``) or cannot create or list its directory makes every rank raise."""
+    error: Exception | None = refusal
+    parts: list[Any] = []
     try:
-        store.ensure_dir()
-        parts = store.scan()
+        if error is None:
+            store.ensure_dir()
+            parts = store.scan()
     except (OSError, CheckpointingError) as e:
-        parts, error = [], e
+        error = e
     gathered = tpdist.all_gather_json(
         {**payload, "parts": parts, "error": tpdist.failure_status(error)}, what
     )

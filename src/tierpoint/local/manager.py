@@ -300,9 +300,12 @@ class LocalCheckpointManager(NVRxFileNames):
         reused staging memory and the worker process writes it; the previous checkpoint is retired only
         when the queue finalizes the request on every rank.
         """
-        iteration = naming.check_iteration(iteration)
         self.wait_for_restore()
         self._check_world()
+        try:
+            iteration = naming.check_iteration(iteration)
+        except CheckpointingError as e:  # raised on every rank by the save's first agreement
+            return self._saver.save(ta_state_dict, naming.NO_CHECKPOINT, is_async, refusal=e)
         return self._saver.save(ta_state_dict, iteration, is_async)
 
     def hold_own_part(self, iteration: int) -> HeldPart:

@@ -111,12 +111,17 @@ class PartSaver:
         self._save_token = "0" * 16  # the save being made (see local.agreement)
 
     def save(
-        self, state: TensorAwareStateDict, iteration: int, is_async: bool = False
+        self,
+        state: TensorAwareStateDict,
+        iteration: int,
+        is_async: bool = False,
+        refusal: CheckpointingError | None = None,
     ) -> AsyncRequest | None:
         """Save this rank's part of ``iteration`` (checked already). Collective; see the module
-        docstring."""
-        if not isinstance(state, TensorAwareStateDict):
-            raise CheckpointingError(
+        docstring. ``refusal`` (an argument refused on this rank, a state that is not one here):
+        raised on every rank by the iteration's agreement, which this rank still joins."""
+        if refusal is None and not isinstance(state, TensorAwareStateDict):
+            refusal = CheckpointingError(
                 f"save expects a TensorAwareStateDict (e.g. BasicTensorAwareStateDict(state)), got {type(state).__name__}"
             )
         if (self.pending is not None or self.in_place.busy) and not is_async:
@@ -134,6 +139,7 @@ class PartSaver:
             keep_last=self.keep_last,
             in_flight=max(self.requested, default=naming.NO_CHECKPOINT),
             after_commit=self.after_commit,
+            refusal=refusal,
         )
         logger.debug("save %d: iteration agreed in %.3f s", iteration, time.perf_counter() - start)
         replication = self.replication
