@@ -10,6 +10,8 @@ Call order (every rank, at the same point of the training loop, as with NVRx)::
     ...
     manager.warm_up(BasicTensorAwareStateDict(state))         # optional, not collective
     manager.save(BasicTensorAwareStateDict(state), iteration)   # collective
+    ...
+    manager.close()                                  # optional, not collective: frees its memory
 
 The work is done by components over one :class:`~tierpoint.local.store.PartStore` (this rank's
 files, and the latest iteration as agreed): :class:`~tierpoint.local.discovery.Discovery`
@@ -289,6 +291,20 @@ class LocalCheckpointManager(NVRxFileNames):
         error = self._saver.join_warm_up(timeout)
         if error is not None:
             raise error
+
+    def close(self) -> None:
+        """Free what the manager keeps for its next saves: the mappings of its part files (each
+        pins its file's pages, RAM on a RAM tier, also once the file is removed), the staging
+        memory and the device snapshot. Not collective; call it once no async save of this
+        manager is in flight (finalized or aborted). Waits for the warm-up and the background
+        restore of replicas (they use them). The manager stays usable: the next save prepares
+        them again."""
+        self.wait_for_restore()
+        self.wait_for_warm_up()
+        self._saver.stager.close()
+        if self._saver.device_snapshot is not None:
+            self._saver.device_snapshot.close()
+        self._store.mappings.close()
 
     def save(
         self, ta_state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False

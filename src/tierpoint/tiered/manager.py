@@ -346,7 +346,8 @@ class TieredCheckpointManager(SavePath):
         return self._events.summary()
 
     def close(self, abort: bool = False) -> None:
-        """Wait for what is in flight, then stop the worker. Idempotent.
+        """Wait for what is in flight, then stop the worker and free the local tier's memory
+        (:meth:`LocalCheckpointManager.close`). Idempotent.
 
         ``abort=True`` (what leaving a ``with`` block by an exception other than ``sys.exit(0)``
         does): no collective, no
@@ -379,6 +380,8 @@ class TieredCheckpointManager(SavePath):
                     if not abort:  # the replicas a restore gives back travel on its groups
                         self.local.wait_for_restore()
                     self.local.repl_strategy.reset()  # frees its gloo groups: this manager made it
+                if self.local is not None and not abort:  # (a stuck snapshot may still copy)
+                    self.local.close()  # its mappings pin its files' pages, removed ones too
 
     def __enter__(self) -> TieredCheckpointManager:
         return self
