@@ -68,17 +68,16 @@ def _loaded(path: str, work: Path) -> dict[str, Any]:
 
 
 def _saving_every_step(root: Path, events: list, **kwargs: Any) -> TieredCheckpointManager:
-    """A manager saving every step to both tiers, one local part kept, no replicas."""
+    """A manager saving every step to both tiers (unless ``kwargs`` say otherwise), one local part
+    kept, no replicas."""
+    options = {"persistent_every": 1, "keep_local": 1, "replication_factor": 1, **kwargs}
     return TieredCheckpointManager(
         str(root / "local"),
         str(root / "persistent"),
         "job",
         local_every=1,
-        persistent_every=1,
-        keep_local=1,
-        replication_factor=1,
         on_event=events.append,
-        **kwargs,
+        **options,
     )
 
 
@@ -130,16 +129,7 @@ def _part_files_made(rank: int, world: int, root: Path, slow: bool) -> dict[str,
     if slow:  # each persistent copy still reads its part after the next local saves committed
         slow_down_persistent_writes()
     state, events = make_state(rank, width=64), []
-    manager = TieredCheckpointManager(
-        str(root / "local"),
-        str(root / "persistent"),
-        "job",
-        local_every=1,
-        persistent_every=3,
-        keep_local=2,
-        replication_factor=1,
-        on_event=events.append,
-    )
+    manager = _saving_every_step(root, events, persistent_every=3, keep_local=2)
     inodes: dict[int, set[int]] = {}
     gc.disable()
     try:
@@ -171,16 +161,7 @@ def _saves_during_an_upload(rank: int, world: int, root: Path) -> list[tuple[str
     os.environ["TEST_SLOW_WRITE"] = "3"  # (the workers start with the manager: they see it)
     slow_down_persistent_writes()
     state, events = make_state(rank, width=64), []
-    with TieredCheckpointManager(
-        str(root / "local"),
-        str(root / "persistent"),
-        "job",
-        local_every=1,
-        persistent_every=4,
-        keep_local=2,
-        replication_factor=1,
-        on_event=events.append,
-    ) as manager:
+    with _saving_every_step(root, events, persistent_every=4, keep_local=2) as manager:
         for step in range(1, 9):
             train_step(state, world)
             manager.maybe_save(step, state)
