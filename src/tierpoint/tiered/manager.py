@@ -14,9 +14,10 @@ Call order (every rank, at the same points of the training loop)::
 
 The parts it composes: the local tier (:class:`~tierpoint.local.LocalCheckpointManager`, with clique
 replication across nodes), the persistent tier (:mod:`tierpoint.dcp`, torch DCP files on a shared
-path or an object store), one :class:`~tierpoint.asyncsave.AsyncCallsQueue` per tier (each with
-its worker process: a local save never waits behind a persistent upload), :mod:`.state` (stateful members taken apart and put back in place),
-:mod:`.retention` and :mod:`.events`. This module holds the configuration, the schedule and the
+path or an object store), one :class:`~tierpoint.asyncsave.AsyncCallsQueue` per tier
+(:mod:`.queues`: each with its worker process, so a local save never waits behind a persistent
+upload), :mod:`.state` (stateful members taken apart and put back in place), :mod:`.retention`
+and :mod:`.events`. This module holds the configuration, the schedule and the
 checks of every call; the save path (each tier's save, the persistent copy from the local part,
 the final save) is :mod:`.saving` (a mixin of the manager), the restore path across tiers
 :mod:`.restoring`.
@@ -346,13 +347,13 @@ class TieredCheckpointManager(SavePath):
         return self._events.summary()
 
     def close(self, abort: bool = False) -> None:
-        """Wait for what is in flight, then stop the worker and free the local tier's memory
+        """Wait for what is in flight, then stop the workers and free the local tier's memory
         (:meth:`LocalCheckpointManager.close`). Idempotent.
 
         ``abort=True`` (what leaving a ``with`` block by an exception other than ``sys.exit(0)``
         does): no collective, no
-        waiting for other ranks, which after an exception or a Ctrl-C may be anywhere: the worker
-        is killed and the saves in flight are dropped (named in a WARNING; their files are never
+        waiting for other ranks, which after an exception or a Ctrl-C may be anywhere: the workers
+        are killed and the saves in flight are dropped (named in a WARNING; their files are never
         taken for checkpoints). A plain ``close()`` that is interrupted (a second Ctrl-C) or fails
         while it waits ends as ``abort=True`` does: what is still in flight is dropped, never
         waited for a second time."""
