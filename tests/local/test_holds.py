@@ -36,7 +36,12 @@ def test_a_held_part_keeps_its_bytes_while_later_saves_recycle_spares(shm_dir):
             queue.schedule_async_request(request)
             queue.maybe_finalize_async_calls(blocking=True)
             names = _inodes(manager.local_ckpt_dir)
-            assert inode not in names or names[inode] == naming.part_name(1, 0)  # never a spare
+            # renamed to a spare at most, never written as a later iteration's part
+            assert (
+                inode not in names
+                or names[inode] == naming.part_name(1, 0)
+                or (naming.is_spare_name(names[inode]))
+            )
     assert bytes(held.source.view()) == original  # the reader's bytes are iteration 1's
     assert_bitwise_equal(held.tree, make_state(0, 1))  # and so are the mapped tensors
     held.release()
@@ -46,25 +51,30 @@ def test_a_held_part_keeps_its_bytes_while_later_saves_recycle_spares(shm_dir):
     assert_bitwise_equal(ta.state_dict, make_state(0, 5))
 
 
-def test_the_store_never_recycles_a_held_file(tmp_path):
-    """The hold alone (no live mapping of the file in this process) keeps a file from being made a
-    spare by retirement and from being handed out as one."""
+def test_the_store_never_hands_out_a_held_file(tmp_path):
+    """The hold alone (no live mapping of the file in this process) keeps a file from being handed
+    out as a spare. Retirement makes it a spare beside those it keeps, reused once released, and
+    keeps one more spare from then on (the next held part then finds one for the save after it)."""
     store = PartStore(tmp_path, "job")
     store.ensure_dir()
     one, two = store.part_path(1), store.part_path(2)
     one.write_bytes(b"one")
     two.write_bytes(b"two")
+    held_inode = os.stat(one).st_ino
     key = store.hold(os.stat(one))
-    store.retire({3}, max_spares=2)
-    assert not one.exists()  # removed, not made a spare: its reader keeps the pages
-    (spare,) = [p for p in store.directory.iterdir() if naming.is_spare_name(p.name)]
-    assert spare.read_bytes() == b"two"
+    store.retire({3}, max_spares=1)
+    spares = {p.stat().st_ino: p for p in store.directory.iterdir() if naming.is_spare_name(p.name)}
+    assert len(spares) == 2 and held_inode in spares  # "two" is the one spare counted
+    taken = store.take_spare(leftovers=False)
+    assert taken is not None and taken.read_bytes() == b"two"  # the held one is not handed out
+    taken.unlink()  # (a save took it)
+    assert store.take_spare(leftovers=False) is None
     store.release(key)
-
-    spare_key = store.hold(os.stat(spare))
-    assert store.take_spare(leftovers=False) is None  # held: not handed out
-    store.release(spare_key)
-    assert store.take_spare(leftovers=False) == spare
+    assert store.take_spare(leftovers=False) == spares[held_inode]
+    three = store.part_path(3)
+    three.write_bytes(b"three")
+    store.retire({4}, max_spares=1)  # one spare already: kept as the one more
+    assert sorted(p.read_bytes() for p in store.directory.iterdir()) == [b"one", b"three"]
 
 
 def test_holding_a_part_that_is_not_there_is_a_clear_error(tmp_path):
