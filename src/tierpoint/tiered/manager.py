@@ -170,8 +170,6 @@ class TieredCheckpointManager(SavePath):
         in_use = {"local": self.local is not None, "persistent": self.persistent_dir is not None}
         self.queues = TierQueues([t for t in TIERS if in_use[t]], timeout, overlap_snapshot)
         self._staging_pool = dcp.StagingPool()  # the persistent saves' staging memory
-        if self.persistent_dir is not None:  # the worker's first persistent save needs them
-            self.queues["persistent"].preload("tierpoint.dcp.writer", "tierpoint.dcp.checksums")
         self.last_restore: RestoreRecord | None = None
         """What the last :meth:`restore` did (step, tier, seconds, bytes, skipped steps)."""
         self._events = EventLog(on_event)

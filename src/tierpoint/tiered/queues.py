@@ -6,13 +6,19 @@ after a persistent upload waited for the upload's end, and so did the training t
 local save (seconds on a slow store, for a save of a few tens of milliseconds). Each tier's saves
 now run in their own worker: a local save never waits behind a persistent one.
 
-Call order: ``TierQueues(tiers, ...)`` in the manager's constructor (every rank, in one order: each
-queue makes its gloo group); ``queues[tier].schedule_async_request(...)``; :meth:`finalize` (polls
-and waits); :meth:`hook` with ``overlap_snapshot``; :meth:`close` once.
+A tier's queue (and so its worker, a process that imports torch: seconds of CPU) is made when the
+tier is first used, or by :meth:`start` (the manager's warm-up, steps ahead of the first save): a
+manager that only restores starts no process. A first save without a warm-up does not wait for
+the worker's start either (its call waits in the pipe), only its time to durable does.
 
-Invariants: the queues are finalized in one order (:data:`~tierpoint.tiered.manager.TIERS`) on every
-rank, so the collectives of their finalize functions meet; a failed save is a WARNING here (its
-record says which save), never the end of a wait: the calls after it are waited for too.
+Call order: ``TierQueues(tiers, ...)`` in the manager's constructor; :meth:`start` at the warm-up;
+``queues[tier].schedule_async_request(...)``; :meth:`finalize` (polls and waits); :meth:`hook`
+with ``overlap_snapshot``; :meth:`close` once.
+
+Invariants: the queues are made and finalized in one order on every rank (made where every rank
+makes them: at a save or the warm-up; finalized in ``tiers`` order), so the collectives of their
+finalize functions meet; a failed save is a WARNING here (its record says which save), never the
+end of a wait: the calls after it are waited for too.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from .. import dist as tpdist
 from ..asyncsave import AsyncCallsQueue
 from ..errors import CheckpointingError
 
@@ -31,19 +38,31 @@ class TierQueues:
     """The queues of the tiers in use, by tier name (see the module docstring)."""
 
     def __init__(self, tiers: Iterable[str], timeout: float | None, overlap_snapshot: bool) -> None:
-        self.by_tier = {
-            tier: AsyncCallsQueue(timeout=timeout, overlap_snapshot=overlap_snapshot)
-            for tier in tiers
-        }
+        self.tiers = tuple(tiers)
+        self.timeout = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds())
         self.overlap_snapshot = overlap_snapshot
+        self._made: dict[str, AsyncCallsQueue] = {}
         self._hooks: dict[tuple[int, str], Any] = {}  # (optimizer, tier) -> hook
 
     def __getitem__(self, tier: str) -> AsyncCallsQueue:
-        return self.by_tier[tier]
+        """``tier``'s queue, made on first use."""
+        queue = self._made.get(tier)
+        if queue is None:
+            queue = AsyncCallsQueue(timeout=self.timeout, overlap_snapshot=self.overlap_snapshot)
+            if tier == "persistent":  # the worker's first persistent save needs them
+                queue.preload("tierpoint.dcp.writer", "tierpoint.dcp.checksums")
+            self._made[tier] = queue
+        return queue
 
     @property
-    def timeout(self) -> float:
-        return min(queue.timeout for queue in self.by_tier.values())
+    def by_tier(self) -> dict[str, AsyncCallsQueue]:
+        """The queues made so far, in ``tiers`` order."""
+        return {tier: self._made[tier] for tier in self.tiers if tier in self._made}
+
+    def start(self) -> None:
+        """Make every tier's queue (its worker starts in the background)."""
+        for tier in self.tiers:
+            self[tier]
 
     def pending(self) -> int:
         """Calls scheduled and not finalized, over every tier."""
@@ -56,7 +75,7 @@ class TierQueues:
             return
         for optimizer in optimizers:
             if (id(optimizer), tier) not in self._hooks:
-                hook = self.by_tier[tier].install_optimizer_hook(optimizer)
+                hook = self[tier].install_optimizer_hook(optimizer)
                 self._hooks[id(optimizer), tier] = hook
 
     def wait_for_snapshot(self, timeout: float | None = None) -> None:

@@ -269,7 +269,9 @@ class SavePath:
     def _warm_up(self, step: int, state: Mapping[str, Any]) -> None:
         """Prepare the first saves' staging memory in the background (not collective): the local
         tier's (and its spare files), and the persistent tier's where its saves snapshot the state
-        (no local tier, or a DTensor state); see :meth:`LocalCheckpointManager.warm_up`."""
+        (no local tier, or a DTensor state); see :meth:`LocalCheckpointManager.warm_up`. The
+        tiers' workers start too."""
+        self.queues.start()
         try:
             tree = st.template(state)
             if self.local is not None:
