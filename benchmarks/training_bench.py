@@ -303,8 +303,10 @@ class PhaseClock:
         parts = {**self.PARTS, **self.NESTED}
         self.seconds: dict[str, float] = dict.fromkeys(parts, 0.0)
         self.calls: dict[str, int] = dict.fromkeys(parts, 0)
+        from tierpoint.asyncsave import AsyncCallsQueue
+
         owners = {
-            "queue": manager.queue,
+            "queue": AsyncCallsQueue,  # (the class: the manager makes a queue per tier on use)
             "manager": manager,
             "local": manager.local,
             "tpdcp": tpdcp,

@@ -43,3 +43,10 @@ def test_local_bench_runs_and_says_what_else_the_machine_did() -> None:
     output = _bench("local", "tierpoint-local-bench-", "--mib", "12", "--reps", "1")
     assert "tierpoint save (none recycled yet)" in output  # one save: nothing was recycled
     assert "machine: " in output and "other processes" in output
+
+
+def test_training_bench_runs_and_times_the_managers_queues() -> None:
+    """The bench once wrapped the queue of a manager that now makes one queue per tier on use."""
+    output = _bench("training", "tierpoint-training-bench-", "--quick")
+    assert "snapshot + dispatch (schedule)" in output  # a hook on the queues' class
+    assert "finalize rounds (poll)" in output
