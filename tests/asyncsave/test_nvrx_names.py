@@ -194,3 +194,19 @@ def test_terminate_with_no_dist_makes_no_collective_either(tmp_path):
         _rank_zero_terminates_without_waiting, 2, str(tmp_path), env=env, timeout=90
     )
     assert results == [[True, float((1 << 18) - 1)]] * 2
+
+
+def test_torch_async_checkpoint_saves_again_after_terminate(tmp_path):
+    # finalize_async_save(terminate=True) closed the queue for good: the next async_save raised
+    # "the AsyncCallsQueue is closed", where NVRx's TorchAsyncCheckpoint starts a new worker.
+    ckpt = TorchAsyncCheckpoint()
+    ckpt.async_save({"w": torch.arange(3.0)}, tmp_path / "a.pt")
+    ckpt.finalize_async_save(blocking=True, terminate=True)
+    ckpt.async_save({"w": torch.ones(3)}, tmp_path / "b.pt")
+    assert ckpt.finalize_async_save(blocking=True, terminate=True) != []
+    assert torch.equal(torch.load(tmp_path / "b.pt", weights_only=True)["w"], torch.ones(3))
+    queue = AsyncCallsQueue()
+    given = TorchAsyncCheckpoint(queue=queue)
+    given.finalize_async_save(blocking=True, terminate=True)  # closes the caller's queue
+    with pytest.raises(CheckpointingError, match="closed"):
+        given.async_save({"w": torch.ones(3)}, tmp_path / "c.pt")

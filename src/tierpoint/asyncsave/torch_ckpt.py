@@ -17,7 +17,8 @@ staging memory and calls ``torch.save(state, *args, **kwargs)``, so the file is 
 renamed: a save that fails or is killed midway (the worker dies with its trainer) leaves the file a
 previous save wrote at that path intact (NVRx's ``torch.save`` in place truncated it). A second
 save waits for the first (at most one in flight), so the buffer is never overwritten while the
-worker reads it.
+worker reads it. ``finalize_async_save(terminate=True)`` closes the queue; a save after it starts
+a new one (and its worker), as with NVRx.
 
 As with NVRx, ``finalize_async_save``'s ``no_dist=True`` (the default) checks this rank's worker
 alone: then no call here is collective, and a rank may save files the others do not (rank 0 alone,
@@ -85,6 +86,9 @@ class TorchAsyncCheckpoint:
         flat = flatten(state_dict, allow_pickle=True)
         plan = plan_part(flat)
         stager = self._stager
+        if self._own_queue and self._async_calls_queue.closed:
+            # finalize_async_save(terminate=True) closed it; NVRx's next save starts a new worker.
+            self._async_calls_queue = AsyncCallsQueue()
         queue = self._async_calls_queue
         if self._own_queue and self._no_dist and queue.get_num_unfinalized_calls():
             # The staging buffer is this rank's: wait for this rank's worker alone, as the caller's
@@ -114,7 +118,9 @@ class TorchAsyncCheckpoint:
     ) -> list[int]:
         """Finalize the saves that finished (all of them, waiting, with ``blocking``); with
         ``terminate``, close the queue afterwards (waiting for this rank's saves first when
-        ``no_dist``). Returns the finalized call ids.
+        ``no_dist``), which stops the worker and frees the staging buffer: a later
+        :meth:`async_save` starts a new queue, as NVRx's does (not when the queue was given as
+        ``queue=``: a closed queue takes no more calls). Returns the finalized call ids.
 
         ``no_dist=True`` (NVRx's default): this rank's saves alone, no collective; ``False``: every
         rank calls it at the same point and the saves are finalized when every rank finished."""
