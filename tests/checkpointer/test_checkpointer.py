@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import safetensors
 import torch
@@ -187,3 +188,8 @@ def test_config_and_fields(tmp_path):
     )
     with pytest.raises(ValueError):
         Checkpointer.checkpoint_dirname(-1)
+    # A step counted by numpy (a data loader's, say) names the same directory; it raised.
+    assert Checkpointer.checkpoint_dirname(np.int64(12)) == "step12"
+    for bad in (True, 12.0, "12"):
+        with pytest.raises(ValueError):
+            Checkpointer.checkpoint_dirname(bad)

@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import posixpath
 import re
@@ -50,10 +51,11 @@ _STEP = re.compile(r"^step([0-9]+)$")
 
 
 def checkpoint_dirname(step: int) -> str:
-    """``step<N>``, the name of step ``step``'s directory."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    """``step<N>``, the name of step ``step``'s directory; ``step`` is any non-negative integer
+    (numpy's too, as OLMo-core formats whatever it is given), never a bool or a float."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r:.40}")
-    return CHECKPOINT_DIR.format(step=step)
+    return CHECKPOINT_DIR.format(step=int(step))
 
 
 def step_of(name: str) -> int | None:
