@@ -181,3 +181,42 @@ def test_get_parent_of_names_at_the_root_and_bare_names() -> None:
     assert CheckpointContainerId("s3://bucket/run/step-1_ckpt/").get_parent().data == (
         "s3://bucket/run"
     )
+
+
+class ContextLoader(DefaultMLFlashpointCheckpointLoader):
+    """A subclass as ML Flashpoint's NeMo adapter writes one: every node needs ``context/``."""
+
+    def _get_extra_local_objects(self, container_path):
+        context = container_path / "context"
+        return [os.path.join("context", n) for n in os.listdir(context)] if context.is_dir() else []
+
+    def _get_extra_needed_objects(self, checkpoint, available_objects_by_rank):
+        prefix = os.path.join(checkpoint.data, "context") + os.sep
+        return {
+            o.data
+            for objects in available_objects_by_rank.values()
+            for o in objects
+            if o.data.startswith(prefix)
+        }
+
+
+def _resume_with_context(rank: int, world: int, base: str) -> list:
+    os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"  # two nodes, each with its own disk
+    node_base = os.path.join(base, f"node{rank}")
+    step = os.path.join(node_base, "step-5_ckpt")
+    save(_state(rank, 5), checkpoint_id=step)
+    if rank == 0:  # written by one node only, as NeMo writes its context
+        os.makedirs(os.path.join(step, "context"))
+        with open(os.path.join(step, "context", "model.yaml"), "w") as f:
+            f.write("layers: 2\n")
+    torch.distributed.barrier()
+    latest = ContextLoader().get_latest_complete_checkpoint(CheckpointContainerId(node_base))
+    with open(os.path.join(latest.data, "context", "model.yaml")) as f:
+        return [os.path.basename(latest.data), f.read()]
+
+
+def test_a_subclass_hooks_bring_extra_objects_to_every_node(tmp_path):
+    # ML Flashpoint's subclass hooks (_get_extra_local_objects, _get_extra_needed_objects) were
+    # never called: node 1 resumed without the context/ files only node 0 held.
+    results = run_ranks(_resume_with_context, 2, str(tmp_path), timeout=120)
+    assert results == [["step-5_ckpt", "layers: 2\n"]] * 2

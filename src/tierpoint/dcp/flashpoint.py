@@ -26,6 +26,11 @@ What differs from ML Flashpoint, and why:
   tensor) are refused by :meth:`DefaultMLFlashpointCheckpointLoader.read_tensor`: no pickle on the
   load path.
 - Each wait has tierpoint's timeout (``TIERPOINT_TIMEOUT``), not a fixed 30 s.
+
+ML Flashpoint's hooks for subclasses, ``_get_extra_local_objects`` and
+``_get_extra_needed_objects`` (files beside the DCP checkpoint, such as NeMo's ``context/``), are
+honoured: when a subclass overrides ``_get_extra_needed_objects``, the latest checkpoint's extra
+files are fetched to each node lacking them once its DCP files are complete.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 import torch
@@ -118,6 +124,41 @@ def _parent(path: str) -> str:
     if not sep:
         return "/" if path.startswith("/") else "."
     return head or "/"
+
+
+def _object_name(container: str, obj: Any) -> str:
+    """An object a hook names (an id, a path inside ``container``, or a name relative to it) as
+    its name relative to ``container``."""
+    text = _location(obj)
+    prefix = container.rstrip("/") + "/"
+    if text.startswith(prefix):
+        return text[len(prefix) :]
+    if os.path.isabs(text) or ".." in text.split("/"):
+        raise CheckpointingError(f"extra checkpoint object {text} is not inside {container}")
+    return text
+
+
+def _extra_plan(
+    needed: set[str], held: list[list[str]], layout: tpdist.NodeLayout
+) -> list[list[Any]]:
+    """``[source rank, node leader, name]`` for each needed file a node lacks, from the lowest
+    rank of another node holding it (a file no node holds is left out, with a WARNING)."""
+    holders: dict[str, list[int]] = {}
+    for rank, names in enumerate(held):
+        for name in names:
+            holders.setdefault(name, []).append(rank)
+    plan: list[list[Any]] = []
+    for node in layout.nodes:
+        ranks = [r for r, n in enumerate(layout.node_of_rank) if n == node]
+        for name in sorted(needed):
+            sources = holders.get(name, [])
+            if any(r in ranks for r in sources):
+                continue
+            if not sources:
+                logger.warning("extra checkpoint object %s is on no node: not retrieved", name)
+                continue
+            plan.append([sources[0], ranks[0], name])
+    return plan
 
 
 class MLFlashpointCheckpointLoader(abc.ABC):
@@ -250,7 +291,85 @@ class DefaultMLFlashpointCheckpointLoader(MLFlashpointCheckpointLoader):
             node_local=node_local,
             all_files=self.all_files,
         )
-        return None if found is None else CheckpointContainerId(found)
+        if found is None:
+            return None
+        latest = CheckpointContainerId(found)
+        hooks = type(self)._get_extra_needed_objects
+        if node_local and tpdist.is_distributed() and hooks is not _DEFAULT_EXTRA_NEEDED:
+            self._retrieve_extra_objects(latest)  # (a subclass's hooks: same class on every rank)
+        return latest
+
+    def _get_extra_local_objects(self, container_path: Path) -> list[CheckpointObjectId | str]:
+        """ML Flashpoint's hook for subclasses: files beyond the DCP checkpoint's (a ``context/``
+        directory, say) that this rank holds in ``container_path``; absolute, or relative to it.
+        Called on every rank after the latest checkpoint was chosen. Default: none."""
+        return []
+
+    def _get_extra_needed_objects(
+        self,
+        checkpoint: CheckpointContainerId,
+        available_objects_by_rank: dict[int, list[CheckpointObjectId]],
+    ) -> set[str]:
+        """ML Flashpoint's hook for subclasses (with :meth:`_get_extra_local_objects`): the extra
+        files every node needs (paths, or names relative to ``checkpoint``), given what each rank
+        holds (its DCP files and its extra ones). Called on rank 0. Default: none."""
+        return set()
+
+    def _retrieve_extra_objects(self, checkpoint: CheckpointContainerId) -> None:
+        """Bring the extra files of the subclass's hooks to every node that lacks them: each
+        node's lowest rank fetches them from the lowest rank of another node holding them, as ML
+        Flashpoint's retrieval plan does, each file checked on receipt. Files are matched by
+        their name inside the checkpoint directory (its path may differ from node to node); the
+        hooks see rank 0's paths. Collective; a hook's or a transfer's failure raises on every
+        rank."""
+        container = checkpoint.data
+        names: list[str] | None = None
+        error: BaseException | None = None
+        try:
+            path = storage.local_path(container)
+            listed = os.listdir(path) if os.path.isdir(path) else []
+            extra = self._get_extra_local_objects(Path(path))
+            names = sorted({_object_name(container, o) for o in [*listed, *extra]})
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            error = e
+        what = f"listing the extra objects of {container}"
+        tpdist.raise_if_any_failed(what, error)
+        views: list[dict[str, Any]] = tpdist.all_gather_json(
+            {"container": container, "names": names}, what
+        )
+        layout = tpdist.node_layout()
+        plan: list[list[Any]] | None = None
+        error = None
+        if tpdist.get_rank() == 0:
+            try:
+                available = {
+                    r: [CheckpointObjectId.from_container(container, n) for n in v["names"]]
+                    for r, v in enumerate(views)
+                }
+                needed = self._get_extra_needed_objects(checkpoint, available)
+                held = [v["names"] for v in views]
+                plan = _extra_plan({_object_name(container, o) for o in needed}, held, layout)
+            except Exception as e:  # noqa: BLE001 - shared with every rank below
+                error = e
+        tpdist.raise_if_any_failed(f"planning the extra objects of {container}", error)
+        plan = tpdist.broadcast_json(plan, what=f"the extra objects of {container}")
+        moves = [
+            peers.FileMove(
+                src,
+                dst,
+                storage.join(views[src]["container"], name),
+                storage.join(views[dst]["container"], name),
+            )
+            for src, dst, name in plan
+        ]
+        if moves:
+            with tpdist.agree(f"retrieving the extra objects of {container}"):
+                transfer.move_files(
+                    moves,
+                    tpdist.coordination_group(),
+                    timeout=tpdist.default_timeout().total_seconds(),
+                    digest=True,
+                )
 
     def get_candidate_checkpoints(
         self, checkpoint_base_container: CheckpointContainerId | str | os.PathLike
@@ -303,6 +422,8 @@ class DefaultMLFlashpointCheckpointLoader(MLFlashpointCheckpointLoader):
             return False
         return True
 
+
+_DEFAULT_EXTRA_NEEDED = DefaultMLFlashpointCheckpointLoader._get_extra_needed_objects
 
 __all__ = [
     "CheckpointContainerId",
