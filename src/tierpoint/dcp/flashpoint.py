@@ -52,8 +52,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from .. import dist as tpdist
 from .. import peers, storage
 from ..errors import CheckpointingError, UnsupportedStateError
-from ..peers import transfer
+from .extra_objects import retrieve_extra_objects
 from .latest import get_latest_complete_checkpoint
+from .peer_fetch import fetch_from_peers
 from .reader import Reader
 from .step_dirs import METADATA_NAME, complete_checkpoints
 
@@ -124,41 +125,6 @@ def _parent(path: str) -> str:
     if not sep:
         return "/" if path.startswith("/") else "."
     return head or "/"
-
-
-def _object_name(container: str, obj: Any) -> str:
-    """An object a hook names (an id, a path inside ``container``, or a name relative to it) as
-    its name relative to ``container``."""
-    text = _location(obj)
-    prefix = container.rstrip("/") + "/"
-    if text.startswith(prefix):
-        return text[len(prefix) :]
-    if os.path.isabs(text) or ".." in text.split("/"):
-        raise CheckpointingError(f"extra checkpoint object {text} is not inside {container}")
-    return text
-
-
-def _extra_plan(
-    needed: set[str], held: list[list[str]], layout: tpdist.NodeLayout
-) -> list[list[Any]]:
-    """``[source rank, node leader, name]`` for each needed file a node lacks, from the lowest
-    rank of another node holding it (a file no node holds is left out, with a WARNING)."""
-    holders: dict[str, list[int]] = {}
-    for rank, names in enumerate(held):
-        for name in names:
-            holders.setdefault(name, []).append(rank)
-    plan: list[list[Any]] = []
-    for node in layout.nodes:
-        ranks = [r for r, n in enumerate(layout.node_of_rank) if n == node]
-        for name in sorted(needed):
-            sources = holders.get(name, [])
-            if any(r in ranks for r in sources):
-                continue
-            if not sources:
-                logger.warning("extra checkpoint object %s is on no node: not retrieved", name)
-                continue
-            plan.append([sources[0], ranks[0], name])
-    return plan
 
 
 class MLFlashpointCheckpointLoader(abc.ABC):
@@ -316,60 +282,17 @@ class DefaultMLFlashpointCheckpointLoader(MLFlashpointCheckpointLoader):
         return set()
 
     def _retrieve_extra_objects(self, checkpoint: CheckpointContainerId) -> None:
-        """Bring the extra files of the subclass's hooks to every node that lacks them: each
-        node's lowest rank fetches them from the lowest rank of another node holding them, as ML
-        Flashpoint's retrieval plan does, each file checked on receipt. Files are matched by
-        their name inside the checkpoint directory (its path may differ from node to node); the
-        hooks see rank 0's paths. Collective; a hook's or a transfer's failure raises on every
-        rank."""
-        container = checkpoint.data
-        names: list[str] | None = None
-        error: BaseException | None = None
-        try:
-            path = storage.local_path(container)
-            listed = os.listdir(path) if os.path.isdir(path) else []
-            extra = self._get_extra_local_objects(Path(path))
-            names = sorted({_object_name(container, o) for o in [*listed, *extra]})
-        except Exception as e:  # noqa: BLE001 - shared with every rank below
-            error = e
-        what = f"listing the extra objects of {container}"
-        tpdist.raise_if_any_failed(what, error)
-        views: list[dict[str, Any]] = tpdist.all_gather_json(
-            {"container": container, "names": names}, what
-        )
-        layout = tpdist.node_layout()
-        plan: list[list[Any]] | None = None
-        error = None
-        if tpdist.get_rank() == 0:
-            try:
-                available = {
-                    r: [CheckpointObjectId.from_container(container, n) for n in v["names"]]
-                    for r, v in enumerate(views)
-                }
-                needed = self._get_extra_needed_objects(checkpoint, available)
-                held = [v["names"] for v in views]
-                plan = _extra_plan({_object_name(container, o) for o in needed}, held, layout)
-            except Exception as e:  # noqa: BLE001 - shared with every rank below
-                error = e
-        tpdist.raise_if_any_failed(f"planning the extra objects of {container}", error)
-        plan = tpdist.broadcast_json(plan, what=f"the extra objects of {container}")
-        moves = [
-            peers.FileMove(
-                src,
-                dst,
-                storage.join(views[src]["container"], name),
-                storage.join(views[dst]["container"], name),
-            )
-            for src, dst, name in plan
-        ]
-        if moves:
-            with tpdist.agree(f"retrieving the extra objects of {container}"):
-                transfer.move_files(
-                    moves,
-                    tpdist.coordination_group(),
-                    timeout=tpdist.default_timeout().total_seconds(),
-                    digest=True,
-                )
+        """Bring the files the subclass's hooks name to every node lacking them
+        (:mod:`tierpoint.dcp.extra_objects`; the hooks see rank 0's paths). Collective."""
+
+        def needed(files: dict[int, list[str]]) -> list[str]:
+            available = {r: [CheckpointObjectId(p) for p in paths] for r, paths in files.items()}
+            return [_location(o) for o in self._get_extra_needed_objects(checkpoint, available)]
+
+        def local(path: Path) -> list[str]:
+            return [_location(o) for o in self._get_extra_local_objects(path)]
+
+        retrieve_extra_objects(checkpoint.data, local, needed)
 
     def get_candidate_checkpoints(
         self, checkpoint_base_container: CheckpointContainerId | str | os.PathLike
@@ -410,13 +333,7 @@ class DefaultMLFlashpointCheckpointLoader(MLFlashpointCheckpointLoader):
             for src, path in items
         ]
         try:
-            with tpdist.agree("retrieving checkpoint objects"):
-                transfer.move_files(
-                    moves,
-                    tpdist.coordination_group(),
-                    timeout=tpdist.default_timeout().total_seconds(),
-                    digest=True,
-                )
+            fetch_from_peers(moves, "retrieving checkpoint objects")
         except CheckpointingError as e:
             logger.warning("retrieving checkpoint objects failed: %s", e)
             return False

@@ -36,6 +36,7 @@ import logging
 import os
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import xxhash
@@ -316,11 +317,15 @@ def retrieve_missing(
             len(moves),
             ", ".join(f"{m.dst_path.rsplit('/', 1)[-1]} rank {m.src} -> {m.dst}" for m in moves),
         )
-    with tpdist.agree(f"retrieving the missing files of {step_dir}"):
-        transfer.move_files(
-            moves,
-            tpdist.coordination_group(),
-            timeout=limit,
-            digest=True,
-        )
+    fetch_from_peers(moves, f"retrieving the missing files of {step_dir}", limit)
     return True
+
+
+def fetch_from_peers(
+    moves: Sequence[peers.FileMove], what: str, timeout: float | None = None
+) -> None:
+    """Carry out ``moves`` (the same list on every rank) over the coordination group, each file
+    checked on receipt; a failure on any rank raises on every rank. Collective."""
+    limit = tpdist.timeout_or(timeout, tpdist.default_timeout().total_seconds())
+    with tpdist.agree(what):
+        transfer.move_files(moves, tpdist.coordination_group(), timeout=limit, digest=True)
