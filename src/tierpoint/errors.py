@@ -57,7 +57,8 @@ class CorruptCheckpointError(CheckpointingError):
 
 
 class UnsupportedStateError(CheckpointingError):
-    """The state holds an object that cannot be stored without pickle.
+    """The state holds an object that cannot be stored without pickle (or cannot be taken apart
+    at all: a state that is not a dict, a member whose ``state_dict()`` raises).
 
     ``key_path`` names where it sits, e.g. ``optimizer.param_groups[0].fn``.
     """

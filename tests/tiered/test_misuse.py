@@ -345,3 +345,51 @@ def test_a_state_refused_on_one_rank_fails_that_save_on_every_rank_at_once(tmp_p
     assert "hook: objects of type builtins.function" in out[0]["message"]
     assert all(o["seconds"] < 10 for o in out), out  # well before the timeout
     assert all(o["saved"] == ("local",) for o in out)
+
+
+class _BrokenStateDict:
+    """A member whose ``state_dict()`` raises (a data loader wrapper with a bug, say)."""
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("the loader's state is gone")
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def _one_rank_cannot_take_its_state_apart(rank: int, world: int, root: Path) -> list:
+    """Rank 1's state cannot be taken apart (a ``state_dict()`` raising, then a state that is not
+    a dict): a local save, a persistent-only save and a restore each fail on both ranks with the
+    same error, at once (its peer waited in the call's first collective until the timeout)."""
+    import time
+
+    state = make_state(rank)
+    train_step(state, world)
+    out = []
+    with _manager(root) as manager:
+        manager.maybe_save(2, state)
+        manager.wait()
+        for call in ("local", "persistent", "restore"):
+            for bad in (dict(state, loader=_BrokenStateDict()), None):
+                start = time.perf_counter()
+                with pytest.raises(UnsupportedStateError) as caught:
+                    given = bad if rank == 1 else state
+                    if call == "restore":
+                        manager.restore(given)
+                    else:
+                        manager.save(4, given, tiers=call)
+                out.append((call, str(caught.value), time.perf_counter() - start))
+        assert manager.maybe_save(4, state) == ("local", "persistent")  # step 4 was not taken
+    return out
+
+
+def test_a_state_that_cannot_be_taken_apart_on_one_rank_fails_on_every_rank_at_once(tmp_path):
+    env = {"TIERPOINT_TIMEOUT": ONE_RANK_TIMEOUT}
+    zero, one = run_ranks(_one_rank_cannot_take_its_state_apart, 2, tmp_path, timeout=200, env=env)
+    assert [m for _, m, _ in zero] == [m for _, m, _ in one]  # the same error on every rank
+    assert all(seconds < 10 for _, _, seconds in zero + one), zero  # well before the timeout
+    for (call, message, _), why in zip(
+        zero, ["RuntimeError: the loader's state is gone", "must be a dict, got NoneType"] * 3
+    ):
+        assert "failed on rank 1" in message and why in message, (call, message)
+    assert "loader: state_dict() raised" in zero[0][1]

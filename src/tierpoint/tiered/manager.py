@@ -39,7 +39,9 @@ the next persistent save tries again.
 Invariants: at most two calls in flight (a local and a persistent save; a third waits for the
 oldest); the persistent tier keeps ``keep_persistent`` complete steps and removes an older one only
 after a newer one is committed (:mod:`.retention`); a restore that finds a different state
-structure raises :class:`StateMismatchError` on every rank before anything is copied.
+structure raises :class:`StateMismatchError` on every rank before anything is copied; a state
+refused on one rank (not a dict, a ``state_dict()`` that raises) fails that save or restore on
+every rank at once, in its first agreement.
 """
 
 from __future__ import annotations
@@ -256,10 +258,12 @@ class TieredCheckpointManager(SavePath):
             for t in TIERS
             if t in wanted and (self.local if t == "local" else self.persistent_dir)
         )
-        tree = st.template(state)  # a state refused here or by the local save: the step stays free
+        # A state refused (here, on any rank, or by the local save): raised on every rank by the
+        # save's first agreement, and the step stays free.
+        tree, refusal = st.template_or_refusal(state)
         if "local" not in wanted:  # the local tier's save agrees on the step itself
-            self._agree_on_step(step)
-        optimizers = list(st.optimizers(state))  # (a tier's queue hooks them before its snapshot)
+            self._agree_on_step(step, refusal)
+        optimizers = [] if refusal else st.optimizers(state)  # (hooked before their snapshot)
         rank_local = [k for k, v in tree.items() if isinstance(v, st.RankLocal)]
         sharded = st.has_dtensor(tree)
         if "local" in wanted:
@@ -267,7 +271,7 @@ class TieredCheckpointManager(SavePath):
             # The previous local save is committed first; its persistent copy (if due) starts now.
             self._make_room("local")
             self._start_deferred()
-            self._save_local(step, tree)
+            self._save_local(step, tree, refusal)
         self._last_step = step
         if "persistent" in wanted:
             if "local" in wanted and not sharded and not self._local_failing:
@@ -283,9 +287,10 @@ class TieredCheckpointManager(SavePath):
         self._refuse_if_closed()
         self.wait()
         step = self._check_step(step, saving=True, final=True)
-        self._agree_on_step(step)
+        tree, refusal = st.template_or_refusal(state)
+        self._agree_on_step(step, refusal)
         self._last_step = step
-        self._save_final(step, st.template(state))
+        self._save_final(step, tree)
 
     # ------------------------------------------------------------------------------ restoring
 
@@ -298,9 +303,11 @@ class TieredCheckpointManager(SavePath):
         self._refuse_if_closed()
         self.wait()
         start = time.perf_counter()
-        fresh = st.init_optimizers(state)
+        fresh: list[Any] = []
         try:
-            tree = st.template(state)
+            with tpdist.agree("taking the state apart to restore it"):  # a refusal: on every rank
+                fresh = st.init_optimizers(state)
+                tree = st.template(state)
             record = restore_newest(
                 state, tree, self.local, self.persistent_dir, self.storage_options, start
             )

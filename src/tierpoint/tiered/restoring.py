@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -309,7 +310,7 @@ def _restore_persistent(
         return _skip(skipped, step, e)
     with tpdist.agree(f"checking the state against persistent step {step}"):
         flat, _ = flatten_state_dict(ptree)
-        problems = st.check_against_metadata(flat, metadata)
+        problems = check_against_metadata(flat, metadata)
         problems += param_groups.problems(groups, stored_groups)
         if problems:
             raise StateMismatchError(_mismatch(step, problems))
@@ -322,6 +323,33 @@ def _restore_persistent(
     st.from_persistent_form(tree, ptree)
     st.apply(state, tree)
     return RestoreRecord(step, "persistent", time.perf_counter() - start, st.nbytes(ptree), skipped)
+
+
+def check_against_metadata(flat: Mapping[str, Any], metadata: Any) -> list[str]:
+    """Every difference between a flattened state (torch DCP's fully qualified names) and the
+    ``state_dict_metadata`` of a DCP checkpoint."""
+    stored = metadata.state_dict_metadata
+    problems = []
+    missing = sorted(k for k in flat if k not in stored)
+    extra = sorted(k for k in stored if k not in flat and not k.startswith(st.RANK_LOCAL_KEY))
+    if missing:
+        problems.append(f"not in the checkpoint: {st.listed(missing)}")
+    if extra:
+        problems.append(f"only in the checkpoint: {st.listed(extra)}")
+    for key, value in flat.items():
+        md = stored.get(key)
+        if md is None or not isinstance(value, torch.Tensor):
+            continue
+        size = getattr(md, "size", None)
+        dtype = getattr(getattr(md, "properties", None), "dtype", None)
+        if size is None:
+            problems.append(f"{key}: a tensor in the state, a value in the checkpoint")
+        elif tuple(size) != tuple(value.shape) or dtype != value.dtype:
+            problems.append(
+                f"{key}: {value.dtype} {tuple(value.shape)} in the state, "
+                f"{dtype} {tuple(size)} in the checkpoint"
+            )
+    return problems
 
 
 def _saved_step(metadata: Any) -> int | None:

@@ -52,7 +52,7 @@ from ..errors import (
     error_text,
 )
 from ..local import HeldPart, LocalCheckpointManager
-from ..tensor_aware import BasicTensorAwareStateDict, for_collective_save
+from ..tensor_aware import BasicTensorAwareStateDict, RefusedStateDict, for_collective_save
 from . import state as st
 from .events import EventLog, SaveRecord, finalize_or_fail
 from .queues import TierQueues
@@ -102,10 +102,14 @@ class SavePath:
     _persistent_owed: int | None  # a step whose persistent copy was lost with its local save
     _replica_check: ReplicaCheck
 
-    def _agree_on_step(self, step: int) -> None:
-        """One all-reduce of two integers; the steps are gathered only when ranks disagree."""
+    def _agree_on_step(self, step: int, refusal: UnsupportedStateError | None = None) -> None:
+        """One all-reduce of three integers; the steps are gathered only when ranks disagree,
+        the refusals (of a rank's state) only when some rank refused: raised on every rank."""
         what = "agreeing on the step to save"
-        low, high = tpdist.reduce_ints([step, -step], "min", what)
+        low, high, accepted = tpdist.reduce_ints([step, -step, refusal is None], "min", what)
+        if not accepted:
+            statuses = tpdist.all_gather_json(tpdist.failure_status(refusal), what)
+            tpdist.raise_failures(what, statuses, refusal)
         if low != -high:
             steps = dict(enumerate(tpdist.all_gather_json(step, what)))
             raise CheckpointingError(f"ranks disagree on the step to save: {steps}")
@@ -167,14 +171,16 @@ class SavePath:
         request.finalize_fns, request.abort_fns = [finalize], [*request.abort_fns, done(failed)]
         self._in_flight[tier] = self.queues[tier].schedule_async_request(request)
 
-    def _save_local(self, step: int, tree: dict[str, Any]) -> None:
+    def _save_local(self, step: int, tree: dict, refusal: CheckpointingError | None) -> None:
+        """``refusal``: why this rank refused its state (raised on every rank by the save)."""
         assert self.local is not None
         self._make_room("local")
         local_tree = st.local_form(tree)
         record = SaveRecord("local", step, st.nbytes(local_tree))
         start = time.perf_counter()
+        taken = RefusedStateDict(refusal) if refusal else for_collective_save(local_tree)
         try:
-            request = self.local.save(for_collective_save(local_tree), step, is_async=True)
+            request = self.local.save(taken, step, is_async=True)
         except CheckpointingError as e:
             # Some rank's failure, agreed (its directory, a full disk): a failed save; else raised
             if not e.failures or isinstance(e, _RAISED_FROM_LOCAL_SAVES):

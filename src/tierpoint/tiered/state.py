@@ -18,8 +18,8 @@ Saving uses :func:`template` too, then :func:`local_form` (the local tier: DTens
 local shards, rank-local values unwrapped) or :func:`persistent_form` (the persistent tier: DTensors
 kept for resharding, rank-local values under a per-rank key).
 
-Invariants: :func:`shardings_differ`, :func:`check_loaded` and :func:`check_against_metadata`
-report every difference between the live state and a checkpoint (another parallel layout, missing
+Invariants: :func:`shardings_differ`, :func:`check_loaded` (and, for the persistent tier,
+:func:`tierpoint.tiered.restoring.check_against_metadata`) report every difference between the live state and a checkpoint (another parallel layout, missing
 or extra keys, other shapes or dtypes) before anything is copied, so a refused restore leaves the
 state as it was.
 """
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointingError
+from ..errors import UnsupportedStateError, error_text
 from ..tree import tensors_in
 from .numpy_values import as_numpy, as_tensors
 from .param_groups import group_sizes
@@ -80,7 +80,7 @@ def init_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
     bias correction would change if a save did this). One that cannot step so (LBFGS wants a
     closure, SparseAdam sparse gradients) is left as it was. Returns the optimizers initialised."""
     done = []
-    for optimizer in optimizers(state):
+    for optimizer in optimizers(state) if isinstance(state, Mapping) else []:
         if not optimizer.state and _zero_step(optimizer):
             done.append(optimizer)
     return done
@@ -134,21 +134,35 @@ def _members(state: Any) -> list[Any]:
 
 def template(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with each stateful member replaced by its ``state_dict()``; containers are new,
-    tensors are the live ones (module state dicts alias the parameters)."""
+    tensors are the live ones (module state dicts alias the parameters). A state that is not a
+    dict, a misplaced :class:`RankLocal` or a ``state_dict()`` that raises: UnsupportedStateError."""
     if not isinstance(state, Mapping):
-        raise CheckpointingError(f"the state must be a dict, got {type(state).__name__}")
+        raise UnsupportedStateError("", f"the state must be a dict, got {type(state).__name__}")
     return {key: _template(value, str(key), top=True) for key, value in state.items()}
+
+
+def template_or_refusal(state: Any) -> tuple[dict[str, Any], UnsupportedStateError | None]:
+    """:func:`template`, or ``{}`` and why this rank refused ``state``: the caller's first
+    agreement raises that on every rank (the other ranks would otherwise wait in it)."""
+    try:
+        return template(state), None
+    except UnsupportedStateError as e:
+        return {}, e
 
 
 def _template(value: Any, path: str, top: bool = False) -> Any:
     if isinstance(value, RankLocal):
         if not top:
-            raise CheckpointingError(f"{path}: RankLocal is only allowed as a top-level value")
+            raise UnsupportedStateError(path, "RankLocal is only allowed as a top-level value")
         return RankLocal(_template(value.value, path))
     if isinstance(value, torch.Tensor):
         return value
     if is_stateful(value):
-        return _template(value.state_dict(), path)
+        try:
+            taken = value.state_dict()
+        except Exception as e:  # noqa: BLE001 - named, and agreed by the caller
+            raise UnsupportedStateError(path, f"state_dict() raised {error_text(e)}") from e
+        return _template(taken, path)
     if isinstance(value, Mapping):
         return {k: _template(v, f"{path}.{k}") for k, v in value.items()}
     if isinstance(value, list):
@@ -281,9 +295,9 @@ def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
         missing = [k for k in live if k not in loaded]
         extra = [k for k in loaded if k not in live]
         if missing:
-            problems.append(f"{path or '<root>'}: not in the checkpoint: {_names(missing)}")
+            problems.append(f"{path or '<root>'}: not in the checkpoint: {listed(missing)}")
         if extra:
-            problems.append(f"{path or '<root>'}: only in the checkpoint: {_names(extra)}")
+            problems.append(f"{path or '<root>'}: only in the checkpoint: {listed(extra)}")
         for k in live:
             if k in loaded:
                 _compare(live[k], loaded[k], f"{path}.{k}" if path else str(k), problems)
@@ -314,36 +328,10 @@ def _holds_tensors(value: Any) -> bool:
     return bool(tensors_of(value))
 
 
-def _names(keys: list[Any]) -> str:
+def listed(keys: list[Any]) -> str:
+    """``keys`` as text, the first few of a long list."""
     shown = ", ".join(map(str, keys[:_MAX_REPORTED]))
     return shown + (f", ... ({len(keys)} in all)" if len(keys) > _MAX_REPORTED else "")
-
-
-def check_against_metadata(flat: Mapping[str, Any], metadata: Any) -> list[str]:
-    """Every difference between a flattened state (torch DCP's fully qualified names) and the
-    ``state_dict_metadata`` of a DCP checkpoint."""
-    stored = metadata.state_dict_metadata
-    problems = []
-    missing = sorted(k for k in flat if k not in stored)
-    extra = sorted(k for k in stored if k not in flat and not k.startswith(RANK_LOCAL_KEY))
-    if missing:
-        problems.append(f"not in the checkpoint: {_names(missing)}")
-    if extra:
-        problems.append(f"only in the checkpoint: {_names(extra)}")
-    for key, value in flat.items():
-        md = stored.get(key)
-        if md is None or not isinstance(value, torch.Tensor):
-            continue
-        size = getattr(md, "size", None)
-        dtype = getattr(getattr(md, "properties", None), "dtype", None)
-        if size is None:
-            problems.append(f"{key}: a tensor in the state, a value in the checkpoint")
-        elif tuple(size) != tuple(value.shape) or dtype != value.dtype:
-            problems.append(
-                f"{key}: {value.dtype} {tuple(value.shape)} in the state, "
-                f"{dtype} {tuple(size)} in the checkpoint"
-            )
-    return problems
 
 
 def copy_into(live: Any, loaded: Any) -> Any:
