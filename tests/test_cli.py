@@ -865,3 +865,25 @@ def test_convert_writes_files_the_umask_allows_others_to_read(tmp_path: Path) ->
             assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
     finally:
         os.umask(umask)
+
+
+def test_convert_onto_its_own_source_is_refused_even_with_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``convert SRC SRC --force`` replaced a local tier's part file by a plain safetensors file
+    (no checksums: the tier then ignored its newest iteration), and a DCP step by a new save of
+    itself (its old files removed first: a failure would leave neither)."""
+    pytest.importorskip("safetensors.torch")
+    part = tmp_path / "job" / "0" / part_name(5, 0)
+    _part(part, 5, 0, 1)
+    step = dcp.step_path(tmp_path / "base", 5)
+    assert main(["convert", str(part), step]) == 0
+    capsys.readouterr()
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(part)
+    for src, dst in ((part, part), (part, link), (step, step), (step, f"file://{step}/")):
+        before = {p: p.read_bytes() for p in sorted(Path(src).parent.rglob("*")) if p.is_file()}
+        assert main(["convert", str(src), str(dst), "--force"]) == 1
+        _one_line_error(capsys.readouterr().err, "is SRC itself", "nothing written")
+        assert {p: p.read_bytes() for p in before} == before
+    assert main(["verify", str(part), step]) == 0

@@ -6,8 +6,9 @@ Call order: :func:`cmd_convert` reads the source's state (its kind from
 ``DST``'s suffix (none: a DCP checkpoint) and prints one line.
 
 Invariants: nothing is replaced or written into without ``--force`` (a DCP ``DST`` must be missing
-or an empty directory); a file ``DST`` appears whole or not at all (dirty name, fsync, rename);
-``.safetensors`` and ``.pt`` files are written locally only; every kind of ``DST`` gets its missing
+or an empty directory), and ``SRC`` never, even with it (a ``DST`` naming ``SRC`` is refused); a
+file ``DST`` appears whole or not at all (dirty name, fsync, rename); ``.safetensors`` and ``.pt``
+files are written locally only; every kind of ``DST`` gets its missing
 parent directories; a safetensors file written here keeps the state's structure in its metadata,
 so converting it back restores the same tree.
 """
@@ -40,6 +41,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise CommandError(f"{dst}: a .safetensors or .pt file is written locally only")
     if out_kind != "dcp":
         dst = storage.local_path(dst)  # a file:// URL names the same file
+    if args.force and _same_place(args.src, dst):  # it would replace SRC by its conversion
+        raise CommandError(f"{dst}: is SRC itself; convert to another path (nothing written)")
     if out_kind != "dcp" and os.path.exists(dst) and not args.force:
         raise CommandError(f"{dst}: exists (--force to replace it)")
     if out_kind == "dcp":
@@ -54,6 +57,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
     tensors, nbytes = _count_tensors(state)
     print(f"{source} -> {dst} ({how}): {tensors} tensors, {nbytes} bytes")
     return 0
+
+
+def _same_place(src: str, dst: str) -> bool:
+    """Whether ``dst`` names ``src`` (the same file or directory, a link or a URL's spelling)."""
+    from .. import storage
+
+    if storage.is_local(src) != storage.is_local(dst):
+        return False
+    if not storage.is_local(src):
+        return src.rstrip("/") == dst.rstrip("/")
+    try:
+        return os.path.samefile(storage.local_path(src), storage.local_path(dst))
+    except OSError:  # one of them does not exist
+        return False
 
 
 def _read_state(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[Any, str]:
