@@ -887,3 +887,19 @@ def test_convert_onto_its_own_source_is_refused_even_with_force(
         _one_line_error(capsys.readouterr().err, "is SRC itself", "nothing written")
         assert {p: p.read_bytes() for p in before} == before
     assert main(["verify", str(part), step]) == 0
+
+
+def test_convert_onto_a_file_system_without_free_blocks_that_is_not_full_says_why_it_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """/proc (like a squashfs) counts no free blocks: a write refused there was reported as
+    "no space left on device" instead of its own reason."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    part = tmp_path / "p.safetensors"
+    _part(part, 3, 0, 1)
+    for dst in ("/proc/tierpoint-test.pt", "/proc/tierpoint-test.safetensors"):
+        assert main(["convert", str(part), dst]) == 1
+        err = capsys.readouterr().err
+        _one_line_error(err, f"writing {dst} failed", "nothing written")
+        assert "no space" not in err.lower(), err

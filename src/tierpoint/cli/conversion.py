@@ -191,8 +191,9 @@ def _write_file(state: Any, dst: str, kind: str) -> str:
     try:
         return write_whole(dst, write)
     except Exception as e:
-        try:
-            full = os.statvfs(os.path.dirname(os.path.abspath(dst))).f_bavail == 0
+        try:  # (pseudo and read-only file systems, /proc or a squashfs, show no free blocks)
+            fs = os.statvfs(os.path.dirname(os.path.abspath(dst)))
+            full = fs.f_blocks > 0 and fs.f_bavail == 0 and not fs.f_flag & os.ST_RDONLY
         except OSError:
             full = False
         why = "no space left on device; " if full else ""
