@@ -903,3 +903,26 @@ def test_convert_onto_a_file_system_without_free_blocks_that_is_not_full_says_wh
         err = capsys.readouterr().err
         _one_line_error(err, f"writing {dst} failed", "nothing written")
         assert "no space" not in err.lower(), err
+
+
+def test_bench_refuses_a_timeout_that_is_not_positive_and_bounds_every_bench(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--timeout 0`` or ``-1`` ran the bench and reported it "timed out after -1.0 s"; without
+    ``--timeout`` a hung bench hung the command."""
+    from tierpoint.cli import bench
+
+    benches = tmp_path / "benches"
+    benches.mkdir()
+    (benches / "hung_bench.py").write_text("import time\ntime.sleep(600)\n")
+    common = ["--dir", str(benches), "--out", str(tmp_path / "out")]
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as caught:
+            main(["bench", "--timeout", bad, *common])
+        assert caught.value.code == 2
+        assert f"must be a number of seconds > 0, got '{bad}'" in capsys.readouterr().err
+    monkeypatch.setitem(bench.TIMEOUT_S, "quick", 1.0)
+    start = time.monotonic()
+    assert main(["bench", "--json", *common]) == 1
+    assert time.monotonic() - start < 30
+    assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "timed out after 1.0 s"

@@ -110,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--full", action="store_true", help="the benchmarks' default sizes")
     bench.add_argument("--out", default="tierpoint-bench", help="where bench.json and bench.png go")
     bench.add_argument("--dir", help="directory of *_bench.py scripts (default: the repository's)")
-    bench.add_argument("--timeout", type=float, default=None, help="seconds per benchmark")
+    bench.add_argument("--timeout", type=_seconds, default=None,
+                       help="seconds per benchmark (default 1800, with --full 14400)")  # fmt: skip
     sub.add_parser("demo", help="run the fault-tolerant training demo", add_help=False)
     return parser
 
@@ -173,6 +174,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     finally:
         library_logger.setLevel(level)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _normal_path(value: str, source: bool) -> str:

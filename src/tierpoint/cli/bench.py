@@ -6,8 +6,9 @@ Call order: :func:`cmd_bench` runs each script in a subprocess (quick sizes unle
 gathers the rows of its comparison tables from its output, writes JSON and the chart, prints the
 table.
 
-Invariants: a bench that needs CUDA is skipped in a whole-suite run without a GPU (run when
-named); the exit status is 0 only when every bench ran or was skipped.
+Invariants: each bench runs for at most its timeout (``--timeout``, else :data:`TIMEOUT_S`); a
+bench that needs CUDA is skipped in a whole-suite run without a GPU (run when named); the exit
+status is 0 only when every bench ran or was skipped.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ _QUICK_ARGS = {
     "scale": ["--worlds", "2", "4"],  # its default goes to 16 ranks
 }
 """Small sizes for benches without ``--quick`` (from their docstrings' quick runs)."""
+
+TIMEOUT_S = {"quick": 1800.0, "full": 14400.0}
+"""Seconds a benchmark may run without ``--timeout``, at quick and at full sizes (then it is
+stopped and reported as timed out: a hung bench never hangs the command)."""
 
 
 def _bench_dir() -> Path:
@@ -72,7 +77,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             names = [n for n in names if n not in _NEEDS_CUDA]
     for name in names:
         with console.status(f"running {name}_bench.py") if console.is_terminal else NoProgress():
-            results.append(_run_bench(name, available[name], args.full, args.timeout))
+            timeout = args.timeout or TIMEOUT_S["full" if args.full else "quick"]
+            results.append(_run_bench(name, available[name], args.full, timeout))
         if not args.json:
             console.print(f"{name}: {results[-1]['status']} in {results[-1]['seconds']:.1f} s")
     doc = {"tierpoint": __version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -102,7 +108,7 @@ def _skipped(name: str, why: str) -> dict[str, Any]:
             "contenders": [], "last_line": "", "figures": None, "output": ""}  # fmt: skip
 
 
-def _run_bench(name: str, script: Path, full: bool, timeout: float | None) -> dict[str, Any]:
+def _run_bench(name: str, script: Path, full: bool, timeout: float) -> dict[str, Any]:
     text = script.read_text()
     extra = [] if full else (["--quick"] if '"--quick"' in text else _QUICK_ARGS.get(name, []))
     with tempfile.TemporaryDirectory(prefix="tierpoint-bench-") as tmp:
