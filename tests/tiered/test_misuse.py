@@ -112,6 +112,9 @@ def test_wrong_arguments_and_steps_going_backwards_are_refused(tmp_path):
         TieredCheckpointManager(str(tmp_path), None, local_every=0)
     with pytest.raises(TypeError, match="on_event"):
         TieredCheckpointManager(str(tmp_path), None, on_event="print")
+    for jump in ("2", 0, 1.5):  # "2" was a TypeError from deep inside on a job of 2 nodes
+        with pytest.raises(CheckpointingError, match="replication_jump must be an integer >= 1"):
+            TieredCheckpointManager(str(tmp_path), None, replication_jump=jump)
     state = make_state(0)
     with _manager(tmp_path) as manager:
         manager.maybe_save(2, state)

@@ -135,7 +135,8 @@ class TieredCheckpointManager(SavePath):
             ("replication_factor", replication_factor, 1),
             ("keep_local", keep_local, 1),
             ("keep_persistent", keep_persistent, 1),
-        ):
+            ("replication_jump", 1 if replication_jump is None else replication_jump, 1),
+        ):  # (all before any collective: a job of one node checks its replication_jump too)
             if type(value) is not int or value < low:
                 raise CheckpointingError(f"{name} must be an integer >= {low}, got {value!r}")
         check_flag("overlap_snapshot", overlap_snapshot)
