@@ -19,9 +19,9 @@ local shards, rank-local values unwrapped) or :func:`persistent_form` (the persi
 kept for resharding, rank-local values under a per-rank key).
 
 Invariants: :func:`shardings_differ`, :func:`check_loaded` (and, for the persistent tier,
-:func:`tierpoint.tiered.restoring.check_against_metadata`) report every difference between the live state and a checkpoint (another parallel layout, missing
-or extra keys, other shapes or dtypes) before anything is copied, so a refused restore leaves the
-state as it was.
+:func:`tierpoint.tiered.restoring.check_against_metadata`) report every difference between the
+live state and a checkpoint (another parallel layout, missing or extra keys, other shapes or
+dtypes) before anything is copied, so a refused restore leaves the state as it was.
 """
 
 from __future__ import annotations
