@@ -396,3 +396,50 @@ def test_a_state_that_cannot_be_taken_apart_on_one_rank_fails_on_every_rank_at_o
     ):
         assert "failed on rank 1" in message and why in message, (call, message)
     assert "loader: state_dict() raised" in zero[0][1]
+
+
+class _LoadFailsOnRankOne:
+    """A member whose ``load_state_dict`` raises on rank 1 only (a stale data-loader file there)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def state_dict(self) -> dict:
+        return {"position": 7}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.rank == 1:
+            raise RuntimeError("rank 1 cannot seek its shard")
+
+
+def _one_rank_cannot_load_its_member(rank: int, world: int, root: Path) -> list:
+    import shutil
+    import time
+
+    state = dict(make_state(rank), loader=_LoadFailsOnRankOne(rank))
+    train_step(state, world)
+    with _manager(root) as manager:
+        manager.save(2, state, tiers="persistent")
+        manager.save(4, state, tiers="local")
+    out = []
+    for tier in ("local", "persistent"):
+        if tier == "persistent":  # only the persistent tier left
+            shutil.rmtree(root / "local", ignore_errors=True)
+            torch.distributed.barrier()  # (before a rank's new manager makes its directory)
+        with _manager(root) as manager:
+            start = time.perf_counter()
+            with pytest.raises(CheckpointingError) as caught:
+                manager.restore(state)
+            out.append((str(caught.value), time.perf_counter() - start))
+    return out
+
+
+def test_a_load_state_dict_failing_on_one_rank_fails_the_restore_on_every_rank(tmp_path):
+    # The failing rank raised alone; its peer returned the step and went on training.
+    env = {"TIERPOINT_TIMEOUT": ONE_RANK_TIMEOUT}
+    zero, one = run_ranks(_one_rank_cannot_load_its_member, 2, tmp_path, timeout=200, env=env)
+    assert [m for m, _ in zero] == [m for m, _ in one]  # the same error on every rank
+    assert all(seconds < 10 for _, seconds in zero + one), zero  # well before the timeout
+    for message, _ in zero:
+        assert "failed on rank 1" in message and "cannot seek its shard" in message, message
+    assert "local checkpoint step 4" in zero[0][0] and "persistent step 2" in zero[1][0], zero

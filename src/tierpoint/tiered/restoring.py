@@ -19,7 +19,8 @@ says why on every rank, never "nothing to restore" (the run would start over and
 a different state structure raises
 :class:`StateMismatchError` on every rank before anything is copied, as do a coordination
 timeout and a store that does not answer while the persistent steps are listed or one is read,
-rather than being skipped.
+rather than being skipped; a member's ``load_state_dict`` that raises on one rank raises on every
+rank (the state is then partly restored).
 """
 
 from __future__ import annotations
@@ -246,13 +247,20 @@ def _apply_local(
         return None
     checkpoint.pop(st.SHARDING_KEY, None)  # checked above; not part of the state
     st.copy_into(tree, checkpoint)
-    st.apply(state, tree)
+    _apply(state, tree, f"local checkpoint step {record.iteration}")
     tier = "peers" if record.from_peers else "local"
     if record.iteration != latest:  # (find_latest again would wait for the replicas)
         skipped += record.skipped or [f"newer local steps than {record.iteration}: not loadable"]
     return RestoreRecord(
         record.iteration, tier, time.perf_counter() - start, record.nbytes, skipped
     )
+
+
+def _apply(state: dict[str, Any], tree: dict[str, Any], what: str) -> None:
+    """:func:`st.apply`, agreed: a member's ``load_state_dict`` that raises on one rank raises on
+    every rank (its peers would return the step and wait in training's next collective)."""
+    with tpdist.agree(f"putting {what} into the state"):
+        st.apply(state, tree)
 
 
 def _shapeless(tree: Any) -> Any:
@@ -321,7 +329,7 @@ def _restore_persistent(
     except CheckpointingError as e:
         return _skip(skipped, step, e)
     st.from_persistent_form(tree, ptree)
-    st.apply(state, tree)
+    _apply(state, tree, f"persistent step {step}")
     return RestoreRecord(step, "persistent", time.perf_counter() - start, st.nbytes(ptree), skipped)
 
 
