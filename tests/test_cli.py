@@ -926,3 +926,18 @@ def test_bench_refuses_a_timeout_that_is_not_positive_and_bounds_every_bench(
     assert main(["bench", "--json", *common]) == 1
     assert time.monotonic() - start < 30
     assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "timed out after 1.0 s"
+
+
+def test_bench_says_when_out_cannot_be_its_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``--out`` naming a file failed with a bare "[Errno 17] File exists"."""
+    benches = tmp_path / "benches"
+    benches.mkdir()
+    (benches / "quick_bench.py").write_text("print('never run')\n")
+    taken = tmp_path / "results.json"
+    taken.write_text("{}")
+    assert main(["bench", "--dir", str(benches), "--out", str(taken)]) != 0
+    err = capsys.readouterr().err
+    assert f"--out {taken}: cannot be the results' directory (File exists)" in err, err
+    assert taken.read_text() == "{}"

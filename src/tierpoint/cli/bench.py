@@ -66,7 +66,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"no benchmark {unknown[0]!r}; there are: {', '.join(sorted(available))}"
         )
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file there, or a directory it may not write
+        raise CommandError(
+            f"--out {out_dir}: cannot be the results' directory ({e.strerror})"
+        ) from e
     console = make_console(stderr=args.json)
     results = []
     if not args.names and any(n in _NEEDS_CUDA for n in names):
