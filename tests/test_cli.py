@@ -427,7 +427,8 @@ def test_convert_a_local_iteration_and_refuse_unsafe_files(
         _part(session / str(rank) / part_name(5, rank), 5, rank, 2)
     _part(session / "0" / part_name(6, 0), 6, 0, 2)  # incomplete: not the default
     assert main(["convert", str(session), str(tmp_path / "all.pt")]) == 0
-    assert "iteration 5" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "iteration 5, ranks 0..1; newer iteration 6 not taken: incomplete (missing" in out, out
     both = torch.load(tmp_path / "all.pt", weights_only=True)
     assert sorted(both) == ["rank0", "rank1"] and both["rank1"]["step"] == 5
     assert main(["convert", str(session), str(tmp_path / "r0.pt"), "--iteration", "6",

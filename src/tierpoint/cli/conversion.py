@@ -170,10 +170,15 @@ def _read_iteration(root: str, iteration: int | None, rank: int | None) -> tuple
             f"{root}: iteration {row.step}'s parts of ranks {elsewhere} are not under it: convert "
             "from the session's directory, or one rank's part with --rank"
         )
+    newer = sorted({r.step: r for r in rows if r.step > row.step}.items())
+    passed = "".join(  # why a newer iteration was not taken
+        f"; newer iteration {step} not taken: {r.status}" + (f" ({r.detail})" if r.detail else "")
+        for step, r in newer
+    )
     if rank is not None:
-        return fileformat.read(parts[rank]), f"iteration {row.step}, rank {rank}"
+        return fileformat.read(parts[rank]), f"iteration {row.step}, rank {rank}{passed}"
     state = {f"rank{r}": fileformat.read(parts[r]) for r in ranks}
-    return state, f"iteration {row.step}, ranks {ranks[0]}..{ranks[-1]}"
+    return state, f"iteration {row.step}, ranks {ranks[0]}..{ranks[-1]}{passed}"
 
 
 def _write_file(state: Any, dst: str, kind: str) -> str:
