@@ -882,10 +882,12 @@ def test_convert_onto_its_own_source_is_refused_even_with_force(
     capsys.readouterr()
     link = tmp_path / "link.safetensors"
     link.symlink_to(part)
-    for src, dst in ((part, part), (part, link), (step, step), (step, f"file://{step}/")):
+    base = tmp_path / "base"  # a DCP save into the base would sit over its step directories
+    pairs = [(part, part), (part, link), (step, step), (step, f"file://{step}/"), (step, base)]
+    for src, dst in pairs + [(part, tmp_path / "job"), (part, f"file://{tmp_path}")]:
         before = {p: p.read_bytes() for p in sorted(Path(src).parent.rglob("*")) if p.is_file()}
         assert main(["convert", str(src), str(dst), "--force"]) == 1
-        _one_line_error(capsys.readouterr().err, "is SRC itself", "nothing written")
+        _one_line_error(capsys.readouterr().err, "is SRC or holds it", "nothing written")
         assert {p: p.read_bytes() for p in before} == before
     assert main(["verify", str(part), step]) == 0
 

@@ -6,9 +6,9 @@ Call order: :func:`cmd_convert` reads the source's state (its kind from
 ``DST``'s suffix (none: a DCP checkpoint) and prints one line.
 
 Invariants: nothing is replaced or written into without ``--force`` (a DCP ``DST`` must be missing
-or an empty directory), and ``SRC`` never, even with it (a ``DST`` naming ``SRC`` is refused); a
-file ``DST`` appears whole or not at all (dirty name, fsync, rename); ``.safetensors`` and ``.pt``
-files are written locally only; every kind of ``DST`` gets its missing
+or an empty directory), and ``SRC`` never, even with it (a ``DST`` naming ``SRC`` or a directory
+holding it is refused); a file ``DST`` appears whole or not at all (dirty name, fsync, rename);
+``.safetensors`` and ``.pt`` files are written locally only; every kind of ``DST`` gets its missing
 parent directories; a safetensors file written here keeps the state's structure in its metadata,
 so converting it back restores the same tree.
 """
@@ -41,8 +41,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise CommandError(f"{dst}: a .safetensors or .pt file is written locally only")
     if out_kind != "dcp":
         dst = storage.local_path(dst)  # a file:// URL names the same file
-    if args.force and _same_place(args.src, dst):  # it would replace SRC by its conversion
-        raise CommandError(f"{dst}: is SRC itself; convert to another path (nothing written)")
+    if args.force and _holds_source(args.src, dst):  # it would replace SRC, or write over it
+        raise CommandError(f"{dst}: is SRC or holds it; convert to another path (nothing written)")
     if out_kind != "dcp" and os.path.exists(dst) and not args.force:
         raise CommandError(f"{dst}: exists (--force to replace it)")
     if out_kind == "dcp":
@@ -59,18 +59,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _same_place(src: str, dst: str) -> bool:
-    """Whether ``dst`` names ``src`` (the same file or directory, a link or a URL's spelling)."""
+def _holds_source(src: str, dst: str) -> bool:
+    """Whether ``dst`` names ``src`` or a directory above it (a link or a URL's spelling too): a
+    DCP save there would sit over the step directories it holds."""
     from .. import storage
 
     if storage.is_local(src) != storage.is_local(dst):
         return False
     if not storage.is_local(src):
-        return src.rstrip("/") == dst.rstrip("/")
-    try:
-        return os.path.samefile(storage.local_path(src), storage.local_path(dst))
-    except OSError:  # one of them does not exist
+        src, dst = src.rstrip("/") + "/", dst.rstrip("/") + "/"
+        return src.startswith(dst)
+    here, there = Path(storage.local_path(src)), Path(storage.local_path(dst))
+    if not there.exists() or not here.exists():
         return False
+    here, there = here.resolve(), there.resolve()
+    return here == there or there in here.parents
 
 
 def _read_state(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[Any, str]:
