@@ -57,7 +57,8 @@ class SaveRecord:
     ``write`` (the worker: write, hash, fsync and rename, or upload), ``replicate`` (this rank's
     copies to and from peers), ``commit`` (from this rank's part done to the commit on every rank:
     the slowest rank, the next poll, then ``.metadata`` or retirement), ``durable`` (from the
-    request to the commit: observed when the manager finalizes, at the next ``maybe_save``).
+    request to the commit: observed when the manager finalizes, at the next ``maybe_save`` that
+    polls, every ``poll_every`` steps or at a step due to save).
     The persistent retention that follows a commit runs on a thread of rank 0 and logs the steps it
     removed at INFO.
     """
