@@ -108,7 +108,9 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     Unlike NVRx's class of the same name, tensors may live on CPU or CUDA, and the wrapped dict is
     neither mutated nor left hollow. As with NVRx, :attr:`state_dict` is the wrapped dict itself
-    (assignable), and changes made to it before a save are saved.
+    (assignable), and changes made to it before a save are saved once :attr:`state_dict` was read
+    (until then the state is the one flattened when it was wrapped: a change made through the
+    caller's own reference alone is not seen).
     """
 
     def __init__(self, state_dict: Any, *, allow_pickle: bool = False) -> None:
