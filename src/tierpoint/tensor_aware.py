@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 import torch
 
 from .errors import CheckpointingError, UnsupportedStateError
-from .tree import FlatState, SkeletonError, flatten, unflatten
+from .tree import PICKLE_HINT, FlatState, SkeletonError, flatten, unflatten
 
 logger = logging.getLogger("tierpoint")
 
@@ -113,13 +113,19 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     caller's own reference alone is not seen).
     """
 
-    def __init__(self, state_dict: Any, *, allow_pickle: bool = False) -> None:
+    _hint = PICKLE_HINT
+
+    def __init__(
+        self, state_dict: Any, *, allow_pickle: bool = False, hint: str = PICKLE_HINT
+    ) -> None:
+        """``hint``: what the error for an object that cannot be stored tells to do."""
         self.allow_pickle = allow_pickle
+        self._hint = hint
         self._set_state(state_dict)
 
     def _set_state(self, state_dict: Any) -> None:
         """Flatten ``state_dict`` (refusing what cannot be stored) and keep it as the state."""
-        flat = flatten(state_dict, allow_pickle=self.allow_pickle)
+        flat = flatten(state_dict, allow_pickle=self.allow_pickle, hint=self._hint)
         self._init_from(flat, [str(t.device) for t in flat.tensors])
         self._state = state_dict
         self._handed_out = False
@@ -288,12 +294,12 @@ class RefusedStateDict(TensorAwareStateDict):
     copy_tensors_to_cpu = restore_tensor_device = _refuse
 
 
-def for_collective_save(state: Any) -> TensorAwareStateDict:
-    """``BasicTensorAwareStateDict(state)`` for a collective save, or, where ``state`` holds what
-    cannot be stored (:class:`UnsupportedStateError`), a :class:`RefusedStateDict` that raises it
-    inside the save's agreement, on every rank."""
+def for_collective_save(state: Any, hint: str = PICKLE_HINT) -> TensorAwareStateDict:
+    """``BasicTensorAwareStateDict(state, hint=hint)`` for a collective save, or, where ``state``
+    holds what cannot be stored (:class:`UnsupportedStateError`), a :class:`RefusedStateDict` that
+    raises it inside the save's agreement, on every rank."""
     try:
-        return BasicTensorAwareStateDict(state)
+        return BasicTensorAwareStateDict(state, hint=hint)
     except UnsupportedStateError as e:
         return RefusedStateDict(e)
 

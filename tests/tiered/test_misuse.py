@@ -346,6 +346,8 @@ def test_a_state_refused_on_one_rank_fails_that_save_on_every_rank_at_once(tmp_p
     assert out[0]["message"] == out[1]["message"]
     assert "failed on rank 1" in out[0]["message"]
     assert "hook: objects of type builtins.function" in out[0]["message"]
+    assert "allow_pickle" not in out[0]["message"]  # (the manager takes no such argument)
+    assert "keep it out of the state" in out[0]["message"]
     assert all(o["seconds"] < 10 for o in out), out  # well before the timeout
     assert all(o["saved"] == ("local",) for o in out)
 

@@ -69,6 +69,11 @@ _RAISED_FROM_LOCAL_SAVES = (
 )
 
 ABORTED = "dropped: the manager was closed by an exception (close(abort=True))"
+HINT = (
+    "convert it to plain data (numbers, strings, lists, dicts, numpy values) or tensors, or keep "
+    "it out of the state (the tiers store no pickles)"
+)
+"""What the error for a value the tiers cannot store tells to do (no allow_pickle here)."""
 """The error of the records of saves in flight when the manager is aborted."""
 
 
@@ -178,7 +183,7 @@ class SavePath:
         local_tree = st.local_form(tree)
         record = SaveRecord("local", step, st.nbytes(local_tree))
         start = time.perf_counter()
-        taken = RefusedStateDict(refusal) if refusal else for_collective_save(local_tree)
+        taken = RefusedStateDict(refusal) if refusal else for_collective_save(local_tree, HINT)
         try:
             request = self.local.save(taken, step, is_async=True)
         except CheckpointingError as e:
@@ -401,7 +406,7 @@ class SavePath:
             local_tree = st.local_form(tree)
             record = SaveRecord("local", step, st.nbytes(local_tree))
             if step != self.local.find_latest():
-                self.local.save(for_collective_save(local_tree), step)
+                self.local.save(for_collective_save(local_tree, HINT), step)
         else:
             ptree = st.persistent_form(tree, tpdist.get_rank())
             record = SaveRecord("persistent", step, st.nbytes(ptree))
