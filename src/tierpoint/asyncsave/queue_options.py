@@ -4,7 +4,7 @@ worker starts.
 NVRx's arguments are accepted as NVRx names them. Three change nothing but must be bools:
 ``persistent`` (the worker is always a persistent process); ``is_daemon`` (NVRx: start its worker
 as a daemon process, so that it dies with the trainer but cannot start children; tierpoint's worker
-always dies with its trainer, ``PR_SET_PDEATHSIG``, and may start children); ``cpu_shm_mode``
+always dies with its trainer (a pidfd watch, else ``PR_SET_PDEATHSIG``) and may start children); ``cpu_shm_mode``
 (NVRx: stage into CPU shared memory and keep CUDA out of the worker; tierpoint always does).
 ``cpu_priority`` (0-19) and ``io_priority`` (0-3) are the worker's nice value and I/O class.
 tierpoint's own: ``max_in_flight`` (an int >= 1).
