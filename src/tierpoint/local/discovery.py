@@ -4,12 +4,15 @@ Call order: the manager calls :meth:`Discovery.find_latest` (collective, every r
 the latest iteration is not known; the fast path is one all-reduce of a few integers (every rank
 holds its own part of the newest iteration, none holds a newer one); otherwise every node's listing
 is gathered (:func:`tierpoint.dist.gather_by_node`, merged per node by
-:mod:`tierpoint.local.node_reports`) and :func:`~tierpoint.local.store.complete_iterations` decides.
+:mod:`tierpoint.local.node_reports`) and :func:`~tierpoint.local.store.complete_iterations` decides,
+after :func:`~tierpoint.local.misplaced.adopt_misplaced` copied in the parts that complete a newer
+iteration from the directories of ranks that now run on other nodes (then gathered again).
 A load that must fall back asks :meth:`Discovery.older_than` for the older candidates.
 
 Invariants: every rank finds the same iteration (or raises alike, when a rank cannot list its
 directory); the result is recorded in the store (``store.latest``); why a newer iteration is not
-used is logged (another world size, or parts missing everywhere). Nothing is written.
+used is logged (another world size, or parts missing everywhere). Nothing is written but those
+copies (see :mod:`tierpoint.local.misplaced`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .. import dist as tpdist
 from .. import rank_ranges
 from ..errors import CheckpointingError
 from . import naming, node_reports
+from .misplaced import adopt_misplaced
 from .store import Listing, PartStore, complete_iterations
 
 logger = logging.getLogger("tierpoint")
@@ -53,9 +57,11 @@ class Discovery:
             return intact
         self.listings = listings = self.gather_listings()
         self.incomplete = []
-        complete = complete_iterations(listings)
-        usable = [i for i, world in complete.items() if world == store.world_size]
-        latest = store.latest = max(usable, default=naming.NO_CHECKPOINT)
+        latest = _latest_usable(listings, store.world_size)
+        if adopt_misplaced(store, listings, latest):  # a node's ranks changed since the save
+            self.listings = listings = self.gather_listings()
+            latest = _latest_usable(listings, store.world_size)
+        store.latest = latest
         newest = max((tuple(p) for listing in listings for p in listing), default=None)
         self.newest_seen = newest  # type: ignore[assignment]
         if newest is not None and newest[0] > latest:
@@ -246,3 +252,10 @@ class Discovery:
                 ", ".join(map(str, missing)),
                 fallback,
             )
+
+
+def _latest_usable(listings: list[Listing], world_size: int) -> int:
+    """The newest iteration ``listings`` complete with parts of ``world_size``, or -1."""
+    complete = complete_iterations(listings)
+    usable = [i for i, world in complete.items() if world == world_size]
+    return max(usable, default=naming.NO_CHECKPOINT)

@@ -1,0 +1,137 @@
+"""Parts left in the directories of ranks that now run on other nodes, adopted as replicas.
+
+A node's local root holds one directory per global rank that ran there. When the ranks of a node
+change between runs (a job that lost a node went on with all its ranks on the nodes left and is
+then back on as many nodes as before, or nodes numbered anew at a rendezvous), the newest complete
+checkpoint may lie partly in directories whose ranks now run elsewhere. No rank lists those
+(parts are found by global rank), so discovery took that iteration for incomplete and fell back
+to an older one (a stale one, say, still on the node that came back) and the next save removed
+the newer parts: a checkpoint complete in the cluster was lost.
+
+Call order: :meth:`tierpoint.local.discovery.Discovery.find_latest`, on its gathered path, calls
+:func:`adopt_misplaced` (collective, every rank alike) with the listings gathered and the newest
+iteration they complete; when it returns ``True`` the caller gathers the listings again.
+
+Invariants: only each node's leader (its lowest rank) looks at the other ranks' directories, and
+only at parts of this world size newer than the newest complete iteration; files there are read,
+never changed or removed; parts are copied (dirty name, fsync, rename) into the leader's own
+directory, where they are replicas it holds like any other (their checksums are verified when they
+are sent or loaded), and only when they complete an iteration newer than every complete one (on a
+root every node shares, each rank lists its own directory: nothing is copied). A copy that fails
+(a full disk) is a WARNING on every rank and the discovery goes on as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from .. import dist as tpdist
+from ..errors import CheckpointingError
+from ..files import open_own, write_all, write_whole
+from . import naming
+from .store import Listing, PartStore, complete_iterations
+
+logger = logging.getLogger("tierpoint")
+
+_COPY_CHUNK = 1 << 24
+
+
+def adopt_misplaced(store: PartStore, listings: list[Listing], latest: int) -> bool:
+    """Copy into this node's leader's directory the parts, left in the directories of ranks now on
+    other nodes, that complete the newest iteration newer than ``latest``; whether any were
+    copied on some rank (then gather the listings again). Collective."""
+    layout = tpdist.node_layout()
+    mine = layout.node_of_rank[store.rank]
+    here = {r for r, node in enumerate(layout.node_of_rank) if node == mine}
+    found: dict[tuple[int, int], Path] = {}
+    if store.rank == min(here):
+        found = _misplaced_parts(store, here, latest)
+    what = "find_latest: gathering parts left in the directories of ranks on other nodes"
+    gathered = tpdist.all_gather_json(sorted(found), what)
+    extra = [[i, o, store.world_size] for parts in gathered for i, o in parts]
+    if not extra:
+        return False
+    listed = {(p[0], p[1]) for listing in listings for p in listing}
+    complete = complete_iterations([*listings, extra])
+    newer = [i for i, w in complete.items() if w == store.world_size and i > latest]
+    if not newer:
+        return False
+    iteration = max(newer)
+    copies = [(o, path) for (i, o), path in sorted(found.items()) if i == iteration]
+    error = ""
+    for origin, path in copies:
+        if (iteration, origin) in listed:
+            continue  # listed by a rank already
+        try:
+            store.ensure_dir()
+            _copy(path, store.part_path(iteration, origin))
+        except OSError as e:
+            error = f"rank {store.rank}: cannot copy {path}: {e}"
+            break
+        listed.add((iteration, origin))
+    (ok,) = tpdist.reduce_ints([not error], "min", what)
+    if error:
+        logger.warning("local iteration %d: %s", iteration, error)
+    if not ok:
+        logger.warning(
+            "local iteration %d is complete only with parts in the directories of ranks that now "
+            "run on other nodes, and they could not all be copied (see the warnings)",
+            iteration,
+        )
+        return False
+    if store.rank == 0:
+        logger.warning(
+            "local iteration %d is complete with parts left in the directories of ranks that now "
+            "run on other nodes (the ranks of a node changed since the save): copied to their "
+            "node's lowest rank, which serves them",
+            iteration,
+        )
+    store.forget_scans()
+    return True
+
+
+def _misplaced_parts(store: PartStore, here: set[int], latest: int) -> dict[tuple[int, int], Path]:
+    """``(iteration, origin) -> path`` of the valid parts of this world size newer than
+    ``latest`` in the directories of this session whose ranks do not run on this node."""
+    found: dict[tuple[int, int], Path] = {}
+    try:
+        entries = list(os.scandir(store.session_dir))
+    except OSError:
+        return found
+    for entry in entries:
+        name = entry.name
+        if not (name.isascii() and name.isdigit()) or int(name) in here:
+            continue
+        try:
+            names = sorted(os.listdir(entry.path))
+        except OSError:
+            continue
+        for part in names:
+            parsed = naming.parse_part_name(part)
+            if parsed is None or parsed[0] <= latest or parsed in found:
+                continue
+            path = Path(entry.path) / part
+            try:
+                world = naming.part_world_size(path, *parsed)
+            except (OSError, CheckpointingError):
+                continue
+            if world == store.world_size and parsed[1] < world:
+                found[parsed] = path
+    return found
+
+
+def _copy(source: Path, target: Path) -> None:
+    """``source``'s bytes under ``target`` (written under a dirty name, fsynced, renamed)."""
+
+    def write(dirty: str) -> None:
+        fd = open_own(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with open(source, "rb") as f:
+                while chunk := f.read(_COPY_CHUNK):
+                    write_all(fd, memoryview(chunk))
+        finally:
+            os.close(fd)
+
+    write_whole(target, write)

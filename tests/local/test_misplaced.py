@@ -1,0 +1,60 @@
+"""Local parts left in the directories of ranks that now run on other nodes: a job whose nodes'
+ranks changed since the save resumes from the newest step complete in the cluster, not from an
+older (stale) one, and its next save does not remove the newer parts. 4 real gloo ranks; each
+simulated node has its own local root."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tierpoint import TieredCheckpointManager
+from tierpoint.testing import run_ranks
+
+from ..tiered.helpers import assert_same, fingerprint, make_state, train_step
+
+WORLD = 4
+
+
+def _run(rank: int, world: int, root: Path, nodes: list[int], steps: int) -> tuple:
+    """Restore (checked bit for bit against what was saved at that step), then train and save
+    ``steps`` more steps locally on the layout ``nodes`` (the node of each rank)."""
+    import os
+
+    os.environ["TIERPOINT_NODE_ID"] = f"node{nodes[rank]}"
+    saved_at = root / f"saved{rank}.pt"
+    state = make_state(rank)
+    kwargs = {"local_every": 2, "keep_local": 2}
+    with TieredCheckpointManager(str(root / f"node{nodes[rank]}"), None, "job", **kwargs) as m:
+        step = m.restore(state)
+        saved = torch.load(saved_at) if step is not None else {}
+        if step is not None:
+            assert_same(fingerprint(state), saved[step])
+        tier = m.last_restore.tier
+        for s in range((step or 0) + 1, (step or 0) + steps + 1):
+            train_step(state, world)
+            m.maybe_save(s, state)
+            saved[s] = fingerprint(state)
+    torch.save(saved, saved_at)
+    return step, tier
+
+
+def test_a_job_back_on_the_node_it_lost_resumes_from_the_newest_step(shm_dir):
+    """Steps 2-6 saved on 2 nodes; node 1 lost, the job goes on with all 4 ranks on node 0 and
+    saves 8-12 there (ranks 2 and 3's parts in node 0's directories 2 and 3); node 1 back with its
+    old parts of 4 and 6. Step 12 is complete on node 0: restored, bit for bit (it restored the
+    stale step 6 and its next save removed 10 and 12)."""
+    assert run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 6) == [(None, None)] * WORLD
+    assert run_ranks(_run, WORLD, shm_dir, [0, 0, 0, 0], 6) == [(6, "peers")] * WORLD
+    assert run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 2) == [(12, "peers")] * WORLD
+    assert run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 0) == [(14, "local")] * WORLD
+
+
+def test_nodes_back_with_each_others_ranks_resume_from_the_newest_step(shm_dir):
+    """The two nodes come back with each other's ranks (numbered anew at a rendezvous): every
+    part of step 6 is on some node, in the directory of a rank that runs on the other node now.
+    It restores, bit for bit (it refused: no complete local checkpoint)."""
+    run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 6)
+    assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 2) == [(6, "peers")] * WORLD
+    assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 0) == [(8, "local")] * WORLD
