@@ -294,10 +294,15 @@ class RefusedStateDict(TensorAwareStateDict):
     copy_tensors_to_cpu = restore_tensor_device = _refuse
 
 
-def for_collective_save(state: Any, hint: str = PICKLE_HINT) -> TensorAwareStateDict:
+def for_collective_save(
+    state: Any, hint: str = PICKLE_HINT, refusal: CheckpointingError | None = None
+) -> TensorAwareStateDict:
     """``BasicTensorAwareStateDict(state, hint=hint)`` for a collective save, or, where ``state``
-    holds what cannot be stored (:class:`UnsupportedStateError`), a :class:`RefusedStateDict` that
-    raises it inside the save's agreement, on every rank."""
+    holds what cannot be stored (:class:`UnsupportedStateError`) or this rank already refused it
+    (``refusal``), a :class:`RefusedStateDict` that raises that inside the save's agreement, on
+    every rank."""
+    if refusal is not None:
+        return RefusedStateDict(refusal)
     try:
         return BasicTensorAwareStateDict(state, hint=hint)
     except UnsupportedStateError as e:

@@ -34,6 +34,13 @@ import torch
 
 from ..tree import child_path
 
+NO_PICKLE_HINT = (
+    "convert it to plain data (numbers, strings, lists, dicts, numpy values) or tensors, or keep "
+    "it out of the state (the tiers store no pickles)"
+)
+"""What the error for a value the tiers cannot store tells to do (the manager takes no
+``allow_pickle``)."""
+
 _LOADABLE = frozenset(
     {
         type(None),

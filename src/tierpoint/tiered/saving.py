@@ -52,9 +52,10 @@ from ..errors import (
     error_text,
 )
 from ..local import HeldPart, LocalCheckpointManager
-from ..tensor_aware import BasicTensorAwareStateDict, RefusedStateDict, for_collective_save
+from ..tensor_aware import BasicTensorAwareStateDict, for_collective_save
 from . import state as st
 from .events import EventLog, SaveRecord, finalize_or_fail
+from .pickled_values import NO_PICKLE_HINT
 from .queues import TierQueues
 from .replicas import ReplicaCheck
 from .retention import retire_persistent_steps
@@ -69,11 +70,6 @@ _RAISED_FROM_LOCAL_SAVES = (
 )
 
 ABORTED = "dropped: the manager was closed by an exception (close(abort=True))"
-HINT = (
-    "convert it to plain data (numbers, strings, lists, dicts, numpy values) or tensors, or keep "
-    "it out of the state (the tiers store no pickles)"
-)
-"""What the error for a value the tiers cannot store tells to do (no allow_pickle here)."""
 """The error of the records of saves in flight when the manager is aborted."""
 
 
@@ -151,9 +147,7 @@ class SavePath:
                 background(ok)
                 marks["background"] = time.perf_counter()
 
-        # The finalize functions reach the request through a weak reference: a cycle through it
-        # would keep its state (a held part's mapped tensors) alive until a garbage collection.
-        request_ref = weakref.ref(request)
+        request_ref = weakref.ref(request)  # (a cycle would keep a held part mapped till a GC)
 
         def done(outcome: Callable[[], None]) -> Callable[[], None]:
             def run() -> None:
@@ -183,7 +177,7 @@ class SavePath:
         local_tree = st.local_form(tree)
         record = SaveRecord("local", step, st.nbytes(local_tree))
         start = time.perf_counter()
-        taken = RefusedStateDict(refusal) if refusal else for_collective_save(local_tree, HINT)
+        taken = for_collective_save(local_tree, NO_PICKLE_HINT, refusal)
         try:
             request = self.local.save(taken, step, is_async=True)
         except CheckpointingError as e:
@@ -406,7 +400,7 @@ class SavePath:
             local_tree = st.local_form(tree)
             record = SaveRecord("local", step, st.nbytes(local_tree))
             if step != self.local.find_latest():
-                self.local.save(for_collective_save(local_tree, HINT), step)
+                self.local.save(for_collective_save(local_tree, NO_PICKLE_HINT), step)
         else:
             ptree = st.persistent_form(tree, tpdist.get_rank())
             record = SaveRecord("persistent", step, st.nbytes(ptree))
