@@ -58,3 +58,13 @@ def test_nodes_back_with_each_others_ranks_resume_from_the_newest_step(shm_dir):
     run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 6)
     assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 2) == [(6, "peers")] * WORLD
     assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 0) == [(8, "local")] * WORLD
+
+
+def test_nodes_swapping_ranks_back_and_forth_resume_from_the_newest_step(shm_dir):
+    """The nodes swap their ranks at each restart: each node's directories of the ranks it runs
+    now hold every rank's own part of an older step (saved two runs ago), the newer one lies in
+    the directories of the other ranks. It restores the newer step (every rank held its own part
+    of step 6 and none a newer one: step 6 was taken, and the next save removed 8)."""
+    run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 6)
+    assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 2) == [(6, "peers")] * WORLD
+    assert run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 0) == [(8, "peers")] * WORLD

@@ -2,7 +2,8 @@
 
 Call order: the manager calls :meth:`Discovery.find_latest` (collective, every rank at once) when
 the latest iteration is not known; the fast path is one all-reduce of a few integers (every rank
-holds its own part of the newest iteration, none holds a newer one); otherwise every node's listing
+holds its own part of the newest iteration, none holds a newer one, and no node's leader sees a
+newer one in the directories of ranks now on other nodes); otherwise every node's listing
 is gathered (:func:`tierpoint.dist.gather_by_node`, merged per node by
 :mod:`tierpoint.local.node_reports`) and :func:`~tierpoint.local.store.complete_iterations` decides,
 after :func:`~tierpoint.local.misplaced.adopt_misplaced` copied in the parts that complete a newer
@@ -25,7 +26,7 @@ from .. import dist as tpdist
 from .. import rank_ranges
 from ..errors import CheckpointingError
 from . import naming, node_reports
-from .misplaced import adopt_misplaced
+from .misplaced import adopt_misplaced, misplaced_newest
 from .store import Listing, PartStore, complete_iterations
 
 logger = logging.getLogger("tierpoint")
@@ -170,8 +171,10 @@ class Discovery:
 
     def _latest_if_intact(self) -> int | None:
         """The newest iteration, when every rank holds its own part of it and no rank holds a newer
-        part (one all-reduce of a few integers, O(1) bytes per rank): it is then complete, and the
-        newest that is. ``None`` on every rank otherwise: the listings must be gathered."""
+        part, nor do the directories of ranks now on other nodes (a newer part there may complete
+        a newer iteration: :mod:`~tierpoint.local.misplaced`), by one all-reduce of a few integers
+        (O(1) bytes per rank): it is then complete, and the newest that is. ``None`` on every rank
+        otherwise: the listings must be gathered."""
         rank, world_size = self.store.rank, self.store.world_size
         try:
             parts = self.store.scan()
@@ -185,12 +188,13 @@ class Discovery:
         )
         # A part of another world size at the newest iteration makes it ambiguous: gathered.
         one_world = all(world == world_size for i, _, world in parts if i == newest)
+        elsewhere = misplaced_newest(self.store)
         low = tpdist.reduce_ints(
-            [readable and one_world, own, -own, -newest],
+            [readable and one_world, own, -own, -newest, -elsewhere],
             "min",
             "find_latest: comparing the newest local parts",
         )
-        if low[0] == 1 and low[1] >= 0 and low[1] == -low[2] == -low[3]:
+        if low[0] == 1 and low[1] >= 0 and low[1] == -low[2] == -low[3] >= -low[4]:
             return low[1]
         return None
 

@@ -8,9 +8,11 @@ checkpoint may lie partly in directories whose ranks now run elsewhere. No rank 
 to an older one (a stale one, say, still on the node that came back) and the next save removed
 the newer parts: a checkpoint complete in the cluster was lost.
 
-Call order: :meth:`tierpoint.local.discovery.Discovery.find_latest`, on its gathered path, calls
-:func:`adopt_misplaced` (collective, every rank alike) with the listings gathered and the newest
-iteration they complete; when it returns ``True`` the caller gathers the listings again.
+Call order: :meth:`tierpoint.local.discovery.Discovery.find_latest`'s fast path folds
+:func:`misplaced_newest` (not collective) into its all-reduce, and takes the gathered path when a
+node's leader sees a part newer than every rank's own in those directories; on its gathered path
+it calls :func:`adopt_misplaced` (collective, every rank alike) with the listings gathered and the
+newest iteration they complete; when it returns ``True`` the caller gathers the listings again.
 
 Invariants: only each node's leader (its lowest rank) looks at the other ranks' directories, and
 only at parts of this world size newer than the newest complete iteration; files there are read,
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from .. import dist as tpdist
@@ -42,9 +45,7 @@ def adopt_misplaced(store: PartStore, listings: list[Listing], latest: int) -> b
     """Copy into this node's leader's directory the parts, left in the directories of ranks now on
     other nodes, that complete the newest iteration newer than ``latest``; whether any were
     copied on some rank (then gather the listings again). Collective."""
-    layout = tpdist.node_layout()
-    mine = layout.node_of_rank[store.rank]
-    here = {r for r, node in enumerate(layout.node_of_rank) if node == mine}
+    here = _ranks_here()
     found: dict[tuple[int, int], Path] = {}
     if store.rank == min(here):
         found = _misplaced_parts(store, here, latest)
@@ -92,14 +93,33 @@ def adopt_misplaced(store: PartStore, listings: list[Listing], latest: int) -> b
     return True
 
 
-def _misplaced_parts(store: PartStore, here: set[int], latest: int) -> dict[tuple[int, int], Path]:
-    """``(iteration, origin) -> path`` of the valid parts of this world size newer than
-    ``latest`` in the directories of this session whose ranks do not run on this node."""
-    found: dict[tuple[int, int], Path] = {}
+def misplaced_newest(store: PartStore) -> int:
+    """On this node's leader, the newest iteration a part's name gives in the directories of ranks
+    that do not run on this node (headers unread); -1 on other ranks or when there is none. Every
+    rank calls it (the node layout is gathered at its first use, so no rank skips that)."""
+    here = _ranks_here()
+    if store.rank != min(here):
+        return naming.NO_CHECKPOINT
+    return max(
+        (parsed[0] for parsed, _ in _misplaced_names(store, here) if parsed[1] < store.world_size),
+        default=naming.NO_CHECKPOINT,
+    )
+
+
+def _ranks_here() -> set[int]:
+    """The global ranks that run on this node."""
+    layout = tpdist.node_layout()
+    mine = layout.node_of_rank[tpdist.get_rank()]
+    return {r for r, node in enumerate(layout.node_of_rank) if node == mine}
+
+
+def _misplaced_names(store: PartStore, here: set[int]) -> Iterator[tuple[tuple[int, int], Path]]:
+    """``(iteration, origin)`` and path of each file named as a part in the directories of this
+    session whose ranks do not run on this node (an unreadable directory is passed over)."""
     try:
         entries = list(os.scandir(store.session_dir))
     except OSError:
-        return found
+        return
     for entry in entries:
         name = entry.name
         if not (name.isascii() and name.isdigit()) or int(name) in here:
@@ -110,15 +130,23 @@ def _misplaced_parts(store: PartStore, here: set[int], latest: int) -> dict[tupl
             continue
         for part in names:
             parsed = naming.parse_part_name(part)
-            if parsed is None or parsed[0] <= latest or parsed in found:
-                continue
-            path = Path(entry.path) / part
-            try:
-                world = naming.part_world_size(path, *parsed)
-            except (OSError, CheckpointingError):
-                continue
-            if world == store.world_size and parsed[1] < world:
-                found[parsed] = path
+            if parsed is not None:
+                yield parsed, Path(entry.path) / part
+
+
+def _misplaced_parts(store: PartStore, here: set[int], latest: int) -> dict[tuple[int, int], Path]:
+    """``(iteration, origin) -> path`` of the valid parts of this world size newer than
+    ``latest`` in the directories of this session whose ranks do not run on this node."""
+    found: dict[tuple[int, int], Path] = {}
+    for parsed, path in _misplaced_names(store, here):
+        if parsed[0] <= latest or parsed in found:
+            continue
+        try:
+            world = naming.part_world_size(path, *parsed)
+        except (OSError, CheckpointingError):
+            continue
+        if world == store.world_size and parsed[1] < world:
+            found[parsed] = path
     return found
 
 
