@@ -10,7 +10,8 @@ into the node's lowest rank; the plan is broadcast and carried out (:func:`fetch
 see :mod:`.peer_fetch`).
 
 Invariants: files are matched by their name inside the step directory (its path may differ from
-node to node); a name outside it (absolute elsewhere, or with ``..``) is refused; a hook's or a
+node to node; a path is compared normalized, as pathlib spells it, ``file://`` removed); a name
+outside it (absolute elsewhere, or with ``..``) is refused; a hook's or a
 transfer's failure raises the same error on every rank; every wait is bounded.
 """
 
@@ -75,12 +76,18 @@ def retrieve_extra_objects(step_dir: str, local: LocalHook, needed: NeededHook) 
 def name_in(step_dir: str, location: str) -> str:
     """``location`` (a path inside ``step_dir``, or a name relative to it) as its name relative to
     ``step_dir``; raises :class:`CheckpointingError` for one outside it."""
-    prefix = step_dir.rstrip("/") + "/"
-    if location.startswith(prefix):
-        location = location[len(prefix) :]
-    if os.path.isabs(location) or ".." in location.split("/") or not location:
+    step = os.path.normpath(storage.local_path(step_dir))
+    path = storage.local_path(location)
+    if ".." in path.split("/"):
         raise CheckpointingError(f"extra checkpoint object {location} is not inside {step_dir}")
-    return location
+    path = os.path.normpath(path)  # (a hook's pathlib.Path drops "./" and doubled slashes)
+    if os.path.isabs(path) != os.path.isabs(step) and os.path.isabs(path):
+        path = os.path.relpath(path)  # (absolute from a relative step: compared from here)
+    if path.startswith(step.rstrip("/") + "/"):
+        path = path[len(step.rstrip("/")) + 1 :]
+    if os.path.isabs(path) or path in (".", step) or path.startswith("../"):
+        raise CheckpointingError(f"extra checkpoint object {location} is not inside {step_dir}")
+    return path
 
 
 def plan_extra_moves(
