@@ -76,14 +76,15 @@ class NodeLayout:
 _layouts: dict[int, NodeLayout] = {}
 
 
-def node_layout() -> NodeLayout:
-    """Every rank's node id (gathered once per process group, then cached). Collective on first call."""
+def node_layout(what: str = "gather node ids") -> NodeLayout:
+    """Every rank's node id (gathered once per process group, then cached). Collective on first
+    call (``what``: the step it is part of, named in a coordination error)."""
     if not is_distributed():
         return NodeLayout((node_id(),), 0)
     key = id(dist.distributed_c10d._get_default_group())
     layout = _layouts.get(key)
     if layout is None:
-        layout = NodeLayout(tuple(all_gather_json(node_id(), "gather node ids")), dist.get_rank())
+        layout = NodeLayout(tuple(all_gather_json(node_id(), what)), dist.get_rank())
         _layouts[key] = layout
     return layout
 

@@ -108,7 +108,7 @@ def misplaced_newest(store: PartStore) -> int:
 
 def _ranks_here() -> set[int]:
     """The global ranks that run on this node."""
-    layout = tpdist.node_layout()
+    layout = tpdist.node_layout("find_latest: gathering node ids")
     mine = layout.node_of_rank[tpdist.get_rank()]
     return {r for r, node in enumerate(layout.node_of_rank) if node == mine}
 
