@@ -47,6 +47,7 @@ def test_local_bench_runs_and_says_what_else_the_machine_did() -> None:
 
 def test_training_bench_runs_and_times_the_managers_queues() -> None:
     """The bench once wrapped the queue of a manager that now makes one queue per tier on use."""
-    output = _bench("training", "tierpoint-training-bench-", "--quick")
+    small = ["--layers", "1", "--d-model", "64", "--batch", "4", "--seq", "32", "--vocab", "256"]
+    output = _bench("training", "tierpoint-training-bench-", "--quick", *small)
     assert "snapshot + dispatch (schedule)" in output  # a hook on the queues' class
     assert "finalize rounds (poll)" in output

@@ -88,12 +88,12 @@ def test_keys_in_another_order_on_each_rank_are_still_compared(tmp_path):
 
 
 def _managers_made_again(rank: int, world: int, root: Path) -> list[int]:
-    """An in-process restart, five times: a manager with replicas saves (local, replicated, and
+    """An in-process restart, three times: a manager with replicas saves (local, replicated, and
     persistent) and is closed; the sockets this process holds after each."""
     node = as_node(rank, 1)
     state, sockets = make_state(rank), []
     local = str(root / f"node{node}")
-    for cycle in range(5):
+    for cycle in range(3):
         kwargs = {"local_every": 1, "persistent_every": 2, "replication_factor": 2}
         with TieredCheckpointManager(local, str(root / "p"), "job", **kwargs) as m:
             for step in range(2 * cycle + 1, 2 * cycle + 3):
