@@ -80,9 +80,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():  # the whole suite here: those are not for this machine
             results += [_skipped(n, "no CUDA device") for n in names if n in _NEEDS_CUDA]
             names = [n for n in names if n not in _NEEDS_CUDA]
+    timeout = args.timeout or TIMEOUT_S["full" if args.full else "quick"]
     for name in names:
         with console.status(f"running {name}_bench.py") if console.is_terminal else NoProgress():
-            timeout = args.timeout or TIMEOUT_S["full" if args.full else "quick"]
             results.append(_run_bench(name, available[name], args.full, timeout))
         if not args.json:
             console.print(f"{name}: {results[-1]['status']} in {results[-1]['seconds']:.1f} s")

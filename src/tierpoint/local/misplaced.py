@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 from .. import dist as tpdist
 from ..errors import CheckpointingError
-from ..files import open_own, write_all, write_whole
+from ..files import open_own, write_whole
 from . import naming
 from .store import Listing, PartStore, complete_iterations
 
@@ -154,12 +155,9 @@ def _copy(source: Path, target: Path) -> None:
     """``source``'s bytes under ``target`` (written under a dirty name, fsynced, renamed)."""
 
     def write(dirty: str) -> None:
-        fd = open_own(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with open(source, "rb") as f:
-                while chunk := f.read(_COPY_CHUNK):
-                    write_all(fd, memoryview(chunk))
-        finally:
-            os.close(fd)
+        with open(source, "rb") as src:
+            fd = open_own(dirty, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as dst:
+                shutil.copyfileobj(src, dst, _COPY_CHUNK)
 
     write_whole(target, write)
