@@ -15,6 +15,12 @@ from tierpoint import fileformat
 logging.getLogger("tierpoint").setLevel(logging.DEBUG)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` run first, so that parallel workers (``./run test`` runs several) end
+    together rather than one finishing a long scenario alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def shm_dir():
     """A fresh directory on the /dev/shm tmpfs, removed afterwards."""

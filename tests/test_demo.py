@@ -12,7 +12,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,12 +20,12 @@ import pytest
 from tierpoint.demo.launch import _wait_all
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_killed_three_ways_the_demo_ends_bit_equal_to_an_uninterrupted_run() -> None:
+def test_killed_three_ways_the_demo_ends_bit_equal_to_an_uninterrupted_run(tmp_path) -> None:
     shm = Path("/dev/shm")
     before = set(shm.glob("tierpoint-demo-*")) if shm.is_dir() else set()
-    logs = Path(tempfile.gettempdir())
-    torchrun_logs = set(logs.glob("torchelastic_*"))
+    logs = tmp_path  # the demo's TMPDIR (not /tmp, where other tests' torchrun jobs write)
     rng = random.Random()
     # Right after a scheduled save (every 3 steps: it is in flight), at least a save apart.
     rank_at = rng.choice([6, 9])
@@ -39,7 +38,7 @@ def test_killed_three_ways_the_demo_ends_bit_equal_to_an_uninterrupted_run() -> 
             capture_output=True,
             text=True,
             timeout=400,  # below pytest's, so that a stuck run shows the demo's own output
-            env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160", TMPDIR=str(logs)),
         )
     except subprocess.TimeoutExpired:
         _remove_new_demo_dirs(shm, before)  # a killed demo cannot remove its RAM files itself
@@ -58,7 +57,7 @@ def test_killed_three_ways_the_demo_ends_bit_equal_to_an_uninterrupted_run() -> 
     assert "restore from peers took" in out  # and the report compares the two restores
     if shm.is_dir():
         assert set(shm.glob("tierpoint-demo-*")) == before  # the demo removes what it wrote
-    assert set(logs.glob("torchelastic_*")) == torchrun_logs  # torchrun's too
+    assert not list(logs.iterdir())  # torchrun's logs too
 
 
 def test_a_failed_node_stops_the_other_nodes_job_instead_of_leaving_it_waiting() -> None:

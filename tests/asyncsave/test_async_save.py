@@ -524,6 +524,7 @@ def _memory_profile(rank: int, world: int, root: str) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 def test_host_memory_is_flat_across_saves_and_bounded_in_flight(tier_root):
     # A fresh process, so that other tests' garbage does not move the numbers.
     (profile,) = run_ranks(_memory_profile, 1, str(tier_root), timeout=300)

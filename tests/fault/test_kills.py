@@ -13,6 +13,8 @@ steps). The long runner (``benchmarks/fault_runner.py``) draws hundreds of such 
 
 from __future__ import annotations
 
+import pytest
+
 from .kill_job import kill_trial
 
 CHAIN = [  # (kill, steps the job saves after its restore)
@@ -25,6 +27,7 @@ CHAIN = [  # (kill, steps the job saves after its restore)
 ]
 
 
+@pytest.mark.slow
 def test_kills_and_stops_in_each_phase_lose_no_committed_step(shm_dir) -> None:
     problems = []
     killed_in = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tierpoint import TieredCheckpointManager
@@ -40,6 +41,7 @@ def _run(rank: int, world: int, root: Path, nodes: list[int], steps: int) -> tup
     return step, tier
 
 
+@pytest.mark.slow
 def test_a_job_back_on_the_node_it_lost_resumes_from_the_newest_step(shm_dir):
     """Steps 2-6 saved on 2 nodes; node 1 lost, the job goes on with all 4 ranks on node 0 and
     saves 8-12 there (ranks 2 and 3's parts in node 0's directories 2 and 3); node 1 back with its

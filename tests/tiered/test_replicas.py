@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tierpoint import RankLocal, TieredCheckpointManager
@@ -103,6 +104,7 @@ def _managers_made_again(rank: int, world: int, root: Path) -> list[int]:
     return sockets
 
 
+@pytest.mark.slow
 def test_managers_closed_and_made_again_leave_no_gloo_groups_behind(shm_dir):
     """Each closed manager freed nothing of its gloo groups (its queue's, its replication's):
     about 7 groups, their sockets and threads, per manager made, for the life of the process."""

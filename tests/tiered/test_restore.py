@@ -691,6 +691,7 @@ def _go_on_with_three_nodes(rank: int, world: int, root: Path) -> list:
     return [step, tier, resumed, records.messages]
 
 
+@pytest.mark.slow
 def test_a_job_back_on_three_nodes_runs_unreplicated_rather_than_refusing(shm_dir):
     """Two copies of each local part cannot be spread over 3 nodes of one rank each (a job
     restarted with another node, or with one of 4 lost): the manager warns and saves its local
