@@ -72,6 +72,12 @@ def test_load_options(tmp_path, checkpointer):
 
 def test_find_latest_and_contains(tmp_path, checkpointer):
     run = _run(tmp_path)
+    missing = f"{tmp_path}/no-such-run"  # OLMo-core's listing raises here too
+    with pytest.raises(FileNotFoundError, match="No such directory"):
+        list(Checkpointer.find_checkpoints(missing))
+    with pytest.raises(FileNotFoundError, match="No checkpoints found.*No such directory"):
+        Checkpointer.latest_checkpoint(missing)
+    assert not Checkpointer.contains_checkpoint(missing)
     with pytest.raises(FileNotFoundError, match="No checkpoints found"):
         Checkpointer.latest_checkpoint(run)
     assert not Checkpointer.contains_checkpoint(run)

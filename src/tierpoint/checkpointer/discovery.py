@@ -120,8 +120,12 @@ def find_checkpoints(
     storage_options: Mapping[str, Any] | None = None,
 ) -> Iterator[tuple[int, str]]:
     """``(step, path)`` of each finished checkpoint directly under ``dir``, by ascending step;
-    ``ephemeral`` (when not ``None``) keeps only the ephemeral ones or only the others."""
+    ``ephemeral`` (when not ``None``) keeps only the ephemeral ones or only the others. A local
+    ``dir`` that is not a directory raises :class:`CheckpointNotFoundError` (a
+    ``FileNotFoundError``), as OLMo-core's listing does; a store's missing prefix lists nothing."""
     dir = normalize(dir)
+    if storage.is_local(dir) and not os.path.isdir(storage.local_path(dir)):
+        raise CheckpointNotFoundError(f"No such directory: '{dir}'")
     steps = sorted(
         (s, n) for n in storage.listdir(dir, storage_options) if (s := step_of(n)) is not None
     )
@@ -147,8 +151,11 @@ def latest_checkpoint(
     """The path of the newest finished checkpoint under ``dir``; raises
     :class:`CheckpointNotFoundError` (a ``FileNotFoundError``) when there is none."""
     found = None
-    for _, path in find_checkpoints(dir, storage_options=storage_options):
-        found = path
+    try:
+        for _, path in find_checkpoints(dir, storage_options=storage_options):
+            found = path
+    except CheckpointNotFoundError as e:
+        raise CheckpointNotFoundError(f"No checkpoints found in '{normalize(dir)}': {e}") from None
     if found is None:
         raise CheckpointNotFoundError(f"No checkpoints found in '{normalize(dir)}'")
     return found
@@ -160,7 +167,10 @@ def contains_checkpoint(
     """Whether ``dir`` is a checkpoint or holds one directly."""
     if dir_is_checkpoint(dir, storage_options):
         return True
-    return next(find_checkpoints(dir, storage_options=storage_options), None) is not None
+    try:
+        return next(find_checkpoints(dir, storage_options=storage_options), None) is not None
+    except CheckpointNotFoundError:
+        return False
 
 
 def remove_tree(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
