@@ -6,6 +6,7 @@ arguments; and SIGTERM leading to a final persistent save."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -33,8 +34,6 @@ def _changed_structure(rank: int, world: int, root: Path) -> list[str]:
     messages = []
     for tier_root in ("local", "persistent"):
         if tier_root == "persistent":  # only the persistent tier left
-            import shutil
-
             shutil.rmtree(root / "local", ignore_errors=True)
         other = make_state(rank, width=8)  # other shapes
         other["extra"] = torch.zeros(3)  # and a key the checkpoint lacks
@@ -54,6 +53,48 @@ def test_a_changed_state_structure_is_refused_on_every_rank_and_loads_nothing(tm
         assert "extra" in local and "model.0.weight" in local
         assert "extra" in persistent and "model.0.weight" in persistent
     assert results[0] == results[1]  # the same error on every rank
+
+
+REFUSED = {  # key: (saved, live): a tensor, dict or list of tensors where a plain value is now
+    "dict_to_int": ({"a": 1}, 5),
+    "dict_to_none": ({"a": 1}, None),
+    "tensor_to_int": (torch.ones(3), 5),
+    "tensors_to_int": ([torch.ones(2)], 5),
+    "int_to_dict": (5, {"a": 1}),
+}
+REPLACED = {"list_to_int": ([1, 2], 5), "str_to_float": ("x", 1.5)}  # plain over plain
+
+
+def _value_changes(rank: int, world: int, root: Path) -> dict[str, tuple[str, dict]]:
+    both = {**REFUSED, **REPLACED}
+    results = {}
+    with _manager(root) as manager:
+        manager.save(1, {"w": torch.arange(4.0)} | {k: v for k, (v, _) in both.items()})
+    for tier in ("local", "persistent"):
+        if tier == "persistent":
+            shutil.rmtree(root / "local")
+        with _manager(root) as manager:
+            with pytest.raises(StateMismatchError) as refused:
+                manager.restore({"w": torch.zeros(4)} | {k: v for k, (_, v) in both.items()})
+            state = {"w": torch.zeros(4)} | {k: v for k, (v, _) in REFUSED.items()}
+            state |= {k: v for k, (_, v) in REPLACED.items()}
+            assert manager.restore(state) == 1 and manager.last_restore.tier == tier
+            results[tier] = (str(refused.value), {k: state[k] for k in REPLACED})
+    return results
+
+
+def test_a_value_whose_kind_changed_is_restored_or_refused_alike_by_both_tiers(tmp_path):
+    """A tensor, dict or list of tensors saved where the state now holds a plain value is refused
+    by both tiers (the local tier once replaced the value; the persistent tier refused a dict but
+    skipped a tensor's step as unloadable); a plain value saved over another plain one replaces it."""
+    (results,) = run_ranks(_value_changes, 1, tmp_path, timeout=200)
+    for tier, (refusal, replaced) in results.items():
+        for key in REFUSED:
+            assert key in refusal, (tier, key, refusal)
+        assert not any(key in refusal for key in REPLACED), (tier, refusal)
+        assert replaced == {k: saved for k, (saved, _) in REPLACED.items()}, tier
+    assert "dict_to_int: int in the state, a dict in the checkpoint" in results["local"][0]
+    assert "tensor_to_int: int in the state, a tensor in the checkpoint" in results["persistent"][0]
 
 
 def _steps_disagree(rank: int, world: int, root: Path) -> str:
@@ -142,7 +183,6 @@ def _preempted(rank: int, world: int, root: Path) -> object:
     except SystemExit as e:
         reference = fingerprint(state)
         restored = make_state(rank)
-        import shutil
 
         torch.distributed.barrier()
         if rank == 0:
@@ -415,7 +455,6 @@ class _LoadFailsOnRankOne:
 
 
 def _one_rank_cannot_load_its_member(rank: int, world: int, root: Path) -> list:
-    import shutil
     import time
 
     state = dict(make_state(rank), loader=_LoadFailsOnRankOne(rank))

@@ -346,9 +346,15 @@ def check_against_metadata(flat: Mapping[str, Any], metadata: Any) -> list[str]:
         problems.append(f"only in the checkpoint: {st.listed(extra)}")
     for key, value in flat.items():
         md = stored.get(key)
-        if md is None or not isinstance(value, torch.Tensor):
+        if md is None:
             continue
         size = getattr(md, "size", None)
+        if not isinstance(value, torch.Tensor):
+            if size is not None:  # torch DCP would fail the load: refused before it starts
+                problems.append(
+                    f"{key}: {type(value).__name__} in the state, a tensor in the checkpoint"
+                )
+            continue
         dtype = getattr(getattr(md, "properties", None), "dtype", None)
         if size is None:
             problems.append(f"{key}: a tensor in the state, a value in the checkpoint")

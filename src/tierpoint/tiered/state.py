@@ -262,7 +262,9 @@ def shardings_differ(live: dict[str, Any], loaded: dict[str, Any]) -> bool:
 
 def check_loaded(live: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
     """Every difference between ``live`` (a :func:`local_form`) and a loaded local part of the same
-    sharding (:func:`shardings_differ`): keys, shapes and dtypes."""
+    sharding (:func:`shardings_differ`): keys, shapes and dtypes, and a tensor, dict or list of
+    tensors saved where the state now holds a plain value (which the persistent tier refuses too).
+    A plain value saved where the state holds another plain value replaces it."""
     problems: list[str] = []
     unsharded = [{k: v for k, v in t.items() if k != SHARDING_KEY} for t in (live, loaded)]
     _compare(*unsharded, "", problems)
@@ -307,6 +309,23 @@ def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
             return
         for i, (a, b) in enumerate(zip(live, loaded)):
             _compare(a, b, f"{path}[{i}]", problems)
+    elif _is_structure(loaded):  # (the persistent tier cannot load it into a plain value either)
+        problems.append(
+            f"{path}: {type(live).__name__} in the state, {_structure_name(loaded)} in the checkpoint"
+        )
+
+
+def _is_structure(value: Any) -> bool:
+    """Whether ``value`` is more than a plain value: a tensor, a dict, or a list holding tensors."""
+    return isinstance(value, (torch.Tensor, Mapping)) or (
+        isinstance(value, (list, tuple)) and _holds_tensors(value)
+    )
+
+
+def _structure_name(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    return "a dict" if isinstance(value, Mapping) else "a list holding tensors"
 
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
