@@ -118,7 +118,9 @@ def test_round_trip_and_fresh_process_group(tmp_path):
 def test_nvrx_usage_pattern_runs_and_resumes(tmp_path):
     first = run_ranks(_nvrx_usage_pattern, WORLD, str(tmp_path))
     second = run_ranks(_nvrx_usage_pattern, WORLD, str(tmp_path))  # resumes from iteration 3
-    assert all(s != f for s, f in zip(second, first))
+    # From the weights of iteration 3, each of the 32 raised by 1.0 three more times (any other
+    # start differed from the first run's end too: "s != f" held with wrong weights loaded).
+    assert all(abs(s - f - 3 * 32 * 1000) <= 2 for s, f in zip(second, first)), (first, second)
     found = run_ranks(_find_latest_only, WORLD, str(tmp_path))
     assert found == [6] * WORLD
 
