@@ -264,7 +264,8 @@ def check_loaded(live: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
     """Every difference between ``live`` (a :func:`local_form`) and a loaded local part of the same
     sharding (:func:`shardings_differ`): keys, shapes and dtypes, and a tensor, dict or list of
     tensors saved where the state now holds a plain value (which the persistent tier refuses too).
-    A plain value saved where the state holds another plain value replaces it."""
+    A plain value saved where the state holds another plain value replaces it, as a saved list
+    replaces a live list of plain data (:mod:`~tierpoint.tiered.saved_lists`)."""
     problems: list[str] = []
     unsharded = [{k: v for k, v in t.items() if k != SHARDING_KEY} for t in (live, loaded)]
     _compare(*unsharded, "", problems)
@@ -309,7 +310,9 @@ def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
             return
         for i, (a, b) in enumerate(zip(live, loaded)):
             _compare(a, b, f"{path}[{i}]", problems)
-    elif _is_structure(loaded):  # (the persistent tier cannot load it into a plain value either)
+    elif _is_structure(loaded) and not (  # a list of plain data takes the saved list's items
+        isinstance(live, (list, tuple)) and isinstance(loaded, (list, tuple))
+    ):  # (the persistent tier cannot load it into a plain value either)
         problems.append(
             f"{path}: {type(live).__name__} in the state, {_structure_name(loaded)} in the checkpoint"
         )
