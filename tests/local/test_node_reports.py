@@ -82,3 +82,12 @@ def test_a_rank_without_a_status_is_an_error() -> None:
     record = merge_statuses([_status(0, True, [])])
     with pytest.raises(CheckpointingError, match=r"ranks \[\[1, 1\]\]"):
         expand_statuses([record], 2)
+
+
+def test_statuses_keep_the_save_of_each_copy() -> None:
+    reports = [
+        _status(0, True, [0, 1], saves=["b", "b"]),
+        _status(1, True, [0, 1], saves=["a", "b"]),
+    ]
+    statuses = expand_statuses(json.loads(json.dumps([merge_statuses(reports)])), 2)
+    assert [s["saves"] for s in statuses] == [["b", "b"], ["a", "b"]]

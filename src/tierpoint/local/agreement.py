@@ -6,8 +6,9 @@ all-reduce of a few integers decides (O(1) bytes per rank); otherwise every rank
 gathered and the complete iterations are computed from them.
 
 Invariants: every rank returns the same set of complete iterations to keep and the same save token
-(rank 0's random one: it tells this save's parts from another save's of the same iteration), or
-raises the same
+(rank 0's: it tells this save's parts from another save's of the same iteration; its text, 16 hex
+digits, is rank 0's clock in milliseconds then 20 random bits, so a later save's sorts after an
+earlier one's), or raises the same
 :class:`CheckpointingError` (a rank refused its arguments; ranks disagree on the iteration, ``keep_last`` or the session; it is not newer than every complete,
 loadable iteration or than an async save still in flight). ``keep_last`` counts the new iteration.
 Nothing is written, except this rank's directory is created.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -53,7 +55,7 @@ def agree_on_iteration(
     gathered); ``refusal``: why this rank does not save (an argument it refused): every rank
     raises it, with the listings gathered (the all-reduce of an unchanged tier says "changed").
     """
-    offer = random.SystemRandom().randrange(_NO_TOKEN) if store.rank == 0 else _NO_TOKEN
+    offer = _new_token() if store.rank == 0 else _NO_TOKEN
     known = after_commit if refusal is None else None
     agreed = _agree_unchanged(store, iteration, keep_last, in_flight, known, offer)
     if agreed is not None:
@@ -103,6 +105,12 @@ def agree_on_iteration(
             ", ".join(map(str, superseded)),
         )
     return keep, _token_text(gathered[0]["token"])
+
+
+def _new_token() -> int:
+    """Milliseconds since the epoch, then 20 random bits (below ``_NO_TOKEN`` until 2109)."""
+    ms = time.time_ns() // 1_000_000
+    return ((ms << 20) | random.SystemRandom().getrandbits(20)) % _NO_TOKEN
 
 
 def _token_text(value: int) -> str:

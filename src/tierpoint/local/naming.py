@@ -139,13 +139,19 @@ def metadata_names(meta: dict, iteration: int, rank: int) -> bool:
 def part_world_size(path: str | os.PathLike, iteration: int, origin: int) -> int:
     """The world size a part file was saved with, once its header is valid and its metadata agrees
     with its name; :class:`CorruptCheckpointError` otherwise."""
+    return part_metadata(path, iteration, origin)["world_size"]
+
+
+def part_metadata(path: str | os.PathLike, iteration: int, origin: int) -> dict:
+    """A part file's header metadata, once its header is valid and its metadata agrees with its
+    name and names a valid world size; :class:`CorruptCheckpointError` otherwise."""
     meta = fileformat.read_header(path).extra
     if not metadata_names(meta, iteration, origin):
         raise CorruptCheckpointError(str(path), "file name disagrees with its metadata")
     world = meta.get("world_size")
     if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
         raise CorruptCheckpointError(str(path), f"bad world size in metadata: {str(world)[:40]}")
-    return world
+    return meta
 
 
 def file_version(st: os.stat_result) -> tuple[int, int, int]:

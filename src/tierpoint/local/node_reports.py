@@ -46,9 +46,9 @@ def listing_parts(record: dict[str, Any]) -> list[list[int]]:
 def merge_statuses(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One node's holder statuses from its ranks' reports (``rank``, the fields of a
     ``HolderStatus``, and optionally ``reason`` / ``kind``). Ranks whose status is the same but for
-    their own number (each holds the parts of the ranks at the same distance) form one group:
-    ``{"groups": [[own_ok, held offsets, bad sources, rank ranges], ...], "texts": {rank: [reason,
-    kind]}}``."""
+    their own number (each holds the parts of the ranks at the same distance, from the same saves)
+    form one group: ``{"groups": [[own_ok, held offsets, bad sources, rank ranges, saves], ...],
+    "texts": {rank: [reason, kind]}}``."""
     groups: dict[tuple, list[int]] = {}
     texts: dict[str, list[Any]] = {}
     for report in reports:
@@ -57,14 +57,15 @@ def merge_statuses(reports: list[dict[str, Any]]) -> dict[str, Any]:
             bool(report["own_ok"]),
             tuple(h - rank for h in report["holds"]),
             tuple(tuple(b) for b in report["bad_sources"]),
+            tuple(report.get("saves") or ()),
         )
         groups.setdefault(key, []).append(rank)
         if report.get("reason") or report.get("kind"):
             texts[str(rank)] = [report.get("reason"), report.get("kind")]
     return {
         "groups": [
-            [own_ok, list(offsets), [list(b) for b in bad], ranges(members)]
-            for (own_ok, offsets, bad), members in groups.items()
+            [own_ok, list(offsets), [list(b) for b in bad], ranges(members), list(saves)]
+            for (own_ok, offsets, bad, saves), members in groups.items()
         ],
         "texts": texts,
     }
@@ -74,12 +75,13 @@ def expand_statuses(records: list[dict[str, Any]], world_size: int) -> list[dict
     """Every rank's status again, in rank order, from every node's :func:`merge_statuses`."""
     statuses: list[dict[str, Any] | None] = [None] * world_size
     for record in records:
-        for own_ok, offsets, bad, spans in record["groups"]:
+        for own_ok, offsets, bad, spans, saves in record["groups"]:
             for rank in expand(spans):
                 statuses[rank] = {
                     "own_ok": own_ok,
                     "holds": [rank + o for o in offsets],
                     "bad_sources": [list(b) for b in bad],
+                    "saves": list(saves),
                     "reason": None,
                     "kind": None,
                 }

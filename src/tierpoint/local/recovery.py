@@ -11,14 +11,20 @@ Call order: the manager finds the latest iteration, then calls :meth:`PartRecove
 and verifies its own part; the ranks gather what each holds (merged per node), every rank makes the
 same retrieval plan (:mod:`tierpoint.local.retrieval`); the moves run (:mod:`tierpoint.peers.transfer`,
 verified as they land); repeat until nothing is needed or a part has no good copy left (then the
-next older iteration). After the load, the replicas this rank should hold but lacks are planned the
-same way and fetched on a background thread (:meth:`PartRecovery.wait_for_restore`, which the
-manager calls first in every later collective call).
+next older iteration); then one agreement checks that every rank's part comes from the same save
+(when not, the statuses are gathered once more and the plan replaces the parts of other saves).
+After the load, the replicas this rank should hold but lacks (or holds from another save) are
+planned the same way and fetched on a background thread (:meth:`PartRecovery.wait_for_restore`,
+which the manager calls first in every later collective call).
 
 Invariants:
 - A load never returns a part that failed verification: a fetch counts only when a new, verified
   file took the part's name; otherwise the next holder is tried, then an older iteration.
 - Every rank returns the same iteration or raises the same error.
+- A load never returns parts of two saves of one iteration: the plan takes one save's copies
+  (:mod:`tierpoint.local.retrieval`) and the save tokens of the loaded parts are agreed before any
+  is returned (else the next older iteration). The statuses carry each copy's save; when every part
+  is present nothing is gathered, unless the tokens disagree.
 - Replicas of a replaced node come from the origin first (its part was verified by the load).
 """
 
@@ -157,14 +163,18 @@ class PartRecovery:
         start = time.perf_counter()
         loaded, reason, kind = self.read_own(iteration, allow_pickle)
         first_reason = reason
-        from_peers = False
+        from_peers = mixed = same = False  # mixed: copies of more than one save were seen
         bad: list[list[int]] = []
         group = self.replication.group if self.replication else tpdist.coordination_group()
         what = f"loading local checkpoint iteration {iteration}"
-        for _ in range(self.store.world_size + 1):
-            status = HolderStatus(loaded is not None, self.store.held_origins(iteration), bad)
-            # Own parts only; replicas are restored after the load.
-            statuses, plan = self._agree_on_plan(status, None, what, reason=reason, kind=kind)
+        for _ in range(self.store.world_size + 2):
+            status = self._status(iteration, loaded is not None, bad)
+            # Own parts only; replicas are restored after the load. Once the parts loaded came
+            # from different saves, the statuses are gathered (the plan compares the saves).
+            statuses, plan = self._agree_on_plan(
+                status, None, what, force=mixed, reason=reason, kind=kind
+            )
+            mixed |= plan.mixed
             refused = {
                 r: s["reason"]
                 for r, s in enumerate(statuses)
@@ -174,24 +184,35 @@ class PartRecovery:
                 detail = "; ".join(f"rank {r}: {m}" for r, m in refused.items())
                 raise agreed_error("UnsupportedStateError", f"{what}: {detail}", refused)
             if plan.lost:
+                newest = " from the newest save" if mixed else ""
                 for r in plan.lost:
-                    failures[r] = statuses[r]["reason"] or "no copy of its part"
+                    failures[r] = statuses[r]["reason"] or f"no copy of its part{newest}"
                     kinds.add(statuses[r]["kind"] or "CheckpointingError")
                 logger.warning(
                     "local iteration %d cannot be restored: no rank holds a good copy of the part "
-                    "of rank%s %s",
+                    "of rank%s %s%s",
                     iteration,
                     "s" if len(plan.lost) > 1 else "",
                     ", ".join(map(str, plan.lost)),
+                    f" (its parts come from different saves of this iteration; none{newest})"
+                    if mixed
+                    else "",
                 )
                 return None
             if not plan.moves:
-                break
+                same = self._same_save(loaded, reason, what)
+                if same or mixed:
+                    break
+                mixed = True  # (every rank alike) plan again, comparing the saves
+                continue
             from_peers = True
             self._log_plan(iteration, plan, "part(s) from peers")
+            source = next((s for s, d, o in plan.moves if d == self.store.rank == o), None)
+            if loaded is not None and source is not None:  # intact, but from another save
+                loaded, reason = None, f"{self.store.part_path(iteration)}: from another save"
+                first_reason = reason
             failed = self._fetch(iteration, plan, group)
             bad += failed  # sources that failed stay excluded
-            source = next((s for s, d, o in plan.moves if d == self.store.rank == o), None)
             if loaded is None and source is not None and [source, self.store.rank] not in failed:
                 # Every checksum was verified on receipt: no second pass over the bytes.
                 loaded, reason, kind = self.read_own(iteration, allow_pickle, verify=False)
@@ -208,11 +229,9 @@ class PartRecovery:
                 loaded is None and self._fetch_error
             ):  # the copy arrived, this rank could not keep it
                 reason = f"{first_reason}; fetching a copy failed: {self._fetch_error}"
-        with tpdist.agree(what) as agreement:
-            if loaded is None:
-                raise CheckpointingError(reason)
-            agreement.key = str(loaded[0].extra.get("save"))
-        if not agreement.same:  # e.g. a node back with an earlier run's parts of this iteration
+        else:
+            same = self._same_save(loaded, reason, what)
+        if not same:  # e.g. a node back with an earlier run's parts and no other copy of some
             reason = "its parts come from different saves of this iteration (intact, not loaded)"
             failures.update(dict.fromkeys(range(self.store.world_size), reason))
             kinds.add("CheckpointingError")
@@ -233,11 +252,25 @@ class PartRecovery:
         self.last_load = LoadRecord(
             iteration, from_peers, header.file_size, time.perf_counter() - start
         )
-        self._restore_replicas(iteration)
+        self._restore_replicas(iteration, mixed)
         return ta, CkptID(iteration, self.store.rank, self.store.session_id)
 
-    def _restore_replicas(self, iteration: int) -> None:
-        """Give back the replicas of ``iteration`` that ranks should hold but lack (a replaced node).
+    def _status(self, iteration: int, own_ok: bool, bad: list[list[int]]) -> HolderStatus:
+        saves = self.store.held_saves(iteration)
+        return HolderStatus(own_ok, list(saves), bad, list(saves.values()))
+
+    def _same_save(self, loaded: Any, reason: str, what: str) -> bool:
+        """Whether every rank's loaded part comes from the same save (collective); every rank
+        raises alike when one has no part (``reason`` says why)."""
+        with tpdist.agree(what) as agreement:
+            if loaded is None:
+                raise CheckpointingError(reason)
+            agreement.key = str(loaded[0].extra.get("save"))
+        return agreement.same
+
+    def _restore_replicas(self, iteration: int, mixed: bool) -> None:
+        """Give back the replicas of ``iteration`` that ranks should hold but lack (a replaced node),
+        or hold from another save (``mixed``: the load saw copies of more than one save).
 
         The plan is agreed now (collective, small); the bytes move on a background thread over the
         strategy's restore group while training resumes. :meth:`wait_for_restore` joins it, and so
@@ -247,8 +280,8 @@ class PartRecovery:
         if strategy is None or strategy.replication_factor < 2:
             return
         what = f"restoring the replicas of local checkpoint iteration {iteration}"
-        status = HolderStatus(True, self.store.held_origins(iteration), [])
-        _, plan = self._agree_on_plan(status, strategy.holders, what)
+        status = self._status(iteration, True, [])
+        _, plan = self._agree_on_plan(status, strategy.holders, what, force=mixed)
         for holder, origin in plan.unreplicated:
             if holder == self.store.rank:
                 _warn_unrestored(iteration, origin, "no rank holds a good copy")
@@ -264,14 +297,14 @@ class PartRecovery:
         self._restore.start()
 
     def _agree_on_plan(
-        self, status: HolderStatus, holders: Any, what: str, **extra: str | None
+        self, status: HolderStatus, holders: Any, what: str, force: bool, **extra: str | None
     ) -> tuple[list[dict[str, Any]], RetrievalPlan]:
         """Every rank's status (with ``extra``: ``reason``, ``kind``) and the retrieval plan each
-        rank makes from them alike. Collective. When every rank has its own part and every replica
-        it should hold, one all-reduce of a flag says so and nothing is gathered (an empty plan, no
-        statuses); otherwise the statuses travel merged per node (O(nodes) bytes per rank, see
-        :mod:`tierpoint.local.node_reports`)."""
-        if self._nothing_to_plan(status, holders):
+        rank makes from them alike. Collective. Unless ``force`` (every rank alike), when every
+        rank has its own part and every replica it should hold, one all-reduce of a flag says so
+        and nothing is gathered (an empty plan, no statuses); otherwise the statuses travel merged
+        per node (O(nodes) bytes per rank, see :mod:`tierpoint.local.node_reports`)."""
+        if not force and self._nothing_to_plan(status, holders):
             return [], RetrievalPlan([], [], [])
         records = tpdist.gather_by_node(
             {"rank": self.store.rank, **vars(status), **extra},

@@ -9,7 +9,8 @@ parts, :func:`complete_iterations` on every rank's listing, :meth:`PartStore.par
 :meth:`PartStore.remove_iteration` once every rank agreed what to keep. Nothing here is collective.
 
 Invariants:
-- Only a committed, structurally valid part is listed (its header checked once per file version).
+- Only a committed, structurally valid part is listed (its header checked once per file version,
+  which also gives the save each part comes from: :meth:`PartStore.held_saves`).
 - A spare (``spare_<n>.free``) is renamed away from its committed name before it is reused and is
   never a part of any checkpoint; a mapped file, or one held for a reader (:meth:`PartStore.hold`,
   see :mod:`tierpoint.local.holds`), is never made a spare nor handed out for reuse, and the
@@ -52,7 +53,7 @@ class PartStore:
         self.mappings = peers.MappingCache()
         self.latest: int | None = None
         self.unloadable: set[int] = set()
-        self._scan_cache: dict[str, tuple[tuple[int, int, int] | None, list[int] | None]] = {}
+        self._scan_cache: dict[str, tuple[tuple[int, int, int] | None, list[int] | None, Any]] = {}
         self._held: Counter[tuple[int, int]] = Counter()  # (device, inode) -> holds
         self._spare_for_holds = 0  # 1 once a part was retired while held (see retire)
 
@@ -99,7 +100,7 @@ class PartStore:
         if not self.directory.is_dir():
             return []
         found = []
-        seen: dict[str, tuple[tuple[int, int, int] | None, list[int] | None]] = {}
+        seen: dict[str, tuple[tuple[int, int, int] | None, list[int] | None, Any]] = {}
         for entry in os.scandir(self.directory):
             parsed = naming.parse_part_name(entry.name)
             if parsed is None:
@@ -109,13 +110,11 @@ class PartStore:
             except OSError:  # a dangling link, a link loop: its validation says why, once
                 version = None
             cached = self._scan_cache.get(entry.name)
-            if cached is not None and cached[0] == version:
-                part = cached[1]
-            else:  # an unusable file is reported once per version, not on every scan
-                part = _validate_part(entry.path, *parsed)
-            seen[entry.name] = (version, part)
-            if part is not None:
-                found.append(part)
+            if cached is None or cached[0] != version:  # (an unusable file: warned once a version)
+                cached = (version, *_validate_part(entry.path, *parsed))
+            seen[entry.name] = cached
+            if cached[1] is not None:
+                found.append(cached[1])
         self._scan_cache = seen
         return found
 
@@ -124,15 +123,23 @@ class PartStore:
         path = self.part_path(iteration)
         version = naming.version_of(path)
         if version is not None:
-            self._scan_cache[path.name] = (version, [iteration, self.rank, self.world_size])
+            part = [iteration, self.rank, self.world_size]
+            self._scan_cache[path.name] = (version, part, _UNREAD)
 
     def forget_scans(self) -> None:
         """Validate every header anew on the next scan (files arrived from peers)."""
         self._scan_cache.clear()
 
-    def held_origins(self, iteration: int) -> list[int]:
-        """The origin ranks whose part of ``iteration`` this rank holds."""
-        return sorted({origin for it, origin, _ in self.scan() if it == iteration})
+    def held_saves(self, iteration: int) -> dict[int, str]:
+        """The origin ranks whose part of ``iteration`` this rank holds, and the save each copy
+        comes from (its header's ``"save"`` token, as text; see :mod:`~tierpoint.local.agreement`)."""
+        for name in [n for n, cached in self._scan_cache.items() if cached[2] is _UNREAD]:
+            del self._scan_cache[name]  # remembered, its header not read: read by the scan
+        self.scan()
+        held = [
+            (p[1], str(save)) for _, p, save in self._scan_cache.values() if p and p[0] == iteration
+        ]
+        return dict(sorted(held))
 
     def holds_parts(self) -> bool:
         try:
@@ -378,13 +385,17 @@ def complete_iterations(listings: Iterable[Listing]) -> dict[int, int]:
     return complete
 
 
-def _validate_part(path: str, iteration: int, origin: int) -> list[int] | None:
+_UNREAD = object()  # a scanned part's save token not read yet
+
+
+def _validate_part(path: str, iteration: int, origin: int) -> tuple[list[int] | None, Any]:
+    """``([iteration, origin, world size], save token)`` of a usable part, else ``(None, None)``."""
     try:
-        world = naming.part_world_size(path, iteration, origin)
+        meta = naming.part_metadata(path, iteration, origin)
     except (OSError, CheckpointingError) as e:
         logger.warning("ignoring unusable local part %s: %s", path, e)
-        return None
-    return [iteration, origin, world]
+        return None, None
+    return [iteration, origin, meta["world_size"]], meta.get("save")
 
 
 class ReceivedPart(fileformat.PartVerifier):
