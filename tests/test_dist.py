@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -196,6 +197,23 @@ def _raise(rank: int, world: int) -> None:
 def test_helper_reports_rank_failures():
     with pytest.raises(RankFailure, match="rank 1 failed"):
         run_ranks(_raise, 2)
+
+
+def test_free_port_is_free_and_not_one_the_kernel_hands_out():
+    """The caller binds the port a moment later: the kernel could give a port of its ephemeral
+    range to another process in between (a store or gloo socket of a test run beside it)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except OSError:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range here")
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1  # picked at random: two launchers starting together get two ports
+    for port in ports:
+        if ephemeral >= 20000 + 1024:
+            assert 20000 <= port < ephemeral, (port, ephemeral)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 @pytest.mark.parametrize("value", ["abc", "-5", "0", "inf", "nan"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -102,10 +103,45 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago (for a launcher or a test server)."""
+_LOWEST_PORT = 20000
+"""The lowest port :func:`free_port` picks (below: the ports fixed services tend to use)."""
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (for a launcher or a test server).
+
+    Picked at random below the kernel's ephemeral range where there is room: the kernel hands the
+    ports of that range to any process that binds port 0 or connects (other jobs' stores, gloo's
+    sockets, their clients), so one of those, taken by the kernel for someone else between this
+    call and the launcher's bind, made the launch fail ("address already in use") on a busy
+    machine. A port outside it is taken only by another explicit choice."""
+    start = _ephemeral_ports_start()
+    if start - _LOWEST_PORT >= 1024:
+        rng = random.SystemRandom()
+        for _ in range(100):
+            port = rng.randrange(_LOWEST_PORT, start)
+            if _bindable(port):
+                return port
+    with socket.socket() as sock:  # no room below the range (or all taken): the kernel's choice
+        sock.bind((HOST, 0))
         return sock.getsockname()[1]
 
 

@@ -245,7 +245,27 @@ class FaultyEndpoint:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        """Start the proxy process (on the port it had before, if any)."""
+        """Start the proxy process (on the port it had before, if any).
+
+        The first start picks the port with :func:`tierpoint.testing.free_port` (below the
+        kernel's ephemeral range), not port 0: a port the kernel chose is the kernel's to hand to
+        another process (a store, a gloo socket, a client) while the proxy is killed, and the
+        restart on it could then fail ("address already in use") when tests run in parallel."""
+        from tierpoint.testing import free_port  # here: the proxy process need not import torch
+
+        if self.port:
+            self._start()
+            return
+        for attempt in range(5):  # another explicit choice may take the port first
+            self.port = free_port()
+            try:
+                self._start()
+                return
+            except RuntimeError:
+                if attempt == 4:
+                    raise
+
+    def _start(self) -> None:
         import json
 
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
