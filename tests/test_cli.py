@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,19 +63,33 @@ def _one_line_error(err: str, *fragments: str) -> None:
         assert fragment in err, err
 
 
+def _run_counting_cpu(cmd: list[str]) -> tuple[int, str, str, float]:
+    """Run ``cmd`` in REPO: its exit code, stdout, stderr and the CPU seconds it used (user and
+    system). Unlike its wall time, which a loaded machine stretches many times over (tests run in
+    parallel), the CPU time is the command's own."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        out.seek(0)
+        err.seek(0)
+        return (
+            proc.returncode,
+            out.read().decode(),
+            err.read().decode(),
+            usage.ru_utime + usage.ru_stime,
+        )
+
+
 def test_help_and_version_answer_without_torch() -> None:
     for args in ([], ["ls"], ["inspect"], ["verify"], ["convert"], ["bench"]):
-        start = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-X", "importtime", "-m", "tierpoint.cli", *args, "--help"],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
+        code, out, err, cpu = _run_counting_cpu(
+            [sys.executable, "-X", "importtime", "-m", "tierpoint.cli", *args, "--help"]
         )
-        elapsed = time.perf_counter() - start
-        assert done.returncode == 0 and "usage: tierpoint" in done.stdout
-        assert "torch" not in done.stderr  # -X importtime lists every module imported
-        assert elapsed < 3, f"tierpoint {' '.join(args)} --help took {elapsed:.2f} s"
+        assert code == 0 and "usage: tierpoint" in out
+        assert "torch" not in err  # -X importtime lists every module imported
+        # about 0.1 s; importing torch alone takes 1.5 s of CPU
+        assert cpu < 1.0, f"tierpoint {' '.join(args)} --help took {cpu:.2f} s of CPU"
     done = _cli("--version")
     assert done.returncode == 0 and done.stdout.startswith("tierpoint 0.")
     package = subprocess.run(  # python -m tierpoint: the same command
