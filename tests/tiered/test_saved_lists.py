@@ -187,7 +187,7 @@ def test_a_long_log_is_sized_in_one_pass_over_the_names():
 
     keys = ("loss", "grad_norm", "learning_rate", "epoch", "step", "tag")
     stored = {f"log.{i}.{k}": BytesStorageMetadata() for i in range(10_000) for k in keys}
-    start = time.perf_counter()
+    cpu = time.thread_time()  # not wall time: tests run in parallel, the machine is loaded
     sized = lists_as_saved({"log": []}, stored)
-    assert time.perf_counter() - start < 5
+    assert time.thread_time() - cpu < 5
     assert len(sized["log"]) == 10_000 and list(sized["log"][-1]) == list(keys)
