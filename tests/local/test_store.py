@@ -99,7 +99,10 @@ def test_names_and_metadata_take_ascii_digits_and_integers_only(tmp_path):
 
 def test_a_default_root_that_is_not_this_users_own_directory_is_refused(monkeypatch, tmp_path):
     uid = os.getuid()
-    monkeypatch.setattr(os, "getuid", lambda: uid + 4242)  # a user whose root someone else made
+    # A user whose root someone else made; a uid of this process's own, so that the root, which
+    # is shared by the whole machine, is no other test run's (several may run at once).
+    fake = uid + 100_000 + os.getpid()
+    monkeypatch.setattr(os, "getuid", lambda: fake)
     root = naming.default_root()
     assert not os.path.lexists(root)
     try:
