@@ -154,11 +154,13 @@ def _stop_worker_mid_save(rank: int, world: int, root: str, replicated: bool) ->
         os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"
         strategy = CliqueReplicationStrategy.from_replication_params(replication_factor=2)
     manager = LocalCheckpointManager(root, session_id="j", repl_strategy=strategy)
-    queue = AsyncCallsQueue(timeout=3)
+    generous = 60  # save 3 must work however busy the machine is (3 s may be too short for it)
+    queue = AsyncCallsQueue(timeout=generous)  # save 1 too: it is not what this test times out
     queue.schedule_async_request(
         manager.save(BasicTensorAwareStateDict(make_state(rank, 1)), 1, is_async=True)
     )
     queue.maybe_finalize_async_calls(blocking=True)
+    queue.timeout = 3  # for save 2, which one rank's stopped worker never finishes
     if rank == 1:  # a worker that stops answering (SIGSTOP): it neither finishes nor exits
         os.kill(queue._worker.process.pid, signal.SIGSTOP)
     queue.schedule_async_request(
@@ -175,7 +177,6 @@ def _stop_worker_mid_save(rank: int, world: int, root: str, replicated: bool) ->
         if not queue.get_num_unfinalized_calls():
             break
         time.sleep(0.1)
-    generous = 60  # save 3 must work however busy the machine is (3 s may be too short for it)
     if errors:
         queue.timeout = generous
     request = manager.save(BasicTensorAwareStateDict(make_state(rank, 3)), 3, is_async=True)
@@ -345,14 +346,29 @@ def _slow(seconds: float) -> float:
     return seconds
 
 
+def _held(gate: str, limit: float) -> bool:
+    """A call that runs until ``gate`` exists (``False``: it gave up after ``limit`` seconds)."""
+    deadline = time.monotonic() + limit
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_polling_is_cheap_and_back_pressure_waits(tmp_path):
     queue = AsyncCallsQueue()
     done: list[int] = []
-    first = queue.schedule_async_request(AsyncRequest(_slow, (1.0,), [lambda: done.append(1)]))
-    start = time.monotonic()
+    gate = tmp_path / "released"
+    held = AsyncRequest(_held, (str(gate), 60.0), [lambda: done.append(1)])
+    first = queue.schedule_async_request(held)
+    # The call runs until the gate is opened: a poll that waited for it would return it a minute
+    # later. CPU time of this thread, not wall time, which a loaded machine stretches.
+    cpu = time.thread_time()
     assert queue.maybe_finalize_async_calls(blocking=False) == []
-    assert time.monotonic() - start < 0.5
+    assert time.thread_time() - cpu < 0.5
     assert queue.get_num_unfinalized_calls() == 1
+    gate.touch()
     second = queue.schedule_async_request(AsyncRequest(_slow, (0.1,), [lambda: done.append(2)]))
     assert done == [1], "scheduling a second call first finalized the one in flight"
     assert queue.maybe_finalize_async_calls(blocking=True) == [second] and first != second
