@@ -108,5 +108,6 @@ def _managers_made_again(rank: int, world: int, root: Path) -> list[int]:
 def test_managers_closed_and_made_again_leave_no_gloo_groups_behind(shm_dir):
     """Each closed manager freed nothing of its gloo groups (its queue's, its replication's):
     about 7 groups, their sockets and threads, per manager made, for the life of the process."""
-    for sockets in run_ranks(_managers_made_again, 2, shm_dir):
+    # 3 managers made, each saving 2 steps: minutes where tests run in parallel on a busy machine
+    for sockets in run_ranks(_managers_made_again, 2, shm_dir, timeout=240):
         assert sockets[-1] <= sockets[0], sockets
