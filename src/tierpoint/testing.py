@@ -70,6 +70,9 @@ def _entry(
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
+        # A rank may return from init before its peers finished connecting to it: one that
+        # destroyed the group at once made a peer's init fail ("Connection closed by peer").
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args)
         finally:
