@@ -179,6 +179,38 @@ def test_a_list_item_saved_with_other_keys_than_the_template_restores_as_saved(
     assert [list(item) for item in restored["persistent"]] == [list(item) for item in saved]
 
 
+@pytest.mark.parametrize(
+    ("saved", "template"),
+    [
+        ([torch.full((2,), 3.0)], lambda: [0.0, 1.0]),
+        ([torch.full((2,), 3.0), torch.full((1,), 4.0)], lambda: [0.0]),
+        ([{"step": 1, "loss": torch.full((2,), 0.5)}], lambda: [{"step": 0, "loss": 0.0}] * 2),
+    ],
+    ids=["numbers", "shorter", "dicts of numbers"],
+)
+def test_a_list_of_plain_data_takes_a_saved_list_holding_tensors_from_either_tier(
+    tmp_path, shm_dir, saved, template
+):
+    """A live list of plain data (a log that grew) where the saved list held tensors takes the
+    saved items from either tier. Before: the local tier did, the persistent tier refused the
+    restore ("x.0: float in the state, a tensor in the checkpoint", or "not in the checkpoint")."""
+    restored = _both_tiers(tmp_path, shm_dir, saved, template)
+    assert {tier: _as_lists(v) for tier, v in restored.items()} == dict.fromkeys(
+        ("local", "persistent"), _as_lists(saved)
+    )
+
+
+def _as_lists(value: Any) -> Any:
+    """``value`` with each tensor as ``("tensor", dtype, values)``, comparable by ``==``."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.tolist())
+    if isinstance(value, dict):
+        return {k: _as_lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_lists(v) for v in value]
+    return value
+
+
 def test_a_long_log_is_sized_in_one_pass_over_the_names():
     """Before: every item scanned every name of the checkpoint (10,000 entries: 30 s)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata

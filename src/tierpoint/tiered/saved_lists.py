@@ -13,9 +13,10 @@ checkpoint's metadata and loaded (:mod:`tierpoint.tiered.restoring`).
 
 Invariants: only lists change (copies; the template is shared by the attempts at several steps),
 and only lists whose template holds no tensor and no optimizer state, as in the local tier (a
-list of tensors keeps its length and items). A template list, or item, whose torch DCP names are those the
-checkpoint holds under its index is kept (names cannot tell a key ``"a.b"`` from ``a``, ``b``, nor
-show an empty dict or a key's type: the template does); the others are made anew from the
+list of tensors keeps its length and items). A template list, or item, whose torch DCP names
+are those the checkpoint holds under its index (a tensor where it holds one) is kept (names
+cannot tell a key ``"a.b"`` from ``a``, ``b``, nor show an empty dict or a key's type: the
+template does); the others are made anew from the
 checkpoint's names, in the saved order (the saved values replace the live ones in either tier): a
 dict of the saved string keys, an empty tensor of the saved shape and dtype, or ``None`` for a
 value (the load replaces it). A list under a name the checkpoint holds as one value becomes
@@ -76,13 +77,15 @@ class _Names:
         return list(self._indexed().get(name, ()))
 
     def match(self, value: Any, name: str) -> bool:
-        """Whether torch DCP names ``value`` at ``name`` exactly as the checkpoint's names there."""
-        found = _dcp_names(value, name)
+        """Whether torch DCP names ``value`` at ``name`` exactly as the checkpoint's names there,
+        each a tensor where the checkpoint holds one (a plain value where a tensor was saved is
+        made anew: the saved list's items replace the live ones, as in the local tier)."""
+        found = _dcp_leaves(value, name)
         self._indexed()
         return (
             len(found) == self._count.get(name, 0)
-            and len(set(found)) == len(found)
-            and all(n in self.stored for n in found)
+            and len({n for n, _ in found}) == len(found)
+            and all(n in self.stored and _same_kind(v, self.stored[n]) for n, v in found)
         )
 
 
@@ -146,9 +149,19 @@ def _holds_layout(value: Any) -> bool:
 
 def _dcp_names(value: Any, name: str) -> list[str]:
     """The names torch DCP gives ``value`` and what it holds when stored at ``name``."""
-    found: list[str] = []
-    traverse_state_dict({name: value}, lambda path, _: found.append(".".join(map(str, path))))
+    return [n for n, _ in _dcp_leaves(value, name)]
+
+
+def _dcp_leaves(value: Any, name: str) -> list[tuple[str, Any]]:
+    """:func:`_dcp_names` with the value torch DCP stores under each name."""
+    found: list[tuple[str, Any]] = []
+    traverse_state_dict({name: value}, lambda path, v: found.append((".".join(map(str, path)), v)))
     return found
+
+
+def _same_kind(value: Any, md: Any) -> bool:
+    """Whether ``value`` is a tensor exactly where the checkpoint's metadata ``md`` holds one."""
+    return isinstance(value, torch.Tensor) == (getattr(md, "size", None) is not None)
 
 
 def _is(a: Any, b: Any) -> bool:
