@@ -42,18 +42,29 @@ def _saves_of(root: Path, iteration: int) -> set[str]:
     }
 
 
-def _node_back_with_an_earlier_save(rank: int, world: int, root: str, damaged: bool) -> tuple:
+def _node_back_with_an_earlier_save(
+    rank: int, world: int, root: str, damaged: bool, old_tokens: bool = False
+) -> tuple:
     """Run A saves 5 and 6; node 0 goes away with A's copies of 6; the job resumes from 5 (A's 6
     lost elsewhere) and saves its own 6 (run B); node 0 comes back with A's copies, and rank 1's
-    own part of 6 is ``damaged``. ``(loaded iteration, warnings, tokens of every copy of 6)``."""
+    own part of 6 is ``damaged``. ``old_tokens``: run A is a tierpoint of before time-ordered save
+    tokens (16 random hex digits, here a high one). ``(loaded iteration, warnings, tokens of every
+    copy of 6)``."""
     import torch.distributed as dist
+
+    from tierpoint.local import agreement
 
     as_node(rank, 1)
     root_path = Path(root)
     mine = root_path / "job" / str(rank)
     manager = _manager(root)
+    made, text = agreement._new_token, agreement._token_text
+    if old_tokens:
+        agreement._new_token = lambda: (1 << 62) - 1
+        agreement._token_text = lambda value: f"{value:016x}"
     for it in (5, 6):  # run A
         manager.save(BasicTensorAwareStateDict(make_state(rank, it)), it)
+    agreement._new_token, agreement._token_text = made, text
     away = {o: (mine / part_name(6, o)).read_bytes() for o in range(world)} if rank == 0 else {}
     dist.barrier()
     for o in range(world):  # run A's 6 is lost on every node (node 0 takes its copies away)
@@ -86,10 +97,21 @@ def _node_back_with_an_earlier_save(rank: int, world: int, root: str, damaged: b
 def test_a_stale_replica_of_another_save_is_not_fetched(tmp_path: Path, damaged: bool) -> None:
     """Damaged: holders of rank 1's part are rank 0 (run A's copy, stale) and rank 2 (run B's).
     All present: only rank 0's own part is run A's. The load restores run B's 6 on every rank, bit
-    for bit, and every copy of 6 is run B's afterwards (damaged: it fetched rank 0's stale copy;
-    both: it found the parts came from different saves and fell back to 5)."""
+    for bit, and every copy of 6 is run B's afterwards (before, damaged: it fetched rank 0's stale
+    copy; both: it found the parts came from different saves and fell back to 5)."""
     results = run_ranks(_node_back_with_an_earlier_save, WORLD, str(tmp_path), damaged)
     assert [r[0] for r in results] == [6] * WORLD
     assert not any("different saves" in w for r in results for w in r[1])
     saves = results[0][2]
     assert len(saves) == 1, saves
+
+
+def test_a_save_made_before_time_ordered_tokens_is_older_than_any_made_since(
+    tmp_path: Path,
+) -> None:
+    """Run A's token is a random one of before (here above every time-ordered one): run B's 6
+    is still the newest save. Before: run A's stale copies were taken as the newest save and
+    replaced run B's parts on every rank, and the load returned run A's 6."""
+    results = run_ranks(_node_back_with_an_earlier_save, WORLD, str(tmp_path), False, True)
+    assert [r[0] for r in results] == [6] * WORLD  # and run B's values (checked in the ranks)
+    assert len(results[0][2]) == 1, results[0][2]

@@ -6,9 +6,9 @@ all-reduce of a few integers decides (O(1) bytes per rank); otherwise every rank
 gathered and the complete iterations are computed from them.
 
 Invariants: every rank returns the same set of complete iterations to keep and the same save token
-(rank 0's: it tells this save's parts from another save's of the same iteration; its text, 16 hex
-digits, is rank 0's clock in milliseconds then 20 random bits, so a later save's sorts after an
-earlier one's), or raises the same
+(rank 0's: it tells this save's parts from another save's of the same iteration; its text, ``t``
+and 16 hex digits, is rank 0's clock in milliseconds then 20 random bits, so a later save's sorts
+after an earlier one's, and after the random 16 hex digits that tokens were before), or raises the same
 :class:`CheckpointingError` (a rank refused its arguments; ranks disagree on the iteration, ``keep_last`` or the session; it is not newer than every complete,
 loadable iteration or than an async save still in flight). ``keep_last`` counts the new iteration.
 Nothing is written, except this rank's directory is created.
@@ -114,7 +114,9 @@ def _new_token() -> int:
 
 
 def _token_text(value: int) -> str:
-    return f"{value:016x}"
+    """``t`` then 16 hex digits: sorts after every token of before time-ordered ones (16 hex
+    digits, random), so a save made since is taken as newer than one made before."""
+    return f"t{value:016x}"
 
 
 def keep_for(iteration: int, complete: Iterable[int], in_flight: int, keep_last: int) -> set[int]:
