@@ -262,10 +262,8 @@ def shardings_differ(live: dict[str, Any], loaded: dict[str, Any]) -> bool:
 
 def check_loaded(live: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
     """Every difference between ``live`` (a :func:`local_form`) and a loaded local part of the same
-    sharding (:func:`shardings_differ`): keys, shapes and dtypes, and a tensor, dict or list of
-    tensors saved where the state now holds a plain value (which the persistent tier refuses too).
-    A plain value saved where the state holds another plain value replaces it, as a saved list
-    replaces a live list of plain data (:mod:`~tierpoint.tiered.saved_lists`)."""
+    sharding (:func:`shardings_differ`): keys, shapes, dtypes, and a tensor, dict or list of tensors
+    saved where a plain value is now (plain over plain replaces it, as in the persistent tier)."""
     problems: list[str] = []
     unsharded = [{k: v for k, v in t.items() if k != SHARDING_KEY} for t in (live, loaded)]
     _compare(*unsharded, "", problems)
@@ -310,25 +308,18 @@ def _compare(live: Any, loaded: Any, path: str, problems: list[str]) -> None:
             return
         for i, (a, b) in enumerate(zip(live, loaded)):
             _compare(a, b, f"{path}[{i}]", problems)
-    elif _is_structure(loaded) and not (  # a list of plain data takes the saved list's items
-        isinstance(live, (list, tuple)) and isinstance(loaded, (list, tuple))
-    ):  # (the persistent tier cannot load it into a plain value either)
-        problems.append(
-            f"{path}: {type(live).__name__} in the state, {_structure_name(loaded)} in the checkpoint"
-        )
+    elif (kind := _structure(loaded)) and not (
+        isinstance(live, list | tuple) and isinstance(loaded, list | tuple)
+    ):  # (as in the persistent tier; a list of plain data takes a saved list's items)
+        problems.append(f"{path}: {type(live).__name__} in the state, {kind} in the checkpoint")
 
 
-def _is_structure(value: Any) -> bool:
-    """Whether ``value`` is more than a plain value: a tensor, a dict, or a list holding tensors."""
-    return isinstance(value, (torch.Tensor, Mapping)) or (
-        isinstance(value, (list, tuple)) and _holds_tensors(value)
-    )
-
-
-def _structure_name(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return "a tensor"
-    return "a dict" if isinstance(value, Mapping) else "a list holding tensors"
+def _structure(value: Any) -> str:
+    """What ``value`` is when it is more than a plain value ("": it is not)."""
+    if isinstance(value, torch.Tensor | Mapping):
+        return "a tensor" if isinstance(value, torch.Tensor) else "a dict"
+    tensors = isinstance(value, list | tuple) and _holds_tensors(value)
+    return "a list holding tensors" if tensors else ""
 
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
