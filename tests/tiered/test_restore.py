@@ -701,3 +701,33 @@ def test_a_job_back_on_three_nodes_runs_unreplicated_rather_than_refusing(shm_di
     assert [r[:3] for r in results] == [[4, "persistent", [6, "local"]]] * 3
     warned = [m for m in results[0][3] if "local checkpoints are not replicated" in m]
     assert warned and "3 ranks on 3 nodes do not form cliques of 2" in warned[0], results[0][3]
+
+
+def _copy_lost_with_the_job(rank: int, world: int, root: Path) -> dict:
+    state = make_state(rank)
+    with _manager(root, rank) as manager:
+        for step in range(1, 5):  # step 4: local, then its persistent copy from the local part
+            train_step(state, world)
+            manager.maybe_save(step, state)
+    dist.barrier()
+    if rank == 0:  # as if the job died before the copy of step 4 was committed
+        shutil.rmtree(root / "persistent" / "step-4")
+    dist.barrier()
+    out = {}
+    for run in ("copy lost", "copy kept"):
+        with _manager(root, rank) as manager:
+            out[run] = [manager.restore(make_state(rank)), manager.last_restore.tier]
+            out[run].append(manager.maybe_save(5, state))
+        dist.barrier()
+        out[run].append(sorted(os.listdir(root / "persistent")))
+    return out
+
+
+def test_a_persistent_copy_lost_with_the_job_is_made_up_for_by_the_next_step(tmp_path):
+    """The persistent copy of step 4 is made from its local part after the local save; a job that
+    died first left the persistent tier at nothing. Resumed from the local tier, the next step (5,
+    not scheduled for any tier) goes to the persistent tier; once it holds a step as new as the
+    last one due, nothing is owed."""
+    for out in run_ranks(_copy_lost_with_the_job, 2, tmp_path, timeout=200):
+        assert out["copy lost"] == [4, "local", ("persistent",), ["step-5"]], out
+        assert out["copy kept"][:3] == [5, "persistent", ()], out  # nothing owed any more

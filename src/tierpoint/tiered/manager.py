@@ -309,7 +309,7 @@ class TieredCheckpointManager(SavePath):
             with tpdist.agree("taking the state apart to restore it"):  # a refusal: on every rank
                 fresh = st.init_optimizers(state)
                 tree = st.template(state)
-            record = restore_newest(
+            record, newest_persistent = restore_newest(
                 state, tree, self.local, self.persistent_dir, self.storage_options, start
             )
         except BaseException:
@@ -319,6 +319,15 @@ class TieredCheckpointManager(SavePath):
             reset(fresh)
         else:
             self._last_step = record.step
+            every = self.persistent_every
+            if (
+                record.tier != "persistent"
+                and every
+                and newest_persistent < record.step // every * every
+            ):
+                # A persistent copy due by this step was lost with the job that made the local
+                # step (copies are made after it): the next save makes up for it.
+                self._persistent_owed = record.step
         self.last_restore = record
         self._events.emit(record)
         return record.step

@@ -63,16 +63,17 @@ def restore_newest(
     persistent_dir: str | None,
     storage_options: dict[str, Any],
     start: float,
-) -> RestoreRecord:
+) -> tuple[RestoreRecord, int]:
     """Load the newest checkpoint complete in either tier into ``state`` (``tree`` its template);
-    the record's ``step`` is ``None`` when there is none. Collective."""
+    the record's ``step`` is ``None`` when there is none. Collective. Also returns the newest
+    complete persistent step (-1: none), the same on every rank."""
     skipped: list[str] = []
     persistent, unfinished = _persistent_candidates(persistent_dir, storage_options, skipped)
-
-    def restored(record: RestoreRecord) -> RestoreRecord:
-        return _with_newer_unusable(record, local, unfinished)
-
     newest_persistent = persistent[0] if persistent else -1
+
+    def restored(record: RestoreRecord) -> tuple[RestoreRecord, int]:
+        return _with_newer_unusable(record, local, unfinished), newest_persistent
+
     local_latest = -1 if local is None else local.find_latest()
     if local is not None:
         _note_other_world_parts(local, max(local_latest, newest_persistent), skipped)
