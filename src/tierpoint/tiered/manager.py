@@ -62,7 +62,7 @@ from . import state as st
 from .events import EventLog, RestoreRecord
 from .queues import TierQueues
 from .replicas import ReplicaCheck
-from .restoring import reset, restore_newest
+from .restoring import owed_copy, reset, restore_newest
 from .saving import SavePath, _Deferred
 
 logger = logging.getLogger("tierpoint")
@@ -319,15 +319,7 @@ class TieredCheckpointManager(SavePath):
             reset(fresh)
         else:
             self._last_step = record.step
-            every = self.persistent_every
-            if (
-                record.tier != "persistent"
-                and every
-                and newest_persistent < record.step // every * every
-            ):
-                # A persistent copy due by this step was lost with the job that made the local
-                # step (copies are made after it): the next save makes up for it.
-                self._persistent_owed = record.step
+            self._persistent_owed = owed_copy(record, newest_persistent, self.persistent_every)
         self.last_restore = record
         self._events.emit(record)
         return record.step

@@ -114,6 +114,15 @@ def restore_newest(
     return restored(RestoreRecord(None, None, time.perf_counter() - start, 0, skipped))
 
 
+def owed_copy(record: RestoreRecord, newest_persistent: int, every: int) -> int | None:
+    """The restored step when the persistent tier lacks a step its schedule (``every``) had due
+    by then: the copy, made from the local part after the local save, died with the job. The next
+    save makes up for it (``None``: nothing is owed)."""
+    if record.step is None or record.tier == "persistent" or not every:
+        return None
+    return record.step if newest_persistent < record.step // every * every else None
+
+
 def _with_newer_unusable(
     record: RestoreRecord, local: LocalCheckpointManager | None, unfinished: list[list]
 ) -> RestoreRecord:
