@@ -18,16 +18,20 @@ from ..tiered.helpers import assert_same, fingerprint, make_state, train_step
 WORLD = 4
 
 
-def _run(rank: int, world: int, root: Path, nodes: list[int], steps: int) -> tuple:
+def _run(
+    rank: int, world: int, root: Path, nodes: list[int], steps: int, shared: bool = False
+) -> tuple:
     """Restore (checked bit for bit against what was saved at that step), then train and save
-    ``steps`` more steps locally on the layout ``nodes`` (the node of each rank)."""
+    ``steps`` more steps locally on the layout ``nodes`` (the node of each rank), each node with
+    its own local root (``shared``: one root for all)."""
     import os
 
     os.environ["TIERPOINT_NODE_ID"] = f"node{nodes[rank]}"
     saved_at = root / f"saved{rank}.pt"
     state = make_state(rank)
     kwargs = {"local_every": 2, "keep_local": 2}
-    with TieredCheckpointManager(str(root / f"node{nodes[rank]}"), None, "job", **kwargs) as m:
+    local = root / ("shared" if shared else f"node{nodes[rank]}")
+    with TieredCheckpointManager(str(local), None, "job", **kwargs) as m:
         step = m.restore(state)
         saved = torch.load(saved_at) if step is not None else {}
         if step is not None:
@@ -53,13 +57,34 @@ def test_a_job_back_on_the_node_it_lost_resumes_from_the_newest_step(shm_dir):
     assert run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 0) == [(14, "local")] * WORLD
 
 
+def _rank_dirs(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "job").iterdir())
+
+
 def test_nodes_back_with_each_others_ranks_resume_from_the_newest_step(shm_dir):
     """The two nodes come back with each other's ranks (numbered anew at a rendezvous): every
     part of step 6 is on some node, in the directory of a rank that runs on the other node now.
-    It restores, bit for bit (it refused: no complete local checkpoint)."""
+    It restores, bit for bit (it refused: no complete local checkpoint). Once steps 8 and 10 are
+    kept, the directories the moved ranks left behind are gone (they held the RAM disk for good:
+    parts of steps 2-6, spares)."""
     run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 6)
-    assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 2) == [(6, "peers")] * WORLD
-    assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 0) == [(8, "local")] * WORLD
+    assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 4) == [(6, "peers")] * WORLD
+    assert _rank_dirs(shm_dir / "node0") == ["2", "3"]
+    assert _rank_dirs(shm_dir / "node1") == ["0", "1"]
+    assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 0) == [(10, "local")] * WORLD
+
+
+def test_a_root_every_node_shares_keeps_the_files_of_every_rank(shm_dir):
+    """One local root for both nodes, their ranks swapped at the restart: no directory is taken
+    for one left behind (each node's leader sees the others' directories, written from their
+    current nodes), so every rank keeps its kept parts and its spares."""
+    run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 6, True)
+    assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 2, True) == [(6, "local")] * WORLD
+    for rank in range(WORLD):
+        names = {p.name for p in (shm_dir / "shared" / "job" / str(rank)).iterdir()}
+        assert {f"iter_000000{s}_{rank}_local.safetensors" for s in (6, 8)} <= names
+        assert "spare_0.free" in names, sorted(names)
+    assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 0, True) == [(8, "local")] * WORLD
 
 
 def test_nodes_swapping_ranks_back_and_forth_resume_from_the_newest_step(shm_dir):

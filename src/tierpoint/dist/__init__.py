@@ -51,7 +51,15 @@ from .messages import (
     header,
     reduce_ints,
 )
-from .nodes import NodeGroups, NodeLayout, gather_by_node, node_groups, node_id, node_layout
+from .nodes import (
+    NodeGroups,
+    NodeLayout,
+    gather_by_node,
+    known_node_layout,
+    node_groups,
+    node_id,
+    node_layout,
+)
 from .nodes import _layouts as _layouts
 from .nodes import _node_groups as _node_groups
 from .ranks import (
@@ -90,6 +98,7 @@ __all__ = [
     "get_world_size",
     "header",
     "is_distributed",
+    "known_node_layout",
     "log_progress",
     "node_groups",
     "node_id",

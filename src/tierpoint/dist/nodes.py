@@ -1,9 +1,10 @@
 """Nodes: this process's node identity, which node every rank lives on, and the groups a step
 coordinates through node by node.
 
-Call order: :func:`node_id` any time (no collective); :func:`node_layout` and :func:`node_groups`
-are collective on their first call (every rank, the same call site) and cached per default process
-group; :func:`gather_by_node` (collective) on top of them.
+Call order: :func:`node_id` and :func:`known_node_layout` any time (no collective);
+:func:`node_layout` and :func:`node_groups` are collective on their first call (every rank, the
+same call site) and cached per default process group; :func:`gather_by_node` (collective) on top
+of them.
 
 Invariants: nodes are ordered by their lowest rank, a node's leader is its lowest rank; a rank
 joins only its own node's group and, on a leader, the leaders' group (local synchronisation: no
@@ -87,6 +88,14 @@ def node_layout(what: str = "gather node ids") -> NodeLayout:
         layout = NodeLayout(tuple(all_gather_json(node_id(), what)), dist.get_rank())
         _layouts[key] = layout
     return layout
+
+
+def known_node_layout() -> NodeLayout | None:
+    """The layout :func:`node_layout` gathered for the current default group, or ``None`` when no
+    call gathered it yet (never collective)."""
+    if not is_distributed():
+        return node_layout()
+    return _layouts.get(id(dist.distributed_c10d._get_default_group()))
 
 
 @dataclass(frozen=True)

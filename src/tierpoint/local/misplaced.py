@@ -16,7 +16,8 @@ newest iteration they complete; when it returns ``True`` the caller gathers the 
 
 Invariants: only each node's leader (its lowest rank) looks at the other ranks' directories, and
 only at parts of this world size newer than the newest complete iteration; files there are read,
-never changed or removed; parts are copied (dirty name, fsync, rename) into the leader's own
+never changed or removed here (:mod:`.left_behind` retires them, as the job's saves retire their
+steps); parts are copied (dirty name, fsync, rename) into the leader's own
 directory, where they are replicas it holds like any other (their checksums are verified when they
 are sent or loaded), and only when they complete an iteration newer than every complete one (on a
 root every node shares, each rank lists its own directory: nothing is copied). A copy that fails

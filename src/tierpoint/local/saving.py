@@ -287,6 +287,7 @@ class PartSaver:
         store.remember_own_part(iteration)  # (retire lists the parts: no header read for it)
         try:
             store.retire(keep | {iteration}, max_spares=copies if self.recycle else 0)
+            store.left_behind.retire(keep | {iteration})
         except OSError as e:  # clean-up after an agreed commit: never this rank's failure alone
             logger.warning("iteration %d committed; older files not retired: %s", iteration, e)
         else:  # the unloadable iterations went with the rest: the next save may agree by counting

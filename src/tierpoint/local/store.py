@@ -36,6 +36,7 @@ from ..errors import CheckpointingError, CorruptCheckpointError
 from ..files import reserve, unlink_quietly
 from ..peers import transfer
 from . import naming
+from .left_behind import LeftBehind, mark_node
 
 logger = logging.getLogger("tierpoint")
 
@@ -56,6 +57,8 @@ class PartStore:
         self._scan_cache: dict[str, tuple[tuple[int, int, int] | None, list[int] | None, Any]] = {}
         self._held: Counter[tuple[int, int]] = Counter()  # (device, inode) -> holds
         self._spare_for_holds = 0  # 1 once a part was retired while held (see retire)
+        self._marked: Path | None = None  # this rank's directory, once its node marker is written
+        self.left_behind = LeftBehind(self.session_dir)
 
     # ------------------------------------------------------------------------------ places
 
@@ -88,6 +91,8 @@ class PartStore:
         path = self.directory
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(path, 0o700)
+        if self._marked != path:
+            self._marked = mark_node(path)  # (see tierpoint.local.left_behind)
 
     # ------------------------------------------------------------------------------ listing
 
@@ -375,14 +380,8 @@ def complete_iterations(listings: Iterable[Listing]) -> dict[int, int]:
         for iteration, origin, world in listing:
             origins.setdefault(iteration, set()).add(origin)
             worlds.setdefault(iteration, set()).add(world)
-    complete = {}
-    for iteration, ranks in origins.items():
-        sizes = worlds[iteration]
-        if len(sizes) == 1:
-            (world,) = sizes
-            if ranks >= set(range(world)):
-                complete[iteration] = world
-    return complete
+    saved_with = {i: min(sizes) for i, sizes in worlds.items() if len(sizes) == 1}
+    return {i: w for i, w in saved_with.items() if origins[i] >= set(range(w))}
 
 
 _UNREAD = object()  # a scanned part's save token not read yet
