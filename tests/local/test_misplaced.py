@@ -58,7 +58,7 @@ def test_a_job_back_on_the_node_it_lost_resumes_from_the_newest_step(shm_dir):
 
 
 def _rank_dirs(root: Path) -> list[str]:
-    return sorted(p.name for p in (root / "job").iterdir())
+    return sorted(p.name for p in (root / "job").iterdir() if p.is_dir())
 
 
 def test_nodes_back_with_each_others_ranks_resume_from_the_newest_step(shm_dir):

@@ -154,8 +154,10 @@ def latest_checkpoint(
     try:
         for _, path in find_checkpoints(dir, storage_options=storage_options):
             found = path
-    except CheckpointNotFoundError as e:
-        raise CheckpointNotFoundError(f"No checkpoints found in '{normalize(dir)}': {e}") from None
+    except CheckpointNotFoundError:  # (only for a local dir that does not exist)
+        raise CheckpointNotFoundError(
+            f"No checkpoints found in '{normalize(dir)}': no such directory"
+        ) from None
     if found is None:
         raise CheckpointNotFoundError(f"No checkpoints found in '{normalize(dir)}'")
     return found

@@ -8,12 +8,12 @@ layout would add more. (Their newest parts may complete a checkpoint: :mod:`.mis
 those first.)
 
 Call order: :meth:`~tierpoint.local.store.PartStore.ensure_dir` writes the marker of this rank's
-directory (:func:`mark_node`, once a process); after each commit, :meth:`LeftBehind.retire` on
-every rank (it acts on each node's leader only, and only once the node layout is known: it starts
-no collective).
+directory (:func:`mark_node`, once a process: ``<session>/<rank>.node``, beside the directory);
+after each commit, :meth:`LeftBehind.retire` on every rank (it acts on each node's leader only,
+and only once the node layout is known: it starts no collective).
 
-Invariants: a directory is left behind when its rank is not on this node and its marker names
-a node other than the one its rank runs on now (a rank writes its marker before its first save
+Invariants: a directory (not a link) is left behind when its rank is not on this node and its
+marker names a node other than the one its rank runs on now (or its rank is not in the job now) (a rank writes its marker before its first save
 agrees, so every rank's marker is current before any commit, on a root every node shares too); a
 directory without a readable marker is never touched. In one left behind, what its rank's own
 retirement would remove goes: unfinished files, spares, and parts of iterations older than the
@@ -36,14 +36,19 @@ from . import naming
 
 logger = logging.getLogger("tierpoint")
 
-NODE_MARKER = "node"
-"""The file in each rank's directory naming the node whose rank last saved there (one line)."""
+MARKER_SUFFIX = ".node"
+"""Beside each rank's directory, ``<rank>.node`` names the node whose rank last saved there (one
+line)."""
+
+
+def _marker(directory: Path) -> Path:
+    return directory.with_name(directory.name + MARKER_SUFFIX)
 
 
 def mark_node(directory: Path) -> Path | None:
     """Write this node's id into ``directory``'s marker; ``directory`` when done. Where that fails
     the marker is removed (a stale one would disown the directory of a rank that saves there)."""
-    path = directory / NODE_MARKER
+    path = _marker(directory)
     try:
         fd = open_own(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         with os.fdopen(fd, "w") as f:
@@ -57,7 +62,7 @@ def mark_node(directory: Path) -> Path | None:
 def marked_node(directory: Path) -> str | None:
     """The node ``directory``'s marker names, or ``None`` (no marker, unreadable, unfinished)."""
     try:
-        fd = os.open(directory / NODE_MARKER, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(_marker(directory), os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
             text = f.read(4097)
     except OSError:
@@ -99,6 +104,8 @@ class LeftBehind:
             name = entry.name
             if not (name.isascii() and name.isdigit()) or int(name) in here:
                 continue
+            if not entry.is_dir(follow_symlinks=False):
+                continue
             rank, directory = int(name), Path(entry.path)
             marked = marked_node(directory)
             if marked is None:
@@ -113,9 +120,8 @@ def _retire_directory(directory: Path, keep: set[int]) -> bool:
     """Remove what ``keep`` does not need from one directory left behind (the directory itself
     once empty); whether files remain."""
     newest = max(keep, default=naming.NO_CHECKPOINT)
-    names = os.listdir(directory)
-    left = []
-    for name in names:
+    left = False
+    for name in os.listdir(directory):
         parsed = naming.parse_part_name(name)
         stale = (
             naming.is_dirty_name(name)
@@ -124,14 +130,14 @@ def _retire_directory(directory: Path, keep: set[int]) -> bool:
         )
         if stale:
             unlink_quietly(directory / name)
-        elif name != NODE_MARKER:
-            left.append(name)
+        else:
+            left = True
     if left:
         return True
-    unlink_quietly(directory / NODE_MARKER)
     try:
         directory.rmdir()
     except OSError:
         return True
+    unlink_quietly(_marker(directory))
     logger.info("removed %s, left behind by a rank that runs on another node now", directory)
     return False

@@ -3,7 +3,8 @@
 Layout: ``root/<session_id>/<holder rank>/iter_<7-digit iteration>_<origin rank>_local.safetensors``.
 The origin rank is the rank whose state the file holds; it differs from the holder only for replicas.
 A file being written carries the ``.dirty`` suffix; an expired file kept for reuse is a ``spare_<n>.free``.
-Beside them, ``node`` names the node whose rank last saved there (:mod:`.left_behind`).
+Beside each holder's directory, ``<holder rank>.node`` names the node it was last saved from
+(:mod:`.left_behind`).
 
 A file version (inode, size, mtime) identifies what a name pointed to at one moment: the manager's
 scan cache and its fetches compare versions to tell a new file from the old one.
