@@ -256,6 +256,8 @@ class PartStore:
         newest = max(keep, default=naming.NO_CHECKPOINT)
         other_world = self._other_world_after(newest)
         spares = [e.name for e in os.scandir(directory) if naming.is_spare_name(e.name)]
+        while not max_spares and spares:  # not recycling: none stays (nothing takes them)
+            unlink_quietly(directory / spares.pop())
         counted = sum(not self._is_held(directory / name) for name in spares)
         max_spares += self._spare_for_holds
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
