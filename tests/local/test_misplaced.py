@@ -5,6 +5,7 @@ simulated node has its own local root."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,35 @@ def test_nodes_swapping_ranks_back_and_forth_resume_from_the_newest_step(shm_dir
     run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 6)
     assert run_ranks(_run, WORLD, shm_dir, [1, 1, 0, 0], 2) == [(6, "peers")] * WORLD
     assert run_ranks(_run, WORLD, shm_dir, [0, 0, 1, 1], 0) == [(8, "peers")] * WORLD
+
+
+def _restore_refused(rank: int, world: int, root: Path, nodes: list[int]) -> str:
+    import os
+
+    from tierpoint import CheckpointingError
+
+    os.environ["TIERPOINT_NODE_ID"] = f"node{nodes[rank]}"
+    with TieredCheckpointManager(str(root / f"node{nodes[rank]}"), None, "job", local_every=2) as m:
+        with pytest.raises(CheckpointingError) as raised:
+            m.restore(make_state(rank))
+    return str(raised.value)
+
+
+def test_parts_of_moved_ranks_that_cannot_be_copied_are_named_not_taken_for_none(tmp_path):
+    """The nodes come back with each other's ranks and their RAM disks full: the parts of step 6
+    cannot be copied to the ranks that run there now. The restore refuses on every rank, saying
+    that the ranks of a node changed (a restore that answered None would start over and save over
+    them)."""
+    from ..mounts import small_tmpfs
+
+    with small_tmpfs(tmp_path / "node0", "2m"), small_tmpfs(tmp_path / "node1", "2m"):
+        run_ranks(_run, WORLD, tmp_path, [0, 0, 1, 1], 6)
+        for node in ("node0", "node1"):
+            with open(tmp_path / node / "filler", "wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        before = sorted(p.name for p in tmp_path.rglob("iter_*"))
+        messages = run_ranks(_restore_refused, WORLD, tmp_path, [1, 1, 0, 0])
+        assert all("the ranks of a node changed since the save" in m for m in messages), messages
+        assert sorted(p.name for p in tmp_path.rglob("iter_*")) == before
