@@ -97,34 +97,60 @@ def _one_result(worker: Worker, timeout: float = 60.0) -> tuple:
     raise AssertionError("the worker did not answer")
 
 
-def test_the_worker_keeps_a_spare_mapped_across_saves_and_unmaps_it_once_deleted(shm_dir):
-    """The snapshot filled a recycled spare in place (as on a RAM tier); the worker hashes and
-    seals it through a mapping it keeps for the next save of the same file."""
+def _seal_in_worker(worker: Worker, shm_dir: Path, saves: int) -> None:
+    """``saves`` saves of one state whose snapshot filled a recycled spare in place (as on a RAM
+    tier), each sealed by ``worker`` and retired to the spare again; checked as they go."""
     flat = flatten({"w": torch.randn(100_000), "b": torch.arange(10)})
     plan = fileformat.plan_part(flat, None)
     spare = shm_dir / "spare"
     spare.write_bytes(b"\0" * plan.file_size())
+    for k in range(1, saves + 1):
+        part = shm_dir / f"part{k}"
+        dirty = fileformat.dirty_name(part)
+        fileformat.prepare_planned(dirty, plan, recycle=spare)
+        with open(dirty, "r+b") as f:  # the snapshot's bytes, each in its planned place
+            for t, (begin, _) in zip(flat.tensors, plan.offsets):
+                f.seek(plan.data_start() + begin)
+                f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+        worker.submit(k, seal_staged_part, (str(part), plan), {})
+        call_id, ok, result, _ = _one_result(worker)
+        assert (call_id, ok, result) == (k, True, plan.file_size())
+        fileformat.verify(part)
+        assert torch.equal(fileformat.read(part)["w"], flat.tensors[0])
+        mapped = _mapped_here(worker.process.pid, shm_dir)
+        assert len(mapped) == 1 and mapped[0].endswith(str(part)), mapped
+        os.replace(part, spare)  # retired: the next save recycles it
+
+
+def test_the_worker_keeps_a_spare_mapped_across_saves_and_unmaps_it_once_deleted(shm_dir):
+    """The worker hashes and seals a part filled in place through a mapping it keeps for the next
+    save of the same file, and unmaps it about a second after the file is deleted."""
     worker = Worker()
     try:
         worker.wait_ready(60)
-        for k in (1, 2):
-            part = shm_dir / f"part{k}"
-            dirty = fileformat.dirty_name(part)
-            fileformat.prepare_planned(dirty, plan, recycle=spare)
-            with open(dirty, "r+b") as f:  # the snapshot's bytes, each in its planned place
-                for t, (begin, _) in zip(flat.tensors, plan.offsets):
-                    f.seek(plan.data_start() + begin)
-                    f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-            worker.submit(k, seal_staged_part, (str(part), plan), {})
-            call_id, ok, result, _ = _one_result(worker)
-            assert (call_id, ok, result) == (k, True, plan.file_size())
-            fileformat.verify(part)
-            assert torch.equal(fileformat.read(part)["w"], flat.tensors[0])
-            mapped = _mapped_here(worker.process.pid, shm_dir)
-            assert len(mapped) == 1 and mapped[0].endswith(str(part)), mapped
-            os.replace(part, spare)  # retired: the next save recycles it
-        spare.unlink()
+        _seal_in_worker(worker, shm_dir, 2)
+        (shm_dir / "spare").unlink()
         assert _seconds_until_unmapped([worker.process.pid], shm_dir) < 3  # about a sweep
+    finally:
+        worker.stop()
+
+
+def test_a_busy_worker_unmaps_a_deleted_file_at_its_next_call(shm_dir):
+    """Calls coming more often than the idle sweeps (saves under a second apart, or a failed
+    save's retries on a full RAM disk) still let a deleted file's pages go: each call sweeps first
+    (the worker held them as long as the calls came)."""
+    worker = Worker()
+    try:
+        worker.wait_ready(60)
+        _seal_in_worker(worker, shm_dir, 1)
+        (shm_dir / "spare").unlink()
+        for k in range(100, 110):
+            worker.submit(k, os.getpid, (), {})
+            assert _one_result(worker)[:2] == (k, True)
+            if not _mapped_here(worker.process.pid, shm_dir):
+                break
+            time.sleep(0.3)
+        assert not _mapped_here(worker.process.pid, shm_dir)
     finally:
         worker.stop()
 

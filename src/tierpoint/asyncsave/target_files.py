@@ -12,7 +12,7 @@ whether it still has a name.)
 Call order: a job calls ``with mapped_file(path, nbytes) as data:`` and fills or reads ``data`` (a
 writable byte tensor over the whole file). Only in the worker process (:func:`keep_mappings`, called once at
 its start) is the mapping kept afterwards; elsewhere it is unmapped when the block ends. The worker
-calls :func:`sweep` while idle (about once a second).
+calls :func:`sweep` while idle (about once a second) and before each call.
 
 Invariants: a kept mapping is handed out again only for the same file (device and inode), whose
 size is still ``nbytes``; a file whose last name was removed loses its mapping at the next sweep or

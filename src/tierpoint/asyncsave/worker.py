@@ -214,6 +214,7 @@ def worker_main(conn: Any, parent_pid: int | None = None, from_main_thread: bool
             if m is not None:
                 _close_mapping(m)
         elif kind == "call":
+            target_files.sweep()  # (calls may come more often than idle seconds)
             _, call_id, fn, args, kwargs, cwd = msg
             try:
                 _enter(cwd)
