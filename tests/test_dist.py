@@ -103,7 +103,7 @@ def test_wait_for_absent_rank_times_out_and_later_steps_say_why_they_cannot_run(
     assert "no word from rank 0 " in first  # the silent rank is named
     assert "the next step: tierpoint's coordination group failed earlier" in later
     assert "waiting for a late rank" in later and "restart the job" in later
-    assert float(seconds) < 1.0  # at once, not after another timeout
+    assert float(seconds) < 2.5  # at once, not after another timeout (3 s)
 
 
 def _store_host_stopped(rank: int, world: int, port: int) -> str | None:

@@ -130,7 +130,8 @@ def test_the_worker_keeps_a_spare_mapped_across_saves_and_unmaps_it_once_deleted
         worker.wait_ready(60)
         _seal_in_worker(worker, shm_dir, 2)
         (shm_dir / "spare").unlink()
-        assert _seconds_until_unmapped([worker.process.pid], shm_dir) < 3  # about a sweep
+        # about a second (a sweep); never without one
+        assert _seconds_until_unmapped([worker.process.pid], shm_dir) < 6
     finally:
         worker.stop()
 
@@ -183,4 +184,4 @@ def test_a_wiped_ram_tier_leaves_no_mapping_in_the_worker(shm_dir):
         workers = [pid for pid in _children() if _mapped_here(pid, shm_dir)]
         assert workers, "the worker keeps no part mapped: every save maps it anew"
         shutil.rmtree(shm_dir / "job")
-        assert _seconds_until_unmapped(workers, shm_dir) < 3
+        assert _seconds_until_unmapped(workers, shm_dir) < 6

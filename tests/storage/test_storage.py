@@ -146,7 +146,7 @@ def test_a_deadline_ends_retries_on_the_threads_given_its_work_and_grace_lets_cl
         work = retries.under_this_deadline(lambda: retries.with_retries("x", slow, refused))
         with pytest.raises(TimeoutError, match="out of time"):
             pool.submit(work).result()
-    assert len(calls) == 2 and time.monotonic() - start < 2
+    assert len(calls) == 2 and time.monotonic() - start < 4  # not the 6 s of waits
     calls.clear()
     with retries.deadline(0.0):
         with pytest.raises(TimeoutError, match="before the first try"):
