@@ -20,10 +20,26 @@ def assert_worker_dies_with_trainer(script: str, within: float = 10.0) -> None:
     worker_pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        try:
-            os.kill(worker_pid, 0)
-        except ProcessLookupError:
+        if not _is_worker(worker_pid):
             return
         time.sleep(0.05)
     os.kill(worker_pid, 9)
     pytest.fail(f"worker {worker_pid} outlived its killed trainer")
+
+
+def _is_worker(pid: int) -> bool:
+    """Whether ``pid`` is a live tierpoint worker (not a zombie, nor a process that reused the
+    pid: a parallel test's, which must not be killed)."""
+    return worker_parent(pid) is not None
+
+
+def worker_parent(pid: int) -> int | None:
+    """The parent of ``pid`` when it is a live (not zombie) tierpoint worker, else ``None``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read()
+    except (OSError, ValueError, IndexError):
+        return None
+    return int(parent) if state != "Z" and b"asyncsave._entry" in command else None

@@ -17,6 +17,8 @@ from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
 from tierpoint.errors import CheckpointingError
 from tierpoint.testing import run_ranks
 
+from .orphans import worker_parent
+
 SLOW = 30.0
 
 
@@ -83,18 +85,8 @@ def test_a_ctrl_c_while_close_waits_stops_the_worker_at_once():
 
 def live_workers() -> list[int]:
     """This process's live background workers."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if int(parent) == os.getpid() and state != "Z" and b"asyncsave._entry" in command:
-            out.append(int(pid))
-    return out
+    pids = map(int, filter(str.isdigit, os.listdir("/proc")))
+    return [pid for pid in pids if worker_parent(pid) == os.getpid()]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
