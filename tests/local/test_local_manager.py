@@ -763,18 +763,26 @@ def test_steady_async_saves_make_no_staging_views(where, tmp_path, shm_dir, monk
     assert len(made) == len(set(made)) <= (1 if where == "disk" else 3), made
 
 
-def _keep_last_differs(rank: int, world: int, root: str) -> tuple[str, list[str]]:
-    manager = LocalCheckpointManager(root, session_id="job", keep_last=2 + rank)
-    with pytest.raises(CheckpointingError, match="keep_last") as raised:
+def _settings_differ(rank: int, world: int, root: str, setting: str) -> tuple[str, list[str]]:
+    session = f"job-{rank}" if setting == "session_id" else "job"
+    keep_last = 2 + rank if setting == "keep_last" else 2
+    manager = LocalCheckpointManager(root, session_id=session, keep_last=keep_last)
+    with pytest.raises(CheckpointingError, match=setting) as raised:
         manager.save(BasicTensorAwareStateDict(make_state(rank, 1)), 1)
-    directory = Path(root) / "job" / str(rank)
+    directory = Path(root) / session / str(rank)
     return str(raised.value), [f for f in os.listdir(directory) if f.startswith("iter_")]
 
 
-def test_ranks_keeping_different_numbers_of_checkpoints_are_refused(tmp_path):
-    """keep_last 2 on rank 0 and 3 on rank 1 was accepted: each rank retired other iterations."""
-    for message, parts in run_ranks(_keep_last_differs, 2, str(tmp_path)):
-        assert "{0: 2, 1: 3}" in message and parts == []
+@pytest.mark.parametrize(
+    "setting, said", [("keep_last", "{0: 2, 1: 3}"), ("session_id", "{0: 'job-0', 1: 'job-1'}")]
+)
+def test_ranks_keeping_different_numbers_of_checkpoints_or_sessions_are_refused(
+    tmp_path, setting, said
+):
+    """keep_last 2 on rank 0 and 3 on rank 1 was accepted: each rank retired other iterations;
+    each rank in its own session would save parts no restore finds complete."""
+    for message, parts in run_ranks(_settings_differ, 2, str(tmp_path), setting):
+        assert said in message and parts == []
 
 
 def _save_while_the_previous_one_is_written(rank: int, world: int, root: str) -> tuple:

@@ -110,6 +110,30 @@ def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path):
         assert "ranks disagree on the" in message and "{0: 2, 1: 3}" in message
 
 
+def _settings_disagree(rank: int, world: int, root: Path) -> list[str]:
+    """Each case: the settings one rank was given differently (a config read per rank)."""
+    messages = []
+    for other in ({"persistent_every": 0}, {"poll_every": 3}, {"overlap_snapshot": True}):
+        with pytest.raises(CheckpointingError) as caught:
+            _manager(root, **(other if rank == 1 else {}))
+        messages.append(str(caught.value))
+    local = str(root / f"local-of-rank-{rank}")  # (node-local paths may differ)
+    TieredCheckpointManager(local, str(root / "persistent"), "job", local_every=2).close()
+    return messages
+
+
+def test_ranks_given_different_settings_are_refused_on_every_rank_at_once(tmp_path):
+    """A persistent tier on one rank only, different polls: every rank raised, naming the setting
+    and each rank's value, at construction (ranks then waited in mismatched collectives for the
+    whole timeout, or saved on one rank only)."""
+    env = {"TIERPOINT_TIMEOUT": "120"}
+    zero, one = run_ranks(_settings_disagree, 2, tmp_path, timeout=100, env=env)
+    assert zero == one
+    assert "persistent_every {0: 4, 1: 0}" in zero[0] and "persistent_dir {0: '" in zero[0]
+    assert "poll_every {0: 1, 1: 3}" in zero[1]
+    assert "overlap_snapshot {0: False, 1: True}" in zero[2]
+
+
 def _unwritable_store(rank: int, world: int, root: Path) -> dict:
     blocker = root / "persistent"
     if rank == 0:

@@ -266,27 +266,27 @@ def _save_keeping(rank: int, world: int, root: Path, differing: str) -> str:
     state = make_state(rank)
     kwargs = {"local_every": 1, "keep_local": 1 + rank if differing == "keep_local" else 2}
     session = f"job-{rank}" if differing == "session_id" else "job"
-    with TieredCheckpointManager(str(root / "node0"), None, session, **kwargs) as manager:
-        train_step(state, world)
-        try:
+    try:
+        with TieredCheckpointManager(str(root / "node0"), None, session, **kwargs) as manager:
+            train_step(state, world)
             manager.maybe_save(1, state)
-        except CheckpointingError as e:
-            return str(e)
+    except CheckpointingError as e:
+        return str(e)
     return "saved"
 
 
 @pytest.mark.parametrize(
     "differing, said",
     [
-        ("keep_local", "keep different numbers of local checkpoints"),
-        ("session_id", "ranks save into different sessions (session_id): {0: 'job-0', 1: 'job-1'}"),
+        ("keep_local", "same settings, got keep_local {0: 1, 1: 2}"),
+        ("session_id", "same settings, got session_id {0: 'job-0', 1: 'job-1'}"),
     ],
 )
 def test_a_local_save_refused_as_misuse_raises_on_every_rank(shm_dir, differing, said):
     """Ranks keeping different numbers of local checkpoints, or naming different sessions (each
-    would save into its own directory, and no restore would find an iteration complete): the
-    local save's refusal is misuse, raised from maybe_save on every rank, not a failed save each
-    step with a WARNING."""
+    would save into its own directory, and no restore would find an iteration complete): misuse,
+    raised on every rank when the manager is made (the local tier's own refusal at its save:
+    tests/local), not a failed save each step with a WARNING."""
     messages = run_ranks(_save_keeping, 2, shm_dir, differing)
     assert all(said in m for m in messages), messages
 

@@ -29,7 +29,14 @@ Invariants:
 from __future__ import annotations
 
 from .agreement import _MAX_MESSAGE as _MAX_MESSAGE
-from .agreement import Agreement, agree, failure_status, raise_failures, raise_if_any_failed
+from .agreement import (
+    Agreement,
+    agree,
+    agree_on_settings,
+    failure_status,
+    raise_failures,
+    raise_if_any_failed,
+)
 from .group import _SILENT_GRACE_S as _SILENT_GRACE_S
 from .group import _broken as _broken
 from .group import _first_line as _first_line
@@ -83,6 +90,7 @@ __all__ = [
     "NodeLayout",
     "Agreement",
     "agree",
+    "agree_on_settings",
     "all_gather_json",
     "barrier",
     "broadcast_json",

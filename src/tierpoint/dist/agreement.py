@@ -1,6 +1,7 @@
 """Failure agreement: when a step failed on any rank, every rank raises the same error.
 
-Call order: ``with agree(what):`` around a block without collectives of its own (every rank enters
+Call order: :func:`agree_on_settings` where every rank must have been given the same settings;
+``with agree(what):`` around a block without collectives of its own (every rank enters
 it; the block may set the yielded :class:`Agreement`'s ``key``, compared across ranks in the same
 all-reduce); or :func:`raise_if_any_failed` with this rank's error; or, where the statuses travel inside a
 gather that runs anyway, :func:`failure_status` on each rank and :func:`raise_failures` on the
@@ -14,13 +15,14 @@ common tierpoint class (e.g. :class:`CorruptCheckpointError`) when they all rais
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import agreed_error, error_text, failed_on_ranks
+from ..errors import CheckpointingError, agreed_error, error_text, failed_on_ranks
 from .messages import all_gather_json, reduce_ints
 
 _MAX_MESSAGE = 2000
@@ -39,6 +41,19 @@ def raise_if_any_failed(
     if failed:
         raise_failures(what, all_gather_json(failure_status(error), what_agreed, group), error)
     return high == -low
+
+
+def agree_on_settings(what: str, settings: dict[str, Any]) -> None:
+    """Collective: raise the same :class:`CheckpointingError` on every rank when ranks were given
+    different ``settings`` (JSON values), naming each setting that differs and its value on every
+    rank. One all-reduce when they agree; the settings are gathered only when they do not."""
+    text = json.dumps(settings, sort_keys=True, default=repr)
+    if raise_if_any_failed(what, None, value=zlib.crc32(text.encode()) & 0x7FFFFFFF):
+        return
+    gathered = [json.loads(g) for g in all_gather_json(text, what)]
+    differ = [k for k in settings if len({json.dumps(g.get(k)) for g in gathered}) > 1]
+    detail = "; ".join(f"{k} {dict(enumerate(g.get(k) for g in gathered))}" for k in differ)
+    raise CheckpointingError(f"{what}: every rank must be given the same settings, got {detail}")
 
 
 @dataclass

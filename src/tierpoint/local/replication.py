@@ -121,6 +121,25 @@ class CliqueReplicationStrategy(_ReplicaGroups):
         return None
 
     @classmethod
+    def for_job(cls, factor: int, jump: int | None = None) -> CliqueReplicationStrategy | None:
+        """The strategy for ``factor`` copies, or ``None`` (one copy, a job of one rank, or with a
+        WARNING where this job's nodes cannot hold the copies: a job restarted on the nodes left
+        after one was lost still runs, unreplicated). Collective (the node layout)."""
+        if factor < 2 or tpdist.get_world_size() < 2:
+            return None
+        why = cls.unfit(factor, jump)
+        if why is None:
+            return cls(jump, factor)
+        if tpdist.get_rank() == 0:
+            logger.warning(
+                "replication_factor=%d but %s: local checkpoints are not replicated (a lost "
+                "node's part comes back from the persistent tier)",
+                factor,
+                why,
+            )
+        return None
+
+    @classmethod
     def from_replication_params(
         cls, replication_jump: int | None = None, replication_factor: int = 2, **kwargs: Any
     ) -> CliqueReplicationStrategy:

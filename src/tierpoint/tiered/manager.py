@@ -106,7 +106,8 @@ class TieredCheckpointManager(SavePath):
             there (see
             :class:`~tierpoint.local.LocalCheckpointManager`).
 
-    Collective: construction (node layout), ``restore``, ``maybe_save``, ``save``, ``wait``,
+    Collective: construction (every rank given the same settings but ``local_dir``, ``timeout``,
+    ``storage_options`` and ``on_event``, else every rank raises; node layout), ``restore``, ``maybe_save``, ``save``, ``wait``,
     ``final_save`` and ``close`` are called by every rank at the same point.
     """
 
@@ -161,12 +162,29 @@ class TieredCheckpointManager(SavePath):
         self.persistent_dir = (
             storage.checkpoint_path(persistent_dir, "persistent_dir") if persistent_every else None
         )
+        what = "creating a TieredCheckpointManager"  # (local_dir may differ: node-local paths)
+        tpdist.agree_on_settings(
+            what,
+            {
+                "session_id": session_id,
+                "local_every": local_every,
+                "persistent_every": persistent_every,
+                "persistent_dir": self.persistent_dir,
+                "replication_factor": replication_factor,
+                "replication_jump": replication_jump,
+                "keep_local": keep_local,
+                "keep_persistent": keep_persistent,
+                "poll_every": self.poll_every,
+                "overlap_snapshot": overlap_snapshot,
+                "device_snapshot": device_snapshot,
+            },
+        )
         self.local: LocalCheckpointManager | None = None
         if local_every:
             self.local = LocalCheckpointManager(
                 local_dir,
                 session_id,
-                self._replication(replication_factor, replication_jump),
+                CliqueReplicationStrategy.for_job(replication_factor, replication_jump),
                 keep_last=keep_local,
                 device_snapshot=device_snapshot,
             )
@@ -191,24 +209,6 @@ class TieredCheckpointManager(SavePath):
         self._watching_signal = False
         self._closed = False
         self._warmed_up = False  # the warm-up started (at the first step not saved)
-
-    @staticmethod
-    def _replication(factor: int, jump: int | None) -> CliqueReplicationStrategy | None:
-        """The strategy, or ``None`` with a WARNING where this job's nodes cannot hold the copies
-        (a job restarted on the nodes left after one was lost still runs, unreplicated)."""
-        if factor < 2 or tpdist.get_world_size() < 2:
-            return None
-        why = CliqueReplicationStrategy.unfit(factor, jump)
-        if why is None:
-            return CliqueReplicationStrategy(jump, factor)
-        if tpdist.get_rank() == 0:
-            logger.warning(
-                "replication_factor=%d but %s: local checkpoints are not replicated (a lost "
-                "node's part comes back from the persistent tier)",
-                factor,
-                why,
-            )
-        return None
 
     # ------------------------------------------------------------------------------ saving
 
