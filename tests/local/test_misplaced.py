@@ -128,3 +128,33 @@ def test_parts_of_moved_ranks_that_cannot_be_copied_are_named_not_taken_for_none
         messages = run_ranks(_restore_refused, WORLD, tmp_path, [1, 1, 0, 0])
         assert all("the ranks of a node changed since the save" in m for m in messages), messages
         assert sorted(p.name for p in tmp_path.rglob("iter_*")) == before
+
+
+def _save_local(rank: int, world: int, root: Path, nodes: list[int], iterations: list[int]) -> int:
+    """The NVRx-named manager: find_latest, then save ``iterations`` on one root for all nodes."""
+    import os
+
+    from tierpoint import BasicTensorAwareStateDict
+    from tierpoint.local import LocalCheckpointManager
+
+    os.environ["TIERPOINT_NODE_ID"] = f"node{nodes[rank]}"
+    manager = LocalCheckpointManager(str(root), session_id="job")
+    latest = manager.find_latest()
+    for it in iterations:
+        manager.save(BasicTensorAwareStateDict({"x": torch.full((256,), float(it + rank))}), it)
+    return latest
+
+
+def test_a_shrunk_job_on_a_root_every_node_shares_removes_the_directories_of_ranks_gone(shm_dir):
+    """4 ranks on 2 nodes, then 2 ranks (one a node) on the same shared root: the directories of
+    ranks 2 and 3 (no rank saves there any more) go, whatever order the root lists its entries in
+    (each node's leader saw a live directory of the other node first and stopped looking: they
+    stayed for good)."""
+    run_ranks(_save_local, WORLD, shm_dir, [0, 0, 1, 1], [1, 2, 3])
+    session = shm_dir / "job"
+    for name in ("0", "1"):  # listed first on tmpfs (as a hashed order may list them anywhere)
+        (session / name).rename(session / f"{name}.moved")
+        (session / f"{name}.moved").rename(session / name)
+    assert run_ranks(_save_local, 2, shm_dir, [0, 1], [10, 11, 12]) == [-1, -1]
+    assert _rank_dirs(shm_dir) == ["0", "1"]
+    assert sorted(p.name for p in session.glob("*.node")) == ["0.node", "1.node"]

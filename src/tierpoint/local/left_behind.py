@@ -20,7 +20,8 @@ retirement would remove goes: unfinished files, spares, and parts of iterations 
 newest kept and not kept (a newer part stays, as :meth:`~.store.PartStore.retire` keeps it); the
 directory goes once empty. Nothing here raises: a failure is a DEBUG line and the next commit
 tries again. Once a retirement finds no directory left behind, or finds the root shared (a
-directory of a rank on another node, current), this process stops looking.
+directory of a rank on another node, current), this process stops looking; on a shared root rank
+0 goes on with the directories of ranks not in the job now (whatever the order it lists them in).
 """
 
 from __future__ import annotations
@@ -99,19 +100,22 @@ class LeftBehind:
 
     def _retire_all(self, here: set[int], node_of_rank: tuple[str, ...], keep: set[int]) -> bool:
         """Whether a directory left behind still holds files (look again at the next commit)."""
-        remaining = False
+        remaining = shared = False
         for entry in os.scandir(self.session_dir):
             name = entry.name
             if not (name.isascii() and name.isdigit()) or int(name) in here:
                 continue
-            if not entry.is_dir(follow_symlinks=False):
+            if shared and int(name) < len(node_of_rank) or not entry.is_dir(follow_symlinks=False):
                 continue
             rank, directory = int(name), Path(entry.path)
             marked = marked_node(directory)
             if marked is None:
                 continue
             if rank < len(node_of_rank) and marked == node_of_rank[rank]:
-                return False  # a live directory of a rank on another node: a shared root
+                if 0 not in here:  # a live directory of a rank on another node: a shared root
+                    return False
+                shared = True  # (rank 0 goes on with the ranks not in the job now)
+                continue
             remaining |= _retire_directory(directory, keep)
         return remaining
 
