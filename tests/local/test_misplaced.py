@@ -158,3 +158,26 @@ def test_a_shrunk_job_on_a_root_every_node_shares_removes_the_directories_of_ran
     assert run_ranks(_save_local, 2, shm_dir, [0, 1], [10, 11, 12]) == [-1, -1]
     assert _rank_dirs(shm_dir) == ["0", "1"]
     assert sorted(p.name for p in session.glob("*.node")) == ["0.node", "1.node"]
+
+
+def _save_only(rank: int, world: int, root: Path, nodes: list[int], iterations: list[int]) -> None:
+    """Saves without find_latest or replication, each node its own root."""
+    import os
+
+    from tierpoint import BasicTensorAwareStateDict
+    from tierpoint.local import LocalCheckpointManager
+
+    os.environ["TIERPOINT_NODE_ID"] = f"node{nodes[rank]}"
+    manager = LocalCheckpointManager(str(root / f"node{nodes[rank]}"), session_id="job")
+    for it in iterations:
+        manager.save(BasicTensorAwareStateDict({"x": torch.full((256,), float(it + rank))}), it)
+
+
+def test_a_job_that_only_saves_removes_the_directories_its_moved_ranks_left(shm_dir):
+    """A job that starts over (no find_latest, no replicas) on nodes that swapped their ranks: the
+    directories of the ranks that run on the other node now go (the node layout was never
+    gathered, so they stayed for good)."""
+    run_ranks(_save_only, WORLD, shm_dir, [0, 0, 1, 1], [1, 2, 3])
+    run_ranks(_save_only, WORLD, shm_dir, [1, 1, 0, 0], [10, 11, 12])
+    assert _rank_dirs(shm_dir / "node0") == ["2", "3"]
+    assert _rank_dirs(shm_dir / "node1") == ["0", "1"]

@@ -55,6 +55,9 @@ def agree_on_iteration(
     gathered); ``refusal``: why this rank does not save (an argument it refused): every rank
     raises it, with the listings gathered (the all-reduce of an unchanged tier says "changed").
     """
+    # Collective at its first call only: the commit retires the directories left behind on a
+    # node once the node layout is known (tierpoint.local.left_behind), also without find_latest.
+    tpdist.node_layout("save: gathering node ids")
     offer = _new_token() if store.rank == 0 else _NO_TOKEN
     known = after_commit if refusal is None else None
     agreed = _agree_unchanged(store, iteration, keep_last, in_flight, known, offer)
