@@ -13,11 +13,11 @@ after each commit, :meth:`LeftBehind.retire` on every rank (it acts on each node
 and only once the node layout is known: it starts no collective).
 
 Invariants: a directory (not a link) is left behind when its rank is not on this node and its
-marker names a node other than the one its rank runs on now (or its rank is not in the job now) (a rank writes its marker before its first save
-agrees, so every rank's marker is current before any commit, on a root every node shares too); a
-directory without a readable marker is never touched. In one left behind, what its rank's own
+marker names a node other than the one its rank runs on now, or its rank is not in the job now. A
+rank writes its marker before its first save agrees, so every rank's marker is current before any
+commit, on a root every node shares too; a directory without a readable marker is never touched. In one left behind, what its rank's own
 retirement would remove goes: unfinished files, spares, and parts of iterations older than the
-newest kept and not kept (a newer part stays, as :meth:`~.store.PartStore.retire` keeps it); the
+newest kept and not kept (a newer part stays, of any world size: headers are not read); the
 directory goes once empty. Nothing here raises: a failure is a DEBUG line and the next commit
 tries again. Once a retirement finds no directory left behind, or finds the root shared (a
 directory of a rank on another node, current), this process stops looking; on a shared root rank
@@ -63,7 +63,7 @@ def mark_node(directory: Path) -> Path | None:
 def marked_node(directory: Path) -> str | None:
     """The node ``directory``'s marker names, or ``None`` (no marker, unreadable, unfinished)."""
     try:
-        fd = os.open(_marker(directory), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(_marker(directory), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
             text = f.read(4097)
     except OSError:
