@@ -1,8 +1,10 @@
 """Whole jobs SIGKILLed at random moments never break either tier's promises.
 
-A job is 2 real gloo ranks (``run_ranks``, on a thread of the test) on two simulated nodes; the local
-tier (in RAM, as by default) replicates with jump 1, factor 2, so each rank holds the other's
-replica. The job makes itself one process group (both ranks and the async worker processes they
+A job is 2 real gloo ranks (``run_ranks``, on a thread of the test) on two simulated nodes, each
+with its own local root; the local tier (in RAM, as by default) replicates with jump 1, factor 2,
+so each rank holds the other's replica. At a random half of the relaunches the ranks swap nodes
+(as a rendezvous may number them anew): a rank's newest parts then lie in the directory of a rank
+now on the other node, and its own directory on the node it left is left behind. The job makes itself one process group (both ranks and the async worker processes they
 start), resumes from what the previous job left, then saves every iteration asynchronously to both
 tiers (``LocalCheckpointManager.save(is_async=True)`` and ``dcp.async_save_request`` into
 ``<base>/step-<N>``, through one ``AsyncCallsQueue``), appending each iteration it finalized to a
@@ -111,12 +113,14 @@ def _dcp_template(ranks: range | list[int]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ the job
 
 
-def _manager(rank: int, root: str) -> LocalCheckpointManager:
-    os.environ["TIERPOINT_NODE_ID"] = f"node{rank}"  # two nodes: the replicas go to the other
+def _manager(rank: int, root: str, nodes: tuple[int, ...] = (0, 1)) -> LocalCheckpointManager:
+    """``rank``'s manager on node ``nodes[rank]``, whose local root is ``root/node<n>``."""
+    node = f"node{nodes[rank]}"
+    os.environ["TIERPOINT_NODE_ID"] = node  # two nodes: the replicas go to the other
     strategy = CliqueReplicationStrategy.from_replication_params(
         replication_jump=1, replication_factor=2
     )
-    return LocalCheckpointManager(root, session_id=SESSION, repl_strategy=strategy)
+    return LocalCheckpointManager(Path(root) / node, session_id=SESSION, repl_strategy=strategy)
 
 
 def _resume(rank: int, manager: LocalCheckpointManager, base: str) -> dict[str, Any]:
@@ -164,7 +168,7 @@ def _job(rank: int, world: int, roots: dict[str, str], job: int, log_dir: str) -
     _own_process_group(rank)
     log = _Log(log_dir, rank)
     try:
-        manager = _manager(rank, roots["local"])
+        manager = _manager(rank, roots["local"], roots["nodes"])
         queue = AsyncCallsQueue(max_in_flight=2)  # a local and a DCP save in flight at once
         queue.wait_ready()
         dist.barrier()  # every process of the job is in its group now
@@ -207,7 +211,7 @@ def _save_both(
 
 def _verify(rank: int, world: int, roots: dict[str, str]) -> dict[str, Any]:
     """The last relaunch: find and load the latest checkpoints (checked), nothing more."""
-    manager = _manager(rank, roots["local"])
+    manager = _manager(rank, roots["local"], roots["nodes"])
     found = _resume(rank, manager, roots["dcp"])
     manager.wait_for_restore()  # before run_ranks destroys the process group
     return found
@@ -244,7 +248,9 @@ def _check_local_files(root: Path, why: str) -> None:
     """Every committed part name holds a complete part with the state saved under it, and every
     copy of every part of a complete iteration was saved by the same job."""
     jobs: dict[int, dict[int, set[int]]] = {}  # iteration -> origin -> jobs of its copies
-    for holder_dir in sorted((root / SESSION).glob("*")):
+    for holder_dir in sorted(root.glob(f"node*/{SESSION}/*")):
+        if not holder_dir.is_dir():
+            continue  # (<rank>.node: the node a rank's directory was last saved from)
         for entry in sorted(os.listdir(holder_dir)):
             parsed = parse_part_name(entry)
             if parsed is None:
@@ -338,12 +344,17 @@ def test_jobs_killed_at_random_moments_resume_from_a_complete_checkpoint(tmp_pat
     rng = random.Random(seed)
     # The local tier where it lives by default: in RAM (async snapshots go into the part files).
     local = Path(tempfile.mkdtemp(prefix="tierpoint-test-kills-", dir="/dev/shm"))
-    roots = {"local": str(local), "dcp": str(tmp_path / "dcp")}
+    roots: dict[str, Any] = {"local": str(local), "dcp": str(tmp_path / "dcp")}
     log_dir = tmp_path / "logs"
     try:
         for job in range(JOBS):
             why = f"seed {seed} (TIERPOINT_KILL_SEED), job {job}"
             delay = rng.uniform(0.0, MAX_DELAY_S)
+            # The ranks swap nodes at some relaunches (numbered anew at a rendezvous): the newest
+            # parts lie in the directories of ranks now on the other node, adopted from there, and
+            # the directories left behind are retired by the job's saves.
+            roots["nodes"] = (1, 0) if rng.random() < 0.5 else (0, 1)
+            why += f", nodes {roots['nodes']}"
             running = _Job(roots, job, log_dir)
             try:
                 running.wait_until_ready(why)
@@ -361,7 +372,8 @@ def test_jobs_killed_at_random_moments_resume_from_a_complete_checkpoint(tmp_pat
                 _check_found(found, [e for e in events if e["job"] < job], why)
             _check_local_files(local, why)
             _check_dcp_steps(Path(roots["dcp"]), why)
-        why = f"seed {seed} (TIERPOINT_KILL_SEED), the last relaunch"
+        roots["nodes"] = (1, 0) if rng.random() < 0.5 else (0, 1)
+        why = f"seed {seed} (TIERPOINT_KILL_SEED), the last relaunch, nodes {roots['nodes']}"
         try:
             found = run_ranks(_verify, WORLD, roots, env=JOB_ENV)
         except AssertionError as e:
@@ -385,7 +397,8 @@ def _one_rank_stalls(rank: int, world: int, root: str, job: int, iteration: int,
     for it in range(latest + 1, iteration):
         manager.save(BasicTensorAwareStateDict(local_state(rank, it, job)), it)
     if rank == slow:
-        peer = Path(root) / SESSION / str(1 - rank) / part_name(iteration, 1 - rank)
+        peer = Path(root) / f"node{1 - rank}" / SESSION / str(1 - rank)
+        peer /= part_name(iteration, 1 - rank)
 
         def stalled_write(*args: Any, **kwargs: Any) -> None:
             deadline = time.monotonic() + 60
@@ -405,5 +418,6 @@ def test_a_part_left_by_a_killed_job_never_completes_a_later_jobs_iteration(tmp_
     for job, slow in ((0, 1), (1, 0)):
         run_ranks(_one_rank_stalls, WORLD, root, job, 2, slow, allow_crash={0, 1}, env=JOB_ENV)
         _check_local_files(Path(root), f"after job {job}")
-    found = run_ranks(_verify, WORLD, {"local": root, "dcp": str(tmp_path / "dcp")}, env=JOB_ENV)
+    roots = {"local": root, "dcp": str(tmp_path / "dcp"), "nodes": (0, 1)}
+    found = run_ranks(_verify, WORLD, roots, env=JOB_ENV)
     assert [f["local"] for f in found] == [[1, 0]] * WORLD  # saved by job 0, the only complete one
