@@ -69,6 +69,21 @@ def test_strategy_cliques_parameters_and_node_check() -> None:
     assert issubclass(SameMachineReplicationException, CheckpointingError)
 
 
+def _one_node_default_jump(rank: int, world: int) -> str:
+    as_node(rank, ranks_per_node=world)  # both ranks on one node, as a single-machine trial run
+    with pytest.raises(CheckpointingError) as raised:
+        CliqueReplicationStrategy.from_replication_params(replication_factor=2)
+    return str(raised.value)
+
+
+def test_a_derived_jump_that_does_not_fit_is_named_as_derived() -> None:
+    """Without replication_jump the error named a value the user never passed; it says where it
+    came from (the ranks per node) and what to do."""
+    for message in run_ranks(_one_node_default_jump, 2, timeout=60):
+        assert "2 * 2 = 4" in message
+        assert "replication_jump was not given" in message and "1 node(s)" in message
+
+
 # ------------------------------------------------------------------------------------ async
 
 

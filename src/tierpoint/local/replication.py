@@ -166,9 +166,16 @@ class CliqueReplicationStrategy(_ReplicaGroups):
         factor = self.replication_factor
         self._check_same_settings(jump, factor)
         if world % (jump * factor):
+            derived = ""
+            if self._requested_jump is None:
+                derived = (
+                    f" (replication_jump was not given: it is the {jump} ranks per node found on "
+                    f"the job's {len(layout.nodes)} node(s); pass replication_jump, or run on a "
+                    f"multiple of {factor} nodes)"
+                )
             raise CheckpointingError(
                 f"world size {world} is not divisible by replication_jump * replication_factor "
-                f"= {jump} * {factor} = {jump * factor}"
+                f"= {jump} * {factor} = {jump * factor}{derived}"
             )
         self.replication_jump, self.world_size = jump, world
         self._check_nodes(layout.node_of_rank)
