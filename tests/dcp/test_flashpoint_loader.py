@@ -91,8 +91,9 @@ def test_both_layouts_are_found_and_tierpoints_wins_a_tie(tmp_path, caplog, caps
     save(_state(0, 3), checkpoint_id=tmp_path / "step-3")
     latest = DefaultMLFlashpointCheckpointLoader().get_latest_complete_checkpoint(str(tmp_path))
     assert latest == CheckpointContainerId(str(tmp_path / "step-4"))
-    marked = "step-5_ckpt has a .metadata but unfinished markers of rank(s) 0 (ML Flashpoint's"
+    marked = "step-5_ckpt has a .metadata but unfinished markers of rank(s) 0 (global ranks"
     assert marked in caplog.text  # its sibling markers name a rank on the node, not a global one
+    assert "ranks on that node for ML Flashpoint's beside it" in caplog.text
     # The command line lists both layouts, names the marker and agrees on the newest.
     assert main(["ls", "--json", str(tmp_path)]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -148,3 +148,18 @@ def test_a_crash_after_commit_before_unmarking_is_not_returned(tmp_path, monkeyp
     assert f"{step_path(tmp_path, 2)} has a .metadata but unfinished markers of rank(s) 0" in (
         caplog.text
     )
+
+
+def test_a_marker_in_a_flashpoint_named_step_is_not_called_ml_flashpoint_s(tmp_path, caplog):
+    """tierpoint's own marker inside a ``step-N_ckpt`` directory (what dcp.save writes there) names
+    a global rank; the WARNING called every marker of such a directory ML Flashpoint's, of ranks on
+    that node."""
+    save({"a": torch.ones(8)}, tmp_path / "step-1_ckpt")
+    save({"a": torch.ones(8)}, tmp_path / "step-2_ckpt")
+    (tmp_path / "step-2_ckpt" / ".unfinished-0").touch()  # killed after its commit
+    with caplog.at_level(logging.WARNING, logger="tierpoint"):
+        assert get_latest_complete_checkpoint(tmp_path) == str(tmp_path / "step-1_ckpt")
+    text = caplog.text
+    assert "unfinished markers of rank(s) 0" in text
+    assert "(ML Flashpoint's markers: ranks on that node)" not in text
+    assert "global ranks for tierpoint's markers inside the directory" in text

@@ -171,7 +171,8 @@ def warn_skipped(views: Sequence[dict], latest: str | None) -> None:
                 ", ".join(ranks),
                 ""
                 if step_of(name) is not None
-                else " (ML Flashpoint's markers: ranks on that node)",
+                else " (global ranks for tierpoint's markers inside the directory, ranks on "
+                "that node for ML Flashpoint's beside it)",
             )
 
 
