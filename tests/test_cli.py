@@ -756,6 +756,14 @@ def test_ls_of_one_rank_directory_and_inspect_of_a_short_file(
     short.write_text("ab\n")
     assert main(["inspect", str(short)]) == 1
     _one_line_error(capsys.readouterr().err, "not a checkpoint file", "too short")
+    damaged = tmp_path / "damaged.safetensors"  # a part whose header a byte flip broke
+    data = bytearray((session / "0" / part_name(5, 0)).read_bytes())
+    data[9] = 0
+    damaged.write_bytes(bytes(data))
+    for args in (["inspect", str(damaged)], ["convert", str(damaged), str(tmp_path / "d.pt")]):
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        _one_line_error(err, "corrupt, or not a safetensors file", "header is not valid JSON")
 
 
 def test_verify_and_ls_an_olmo_run_on_s3(

@@ -80,13 +80,17 @@ def _header_and_data_bytes(path: str) -> tuple[dict[str, Any], int]:
             n = int.from_bytes(prefix, "little")
             if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
                 raise ValueError(f"a header length of {n} bytes in a file of {size}")
-            header = json.loads(f.read(n))
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:  # (UnicodeDecodeError too)
+                raise ValueError(f"the header is not valid JSON ({e})") from e
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         return header, size - 8 - n
     except ValueError as e:
-        what = "safetensors" if kind_of_file(path) == "safetensors" else "checkpoint"
-        raise CommandError(f"{path}: not a {what} file: {e}") from e
+        safetensors = kind_of_file(path) == "safetensors"
+        what = "corrupt, or not a safetensors file" if safetensors else "not a checkpoint file"
+        raise CommandError(f"{path}: {what}: {e}") from e
 
 
 def load_pt(path: str) -> Any:
