@@ -196,6 +196,23 @@ def test_ls_a_dcp_base_and_an_olmo_style_run(tmp_path: Path, capsys: pytest.Capt
     assert "every item matches its checksum" in out and "skipped" in out
 
 
+def test_ls_of_one_node_s_directory_in_ml_flashpoint_s_layout_says_other_nodes_hold_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """On node-local storage a node's step-N_ckpt holds its own ranks' files (the .metadata on the
+    coordinator's node): what is missing there may be on other nodes, and ls says so."""
+    for step in (1, 2):
+        dcp.save({"w": torch.arange(8.0)}, tmp_path / f"step-{step}_ckpt")
+    (tmp_path / "step-1_ckpt" / ".metadata").unlink()  # a node other than the coordinator's
+    next((tmp_path / "step-2_ckpt").glob("*.distcp")).unlink()  # the coordinator's node
+    assert main(["ls", "--json", str(tmp_path)]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows[1]["status"] == "incomplete" and "no .metadata" in rows[1]["detail"]
+    assert rows[2]["status"] == "corrupt" and "missing" in rows[2]["detail"]
+    for row in rows.values():
+        assert "other nodes hold the rest" in row["detail"], row
+
+
 def test_verify(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     good, bad = tmp_path / "good.safetensors", tmp_path / "bad.safetensors"
     _part(good, 1, 0, 1)

@@ -281,6 +281,11 @@ def _step_row(
             olmo_status, olmo_detail, world = step_status(step_dir, options)
             if status == "complete" and olmo_status != "complete":
                 status, detail = olmo_status, olmo_detail
+    if storage.basename(step_dir).endswith("_ckpt") and (meta is None or "missing" in detail):
+        detail += (  # (what one node's directory shows of a step saved across the nodes)
+            " (ML Flashpoint's layout on node-local storage: other nodes hold the rest; list each "
+            "node's directory, or load with tierpoint.dcp.flashpoint, which fetches it)"
+        )
     return Row(
         tier="persistent",
         where=where,
