@@ -117,6 +117,9 @@ def _settings_disagree(rank: int, world: int, root: Path) -> list[str]:
         with pytest.raises(CheckpointingError) as caught:
             _manager(root, **(other if rank == 1 else {}))
         messages.append(str(caught.value))
+    with pytest.raises(CheckpointingError) as caught:  # rank 1 alone refused it: rank 0 waited
+        TieredCheckpointManager(None, str(root / "p") if rank == 0 else None, local_every=0)
+    messages.append(str(caught.value))
     local = str(root / f"local-of-rank-{rank}")  # (node-local paths may differ)
     TieredCheckpointManager(local, str(root / "persistent"), "job", local_every=2).close()
     return messages
@@ -125,13 +128,15 @@ def _settings_disagree(rank: int, world: int, root: Path) -> list[str]:
 def test_ranks_given_different_settings_are_refused_on_every_rank_at_once(tmp_path):
     """A persistent tier on one rank only, different polls: every rank raised, naming the setting
     and each rank's value, at construction (ranks then waited in mismatched collectives for the
-    whole timeout, or saved on one rank only)."""
+    whole timeout, or saved on one rank only). Also where the settings of one rank alone are
+    refused (local_every=0 and no persistent tier there): it raised alone, the others waited."""
     env = {"TIERPOINT_TIMEOUT": "120"}
     zero, one = run_ranks(_settings_disagree, 2, tmp_path, timeout=100, env=env)
     assert zero == one
     assert "persistent_every {0: 4, 1: 0}" in zero[0] and "persistent_dir {0: '" in zero[0]
-    assert "poll_every {0: 1, 1: 3}" in zero[1]
+    assert "poll_every {0: None, 1: 3}" in zero[1]
     assert "overlap_snapshot {0: False, 1: True}" in zero[2]
+    assert "persistent_dir {0: '" in zero[3] and "', 1: None}" in zero[3]
 
 
 def _unwritable_store(rank: int, world: int, root: Path) -> dict:

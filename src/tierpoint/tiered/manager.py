@@ -130,6 +130,23 @@ class TieredCheckpointManager(SavePath):
         overlap_snapshot: bool = False,
         device_snapshot: bool = False,
     ) -> None:
+        what = "creating a TieredCheckpointManager"  # (before the checks: one rank alone raised)
+        tpdist.agree_on_settings(
+            what,
+            {
+                "session_id": session_id,
+                "local_every": local_every,
+                "persistent_every": persistent_every,
+                "persistent_dir": persistent_dir if persistent_every else None,
+                "replication_factor": replication_factor,
+                "replication_jump": replication_jump,
+                "keep_local": keep_local,
+                "keep_persistent": keep_persistent,
+                "poll_every": poll_every,
+                "overlap_snapshot": overlap_snapshot,
+                "device_snapshot": device_snapshot,
+            },
+        )
         for name, value, low in (
             ("local_every", local_every, 0),
             ("persistent_every", persistent_every, 0),
@@ -161,23 +178,6 @@ class TieredCheckpointManager(SavePath):
         self.storage_options = storage.options_dict(storage_options)
         self.persistent_dir = (
             storage.checkpoint_path(persistent_dir, "persistent_dir") if persistent_every else None
-        )
-        what = "creating a TieredCheckpointManager"  # (local_dir may differ: node-local paths)
-        tpdist.agree_on_settings(
-            what,
-            {
-                "session_id": session_id,
-                "local_every": local_every,
-                "persistent_every": persistent_every,
-                "persistent_dir": self.persistent_dir,
-                "replication_factor": replication_factor,
-                "replication_jump": replication_jump,
-                "keep_local": keep_local,
-                "keep_persistent": keep_persistent,
-                "poll_every": self.poll_every,
-                "overlap_snapshot": overlap_snapshot,
-                "device_snapshot": device_snapshot,
-            },
         )
         self.local: LocalCheckpointManager | None = None
         if local_every:
