@@ -85,3 +85,19 @@ def test_holding_a_part_that_is_not_there_is_a_clear_error(tmp_path):
     held = manager.hold_own_part(1)
     assert torch.equal(held.tree["w"], torch.ones(3))
     held.release()
+
+
+def test_without_recycling_no_spare_outlives_a_held_part(shm_dir):
+    """recycle=False: a part held while later saves retire it is kept (as a spare) only while
+    held; once released, the next commits leave nothing but the kept part (the one extra spare
+    kept for holds was made even without recycling, and never taken)."""
+    manager = LocalCheckpointManager(shm_dir, session_id="job", keep_last=1, recycle=False)
+    manager.save(BasicTensorAwareStateDict(make_state(0, 1)), 1)
+    held = manager.hold_own_part(1)
+    for it in (2, 3):
+        manager.save(BasicTensorAwareStateDict(make_state(0, it)), it)
+    assert bytes(held.source.view())  # still readable
+    held.release()
+    for it in (4, 5, 6):
+        manager.save(BasicTensorAwareStateDict(make_state(0, it)), it)
+        assert sorted(os.listdir(manager.local_ckpt_dir)) == [naming.part_name(it, 0)]

@@ -259,7 +259,7 @@ class PartStore:
         while not max_spares and spares:  # not recycling: none stays (nothing takes them)
             unlink_quietly(directory / spares.pop())
         counted = sum(not self._is_held(directory / name) for name in spares)
-        max_spares += self._spare_for_holds
+        max_spares += self._spare_for_holds if max_spares else 0  # (recycling: see above)
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
             parsed = naming.parse_part_name(entry.name)
             stale = naming.is_dirty_name(entry.name) or (
