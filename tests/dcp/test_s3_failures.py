@@ -477,7 +477,7 @@ def test_loading_from_a_missing_bucket_names_the_url(s3_server: str) -> None:
 # ------------------------------------------------------------------ damaged objects
 
 
-@pytest.mark.parametrize("damage", ["truncated data", "garbage metadata"])
+@pytest.mark.parametrize("damage", ["truncated data", "missing data", "garbage metadata"])
 def test_a_damaged_checkpoint_on_s3_is_a_corrupt_checkpoint_error(
     s3_bucket: tuple[str, dict],
     damage: str,
@@ -489,6 +489,9 @@ def test_a_damaged_checkpoint_on_s3_is_a_corrupt_checkpoint_error(
         name, reason = _data_files(path, direct)[0], "truncated"
         whole = storage.read_bytes(f"{path}/{name}", direct)
         storage.write_file(f"{path}/{name}", [whole[: len(whole) // 2]], storage_options=direct)
+    elif damage == "missing data":  # (no hint of node-local disks: every rank sees the store)
+        name, reason = _data_files(path, direct)[0], "missing DCP data file$"
+        storage.remove_files(path, [name], storage_options=direct)
     else:
         name, reason = ".metadata", ""
         storage.publish(f"{path}/{name}", b"\x80\x05garbage" * 100, storage_options=direct)
@@ -524,6 +527,47 @@ def test_earlier_data_objects_that_cannot_be_deleted_never_fail_the_save(
     out = {"w": torch.zeros_like(second["w"]), "step": -1}
     load(out, path, storage_options=direct)
     assert torch.equal(out["w"], second["w"]) and out["step"] == 2
+
+
+def _plan_on_a_store_that_stops_answering(
+    rank: int, world: int, base: str, stalled: dict, healthy: dict
+) -> str:
+    # each request may take up to 5 tries of 4 s: far more than the others wait in the planning
+    slow = storage.UploadOptions(attempts=5, backoff=0.05, request_timeout=4)
+    options = stalled if rank == 0 else healthy  # the store stops answering the coordinator
+    try:
+        save(_state(2, 1024), step_path(base, 2), storage_options=options, upload=slow)
+        outcome = "saved"
+    except CheckpointingError as e:
+        outcome = str(e)
+    save(_state(3, 1024), step_path(base, 3), storage_options=healthy)  # the job's group lives on
+    return outcome
+
+
+def test_a_store_that_stops_answering_in_the_planning_fails_the_save_not_the_job(
+    first_step: Callable[..., FirstStep],
+) -> None:
+    """The store stops answering the coordinator's requests of the planning (its set-up, then
+    the clean-up after it): they used to run to their last retry on the training thread, past the
+    other rank's wait in the planning's vote (``TIERPOINT_TIMEOUT``), which failed the job's
+    coordination for good. They end within half of it: the save fails on every rank, the next one
+    commits."""
+    setup = first_step(1024)
+    setup.endpoint.pause()
+    try:
+        outcomes = run_ranks(
+            _plan_on_a_store_that_stops_answering,
+            2,
+            setup.base,
+            _through(setup.endpoint, read_timeout=30),  # each try cut by request_timeout alone
+            setup.direct,
+            env={"TIERPOINT_TIMEOUT": "8"},
+            timeout=120,
+        )
+    finally:
+        setup.endpoint.resume()
+    assert all("rank 0" in o and "out of time" in o for o in outcomes), outcomes
+    assert ".metadata" in storage.listdir(step_path(setup.base, 3), setup.direct)
 
 
 def _commit_to_a_store_that_stops_answering(

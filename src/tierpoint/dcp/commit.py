@@ -38,7 +38,7 @@ from .. import storage
 from ..errors import CheckpointingError, error_text, failed_on_ranks
 from ..storage.retries import deadline
 from .metadata_cache import CheckpointMetadataCache
-from .planning import agree, cleanup_after_failure
+from .planning import agree, cleanup_after_failure, store_budget
 from .writer import Writer
 
 
@@ -104,7 +104,7 @@ def _commit(
             if global_metadata is None:
                 raise CheckpointingError("the coordinator has no global metadata to commit")
             commit_unknown = not storage.is_local(path)
-            with deadline(_store_budget()):  # the others wait for its outcome below
+            with deadline(store_budget()):  # the others wait for its outcome below
                 storage_writer.commit(global_metadata, encoded)
             commit_unknown = False
         except Exception as e:  # noqa: BLE001 - agreed below
@@ -121,7 +121,7 @@ def _commit(
 
     error = None
     try:
-        with deadline(_store_budget()):
+        with deadline(store_budget()):
             storage_writer.remove_markers(every_visible=dist_wrapper.is_coordinator)
     except Exception as e:  # noqa: BLE001 - agreed below
         error = e
@@ -163,13 +163,6 @@ def _gather_results(
         gathered = tpdist.gather_json(payload, dist_wrapper.global_coordinator_rank, what, group)
         return gathered if gathered is not None else []
     return tpdist.all_gather_json(payload, what, group=group)
-
-
-def _store_budget() -> float:
-    """Seconds the coordinator's requests between two collectives may take: half of what the other
-    ranks wait there (``TIERPOINT_TIMEOUT``), so that a store that stops answering fails this
-    save on every rank (its retries cut short) rather than the job's coordination."""
-    return tpdist.default_timeout().total_seconds() / 2
 
 
 def _hash31(text: str) -> int:

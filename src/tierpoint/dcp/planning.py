@@ -25,6 +25,9 @@ Invariants:
 - A failure on any rank raises the same :class:`~tierpoint.errors.CheckpointingError` on every
   rank, and this rank's files and marker are removed (:func:`cleanup_after_failure`).
 - Every rank names its files with the same token once planning returned.
+- A rank's requests to the store between two collectives (set-up, removing an earlier save's
+  files, clean-up after a failure) end within :func:`store_budget`: a store that stops answering
+  fails the save on every rank, never the job's coordination.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from .. import dist as tpdist
 from ..errors import CheckpointingError, error_text, failed_on_ranks
+from ..storage.retries import deadline
 from ..tree import PLAIN_TENSOR_TYPES
 from .metadata_cache import CheckpointMetadataCache, default_metadata_cache
 from .writer import Writer
@@ -115,7 +119,8 @@ def save_state_dict_async_plan(
             is_coordinator=is_coordinator,
         )
         world_size = dist_wrapper.get_world_size()  # the file token is agreed below
-        storage_writer.set_up_storage_writer(is_coordinator, rank=rank, world_size=world_size)
+        with deadline(store_budget()):  # the others wait for it in the vote below
+            storage_writer.set_up_storage_writer(is_coordinator, rank=rank, world_size=world_size)
         if reusable and _same_local_layout(planner, is_coordinator, cache.local_layout):
             local_plan, layout = cache.cached_local_plan, cache.local_layout
         else:
@@ -351,7 +356,8 @@ def _remove_earlier_saves(storage_writer: Writer, group: Any, use_dist: bool) ->
     what = f"removing the earlier save's files from {storage_writer.path}"
     error: BaseException | None = None
     try:
-        storage_writer.remove_earlier_save()
+        with deadline(store_budget()):
+            storage_writer.remove_earlier_save()
     except CheckpointingError as e:
         error = e
     try:
@@ -371,6 +377,13 @@ def _mins_over_ranks(values: list[int], group: Any, use_dist: bool, what: str) -
     return tpdist.reduce_ints(values, "min", what, group) if use_dist else list(values)
 
 
+def store_budget() -> float:
+    """Seconds a rank's requests to the store between two collectives may take: half of what the
+    other ranks wait there (``TIERPOINT_TIMEOUT``), so that a store that stops answering fails
+    this save on every rank (its retries cut short) rather than the job's coordination."""
+    return tpdist.default_timeout().total_seconds() / 2
+
+
 def agree(group: Any, use_dist: bool, what: str, error: BaseException | None) -> None:
     """Collective: if any rank passes an error, every rank raises the same CheckpointingError
     (:func:`tierpoint.dist.raise_if_any_failed` on ``group``; this rank alone without ``use_dist``)."""
@@ -384,6 +397,7 @@ def cleanup_after_failure(writer: Writer, keep_marker: bool = False) -> None:
     """Remove what this rank wrote for a failed save (:meth:`Writer.discard`); a failure to do so
     is logged, not raised (the save's own failure is what the caller must see)."""
     try:
-        writer.discard(keep_marker=keep_marker)
+        with deadline(store_budget()):
+            writer.discard(keep_marker=keep_marker)
     except Exception as e:  # noqa: BLE001 - the save's own failure is what the user must see
         logger.warning("cleaning up after a failed save of %s: %s", writer.path, e)

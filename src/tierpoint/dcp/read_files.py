@@ -67,6 +67,8 @@ def _missing(location: str, what: str) -> CheckpointingError:
             f"no committed DCP checkpoint: {location} is missing (its save never finished, or this "
             "is not a DCP checkpoint directory)"
         )
+    if not storage.is_local(location):  # (an object store: every rank sees every object)
+        return CorruptDCPError(location, f"missing {what} file")
     return CorruptDCPError(
         location,
         f"missing {what} file (on node-local disks: get_latest_complete_checkpoint(..., "
