@@ -529,14 +529,14 @@ def test_earlier_data_objects_that_cannot_be_deleted_never_fail_the_save(
     assert torch.equal(out["w"], second["w"]) and out["step"] == 2
 
 
-def _plan_on_a_store_that_stops_answering(
-    rank: int, world: int, base: str, stalled: dict, healthy: dict
+def _save_on_a_store_that_stops_answering(
+    rank: int, world: int, base: str, options: list[dict], healthy: dict
 ) -> str:
-    # each request may take up to 5 tries of 4 s: far more than the others wait in the planning
+    """Save step 2 through ``options[rank]`` (where the store stops answering: each request may
+    take up to 5 tries of 4 s, far more than the others wait), then step 3 through ``healthy``."""
     slow = storage.UploadOptions(attempts=5, backoff=0.05, request_timeout=4)
-    options = stalled if rank == 0 else healthy  # the store stops answering the coordinator
     try:
-        save(_state(2, 1024), step_path(base, 2), storage_options=options, upload=slow)
+        save(_state(2, 1024), step_path(base, 2), storage_options=options[rank], upload=slow)
         outcome = "saved"
     except CheckpointingError as e:
         outcome = str(e)
@@ -553,13 +553,14 @@ def test_a_store_that_stops_answering_in_the_planning_fails_the_save_not_the_job
     coordination for good. They end within half of it: the save fails on every rank, the next one
     commits."""
     setup = first_step(1024)
+    stalled = _through(setup.endpoint, read_timeout=30)  # each try cut by request_timeout alone
     setup.endpoint.pause()
     try:
         outcomes = run_ranks(
-            _plan_on_a_store_that_stops_answering,
+            _save_on_a_store_that_stops_answering,
             2,
             setup.base,
-            _through(setup.endpoint, read_timeout=30),  # each try cut by request_timeout alone
+            [stalled, setup.direct],  # the store stops answering the coordinator
             setup.direct,
             env={"TIERPOINT_TIMEOUT": "8"},
             timeout=120,
@@ -568,20 +569,6 @@ def test_a_store_that_stops_answering_in_the_planning_fails_the_save_not_the_job
         setup.endpoint.resume()
     assert all("rank 0" in o and "out of time" in o for o in outcomes), outcomes
     assert ".metadata" in storage.listdir(step_path(setup.base, 3), setup.direct)
-
-
-def _commit_to_a_store_that_stops_answering(
-    rank: int, world: int, base: str, stalled: dict, healthy: dict
-) -> str:
-    # each request may take up to 5 tries of 4 s: far more than the others wait in the commit
-    slow = storage.UploadOptions(attempts=5, backoff=0.05, request_timeout=4)
-    try:
-        save(_state(2, 1024), step_path(base, 2), storage_options=stalled, upload=slow)
-        outcome = "saved"
-    except CheckpointingError as e:
-        outcome = str(e)
-    save(_state(3, 1024), step_path(base, 3), storage_options=healthy)  # the job's group lives on
-    return outcome
 
 
 def test_a_commit_to_a_store_that_stops_answering_fails_the_save_not_the_job(
@@ -594,10 +581,10 @@ def test_a_commit_to_a_store_that_stops_answering_fails_the_save_not_the_job(
     setup = first_step(1024, late_metadata=60)
     env = {"TIERPOINT_TIMEOUT": "8"}
     outcomes = run_ranks(
-        _commit_to_a_store_that_stops_answering,
+        _save_on_a_store_that_stops_answering,
         2,
         setup.base,
-        _through(setup.endpoint, read_timeout=30),  # each try cut by request_timeout alone
+        [_through(setup.endpoint, read_timeout=30)] * 2,  # each try cut by request_timeout alone
         setup.direct,
         env=env,
         timeout=90,
