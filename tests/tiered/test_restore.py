@@ -664,6 +664,22 @@ def test_a_persistent_tier_the_store_cannot_list_fails_the_restore_rather_than_r
         assert "cannot list" in message and "did not answer" in message, message
 
 
+def test_a_persistent_tier_that_cannot_be_listed_is_named_not_taken_for_checkpoints(
+    s3_server,  # noqa: F811
+):
+    """A bucket that does not exist (a typo, or not made yet): the restore refuses, saying the
+    tier cannot be listed and what to do; it said that checkpoints existed and to move them away."""
+    url = "s3://tierpoint-no-such-bucket/run"
+    options = {"endpoint_url": s3_server}
+    with TieredCheckpointManager(None, url, "p", **PERSISTENT_ONLY, storage_options=options) as m:
+        with pytest.raises(CheckpointingError) as raised:
+            m.restore(make_state(0))
+    message = str(raised.value)
+    assert f"cannot list {url}" in message and "does not exist" in message, message
+    assert "whether checkpoints exist there is unknown" in message, message
+    assert "checkpoints exist but" not in message and "move them away" not in message, message
+
+
 def _save_on_two_nodes(rank: int, world: int, root: Path) -> dict:
     node = as_node(rank, ranks_per_node=1)
     state = make_state(rank)

@@ -105,6 +105,11 @@ def restore_newest(
         record = _apply_local(older_local, local, tree, state, local_latest, skipped, start)
         if record is not None:
             return restored(record)
+    if skipped and all(r.startswith(_UNLISTED) for r in skipped):
+        raise CheckpointingError(
+            f"{skipped[0]}: whether checkpoints exist there is unknown (starting over could save "
+            "over them). Give access to the store, or correct persistent_dir"
+        )
     if skipped:
         raise CheckpointingError(
             "checkpoints exist but none could be restored (starting over would save over them): "
@@ -135,6 +140,9 @@ def _with_newer_unusable(
         newer += [why for i, why in local.incomplete_parts() if i > step]
     record.skipped[:0] = newer
     return record
+
+
+_UNLISTED = "persistent tier: cannot list"
 
 
 def _persistent_candidates(
@@ -171,7 +179,7 @@ def _persistent_candidates(
             "another tier's step instead could rewind past the steps it holds)"
         )
     if error is not None:
-        skipped.append(f"persistent tier: cannot list {persistent_dir}: {error}")
+        skipped.append(f"{_UNLISTED} {persistent_dir}: {error}")
         logger.warning("restore: cannot list the persistent tier: %s", error)
         return [], []
     return steps, unfinished
