@@ -144,8 +144,9 @@ def test_waits_check_their_timeout(
 def test_the_worker_start_up_does_not_count_against_the_timeout_and_a_timeout_undoes_the_call():
     """The worker imports torch (about a second) after the queue is created; a 0.3 s timeout still
     lets the first save finish, and a call slower than the timeout still fails, at about the
-    timeout."""
-    queue = AsyncCallsQueue(timeout=0.3)
+    timeout. (The worker runs at nice 0 here: at its default nice 19 a parallel test run can
+    starve it of the CPU for longer than 0.3 s between its start and its first result.)"""
+    queue = AsyncCallsQueue(timeout=0.3, cpu_priority=0)
     started = time.monotonic()
     queue.schedule_async_request(AsyncRequest(time.sleep, (0.0,), description="quick save"))
     assert queue.maybe_finalize_async_calls(blocking=True) == [0]
