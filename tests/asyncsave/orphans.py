@@ -20,21 +20,16 @@ def assert_worker_dies_with_trainer(script: str, within: float = 10.0) -> None:
     worker_pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if not _is_worker(worker_pid):
+        if worker_parent(worker_pid) is None:  # gone (or its pid reused by another process)
             return
         time.sleep(0.05)
     os.kill(worker_pid, 9)
     pytest.fail(f"worker {worker_pid} outlived its killed trainer")
 
 
-def _is_worker(pid: int) -> bool:
-    """Whether ``pid`` is a live tierpoint worker (not a zombie, nor a process that reused the
-    pid: a parallel test's, which must not be killed)."""
-    return worker_parent(pid) is not None
-
-
 def worker_parent(pid: int) -> int | None:
-    """The parent of ``pid`` when it is a live (not zombie) tierpoint worker, else ``None``."""
+    """The parent of ``pid`` when it is a live (not zombie) tierpoint worker, else ``None`` (also
+    for a process that reused the pid: a parallel test's, which must not be killed)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             state, parent = f.read().rsplit(")", 1)[1].split()[:2]
