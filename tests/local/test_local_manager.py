@@ -370,6 +370,25 @@ def test_same_older_or_disagreeing_iteration_is_a_clear_error_everywhere(tmp_pat
     assert len(set(disagree)) == 1 and "disagree" in disagree[0]
 
 
+def _two_jobs_in_one_session(rank: int, world: int, root: str) -> str:
+    """Two jobs on one node, both with the default session: job B's steps are job A's too."""
+    job_a = LocalCheckpointManager(root, keep_last=2)
+    job_a.save(BasicTensorAwareStateDict(make_state(rank, 100)), 100)
+    job_b = LocalCheckpointManager(root, keep_last=2)
+    job_b.save(BasicTensorAwareStateDict(make_state(rank, 200)), 200)
+    with pytest.raises(CheckpointingError) as refused:
+        job_a.save(BasicTensorAwareStateDict(make_state(rank, 101)), 101)
+    return str(refused.value)
+
+
+def test_a_save_refused_because_another_job_shares_the_session_says_so(tmp_path):
+    """Job A's iterations did increase (100, 101): "iterations must increase" alone sent its user
+    looking for a bug of theirs; the error names the likely cause, a shared session_id."""
+    messages = run_ranks(_two_jobs_in_one_session, 2, str(tmp_path))
+    assert len(set(messages)) == 1 and "iteration 200 is already saved" in messages[0]
+    assert "another job" in messages[0] and "session_id" in messages[0], messages[0]
+
+
 def _arguments_refused_on_one_rank(rank: int, world: int, root: str) -> list[tuple[str, float]]:
     """Rank 1 alone passes a bad iteration, then a plain dict; every rank catches the error and
     goes on, as a training loop would, and then saves iteration 1."""

@@ -129,7 +129,9 @@ def keep_for(iteration: int, complete: Iterable[int], in_flight: int, keep_last:
     latest = max(complete, default=naming.NO_CHECKPOINT)
     if iteration <= latest:
         raise CheckpointingError(
-            f"cannot save iteration {iteration}: iteration {latest} is already saved and iterations must increase"
+            f"cannot save iteration {iteration}: iteration {latest} is already saved and "
+            "iterations must increase (if no run of this job saved it, another job saves under "
+            "the same local root and session_id: give each job its own session_id)"
         )
     if iteration <= in_flight:
         raise CheckpointingError(
