@@ -16,6 +16,7 @@ from tierpoint.errors import CheckpointingError, SameMachineReplicationException
 from tierpoint.local import (
     BasicTensorAwareStateDict,
     CliqueReplicationStrategy,
+    LocalCheckpointManager,
 )
 from tierpoint.local.naming import part_name
 from tierpoint.testing import run_ranks
@@ -67,6 +68,25 @@ def test_strategy_cliques_parameters_and_node_check() -> None:
     with pytest.raises(CheckpointingError, match="replication_jump.*-1"):
         CliqueReplicationStrategy.from_replication_params(-1, 2)
     assert issubclass(SameMachineReplicationException, CheckpointingError)
+
+
+def _one_copy(rank: int, world: int, root: str) -> list[list[int]]:
+    """3 ranks on nodes of 2 and 1 ranks: one copy needs no jump, whatever the nodes."""
+    as_node(rank)
+    cliques = []
+    for session, jump in (("derived", None), ("given", 2)):
+        strategy = CliqueReplicationStrategy.from_replication_params(jump, 1)
+        manager = LocalCheckpointManager(root, session_id=session, repl_strategy=strategy)
+        manager.save(BasicTensorAwareStateDict(make_state(rank, 1)), 1)
+        cliques.append(strategy.clique(rank))
+    return cliques
+
+
+def test_one_copy_saves_on_any_layout(tmp_path: Path) -> None:
+    """replication_factor=1 (no copies) refused every save on nodes of different sizes ("cannot
+    derive replication_jump") or with a jump that does not divide the world size."""
+    results = run_ranks(_one_copy, 3, str(tmp_path))
+    assert results == [[[rank], [rank]] for rank in range(3)]
 
 
 def _one_node_default_jump(rank: int, world: int) -> str:

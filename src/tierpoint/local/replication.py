@@ -155,7 +155,9 @@ class CliqueReplicationStrategy(_ReplicaGroups):
             return
         layout = tpdist.node_layout()
         jump = self._requested_jump
-        if jump is None:
+        if self.replication_factor == 1:
+            jump = 1  # one copy: every rank is its own clique, whatever the jump and the nodes
+        elif jump is None:
             sizes = {layout.node_of_rank.count(n) for n in layout.nodes}
             if len(sizes) != 1:
                 raise CheckpointingError(
