@@ -46,6 +46,7 @@ from . import param_groups
 from . import state as st
 from .events import RestoreRecord
 from .numpy_values import sized_as_saved
+from .runs import check_run
 from .saved_lists import lists_as_saved
 from .tree_paths import holds
 
@@ -83,7 +84,9 @@ def restore_newest(
     if local is not None and local_latest != -1 and local_latest >= newest_persistent:
         loaded = _load_local(local, skipped)
         if loaded is not None and loaded[1].iteration >= newest_persistent:
-            record = _apply_local(loaded, local, tree, state, local_latest, skipped, start)
+            record = _apply_local(
+                loaded, local, tree, state, local_latest, skipped, start, persistent_dir
+            )
             if record is not None:
                 return restored(record)
             loaded = None  # another parallel layout: the persistent tier reshards
@@ -102,7 +105,9 @@ def restore_newest(
     if local is not None and older_local is None and -1 < local_latest < newest_persistent:
         older_local = _load_local(local, skipped)
     if older_local is not None:  # every persistent step failed: the newest left is local
-        record = _apply_local(older_local, local, tree, state, local_latest, skipped, start)
+        record = _apply_local(
+            older_local, local, tree, state, local_latest, skipped, start, persistent_dir
+        )
         if record is not None:
             return restored(record)
     if skipped and all(r.startswith(_UNLISTED) for r in skipped):
@@ -237,15 +242,18 @@ def _apply_local(
     latest: int,
     skipped: list[str],
     start: float,
+    persistent_dir: str | None,
 ) -> RestoreRecord | None:
     """Check a loaded local checkpoint against the state (collective), then put it in place.
     ``None`` (on every rank) when it was saved in another parallel layout (the local tier stores
-    each rank's shards as they were): it is set aside, and the reason recorded."""
+    each rank's shards as they were): it is set aside, and the reason recorded. Raised on every
+    rank: another run's step (:mod:`.runs`), another state structure."""
     ta, record = loaded
     checkpoint = ta.state_dict
     live = st.local_form(tree)
     what = f"checking the state against local checkpoint step {record.iteration}"
     with tpdist.agree(what) as layout:
+        check_run(checkpoint, persistent_dir, record.iteration, local.local_ckpt_dir.parent)
         resharded = st.shardings_differ(live, checkpoint)
         if resharded and not st.check_loaded(_shapeless(live), _shapeless(checkpoint)):
             layout.key = "another layout"  # shapes differ too: the shards are another layout's

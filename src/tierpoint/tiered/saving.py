@@ -59,6 +59,7 @@ from .pickled_values import NO_PICKLE_HINT
 from .queues import TierQueues
 from .replicas import ReplicaCheck
 from .retention import retire_persistent_steps
+from .runs import RUN_KEY, tagged
 
 logger = logging.getLogger("tierpoint")
 
@@ -174,7 +175,7 @@ class SavePath:
         """``refusal``: why this rank refused its state (raised on every rank by the save)."""
         assert self.local is not None
         self._make_room("local")
-        local_tree = st.local_form(tree)
+        local_tree = tagged(st.local_form(tree), self.persistent_dir)
         record = SaveRecord("local", step, st.nbytes(local_tree))
         start = time.perf_counter()
         taken = for_collective_save(local_tree, NO_PICKLE_HINT, refusal)
@@ -280,7 +281,8 @@ class SavePath:
         try:
             tree = st.template(state)
             if self.local is not None:
-                self.local.warm_up(BasicTensorAwareStateDict(st.local_form(tree)))
+                local_tree = tagged(st.local_form(tree), self.persistent_dir)
+                self.local.warm_up(BasicTensorAwareStateDict(local_tree))
             if self.persistent_dir is not None and (self.local is None or st.has_dtensor(tree)):
                 dcp.warm_up(
                     st.persistent_form(tree, tpdist.get_rank()),
@@ -327,8 +329,7 @@ class SavePath:
             record = SaveRecord("persistent", deferred.step, 0, ok=False, error=str(e))
             self._events.emit(record)
             return
-        tree = dict(held.tree)
-        tree.pop(st.SHARDING_KEY, None)
+        tree = {k: v for k, v in held.tree.items() if k not in (st.SHARDING_KEY, RUN_KEY)}
         for key in deferred.rank_local_keys:
             tree[key] = st.RankLocal(tree[key])
         self._save_persistent(deferred.step, st.persistent_form(tree, tpdist.get_rank()), held)
