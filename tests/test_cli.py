@@ -984,3 +984,39 @@ def test_bench_says_when_out_cannot_be_its_directory(
     err = capsys.readouterr().err
     assert f"--out {taken}: cannot be the results' directory (File exists)" in err, err
     assert taken.read_text() == "{}"
+
+
+def test_convert_a_local_iteration_passes_over_a_damaged_or_misnamed_copy(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # As the manager saves with replication: rank 0's directory holds rank 1's replica, which
+    # sorts before rank 1's own part. A damaged copy must not fail the conversion while another
+    # is intact, and a file under another part's name is never taken for it.
+    def parts(session: Path) -> None:
+        for holder in (0, 1):
+            for origin in (0, 1):
+                path = session / str(holder) / part_name(5, origin)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                extra = {"iteration": 5, "rank": origin, "world_size": 2}
+                fileformat.write(path, {"w": torch.full((4,), float(origin))}, extra=extra)
+
+    def converted(session: Path, name: str) -> dict:
+        assert main(["convert", str(session), str(tmp_path / name)]) == 0, capsys.readouterr()
+        capsys.readouterr()
+        return torch.load(tmp_path / name, weights_only=True)
+
+    parts(tmp_path / "a")
+    _flip(tmp_path / "a" / "0" / part_name(5, 1))  # the replica's data damaged
+    assert torch.equal(converted(tmp_path / "a", "a.pt")["rank1"]["w"], torch.full((4,), 1.0))
+    _flip(tmp_path / "a" / "1" / part_name(5, 1))  # and rank 1's own copy: none intact
+    assert main(["convert", str(tmp_path / "a"), str(tmp_path / "none.pt")]) == 1
+    _one_line_error(capsys.readouterr().err, "no intact copy of rank 1's part of iteration 5")
+    assert not (tmp_path / "none.pt").exists()
+
+    for holder in ("0", "1"):  # a copy of rank 1's part replaced by rank 0's: intact, not rank 1's
+        parts(tmp_path / holder)
+        shutil.copy(
+            tmp_path / "0" / "0" / part_name(5, 0), tmp_path / holder / holder / part_name(5, 1)
+        )
+        rank1 = converted(tmp_path / holder, f"{holder}.pt")["rank1"]["w"]
+        assert torch.equal(rank1, torch.full((4,), 1.0)), holder

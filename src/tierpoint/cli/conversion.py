@@ -147,7 +147,6 @@ def _read_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
 def _read_iteration(root: str, iteration: int | None, rank: int | None) -> tuple[Any, str]:
     """One local-tier iteration (the newest complete by default): ``{"rank<r>": state}`` for every
     rank, or one rank's state."""
-    from .. import fileformat
     from ..local.naming import parse_part_name
 
     rows = [r for r in local_rows(root) if iteration is None or r.step == iteration]
@@ -159,11 +158,13 @@ def _read_iteration(root: str, iteration: int | None, rank: int | None) -> tuple
         which = f"iteration {iteration}" if iteration is not None else "complete iteration"
         raise CommandError(f"{root}: no {which} to convert")
     row = max(complete, key=lambda r: r.step)
-    parts: dict[int, Path] = {}
+    parts: dict[int, list[Path]] = {}  # origin rank -> its copies
     for p in sorted(Path(root).glob("**/*")):
         parsed = parse_part_name(p.name)
         if parsed is not None and parsed[0] == row.step:
-            parts.setdefault(parsed[1], p)
+            parts.setdefault(parsed[1], []).append(p)
+    for origin, copies in parts.items():  # the origin's own directory's copy first, then replicas
+        copies.sort(key=lambda p, origin=origin: p.parent.name != str(origin))
     ranks = [rank] if rank is not None else sorted(parts)
     if any(r not in parts for r in ranks):
         raise CommandError(f"{root}: iteration {row.step} has no part of rank {rank}")
@@ -179,9 +180,31 @@ def _read_iteration(root: str, iteration: int | None, rank: int | None) -> tuple
         for step, r in newer
     )
     if rank is not None:
-        return fileformat.read(parts[rank]), f"iteration {row.step}, rank {rank}{passed}"
-    state = {f"rank{r}": fileformat.read(parts[r]) for r in ranks}
+        return _read_part(parts[rank], row.step, rank), f"iteration {row.step}, rank {rank}{passed}"
+    state = {f"rank{r}": _read_part(parts[r], row.step, r) for r in ranks}
     return state, f"iteration {row.step}, ranks {ranks[0]}..{ranks[-1]}{passed}"
+
+
+def _read_part(copies: list[Path], iteration: int, origin: int) -> Any:
+    """One rank's part, from the first of its ``copies`` that is intact and whose metadata agrees
+    with its name, as the manager loads it: a damaged replica, or a file under another part's
+    name, is passed over for the next copy."""
+    from .. import fileformat
+    from ..local.naming import part_metadata
+
+    errors: list[Exception] = []
+    for path in copies:
+        try:
+            part_metadata(path, iteration, origin)
+            return fileformat.read(path)
+        except (CheckpointingError, OSError) as e:
+            errors.append(e)
+    if len(errors) == 1:
+        raise errors[0]
+    raise CommandError(
+        f"no intact copy of rank {origin}'s part of iteration {iteration} ({len(errors)} tried): "
+        + "; ".join(str(e) for e in errors)
+    )
 
 
 def _write_file(state: Any, dst: str, kind: str) -> str:
