@@ -897,12 +897,19 @@ def test_verify_a_torch_save_file_whose_record_method_or_flags_are_damaged_fails
 def test_convert_writes_files_the_umask_allows_others_to_read(tmp_path: Path) -> None:
     # a state safetensors cannot hold (complex) is written by tierpoint.fileformat, which made its
     # files private like a local tier's parts, where torch.save and safetensors follow the umask
+    # (and the safetensors package itself, 0.8 at least, writes its files 0600)
     source = tmp_path / "s.pt"
     torch.save({"z": torch.ones(3, dtype=torch.complex64), "w": torch.ones(2)}, source)
+    plain = tmp_path / "plain.pt"  # a state safetensors holds: written by the safetensors package
+    torch.save({"w": torch.ones(2)}, plain)
     umask = os.umask(0o022)
     try:
-        for name in ("out.safetensors", "out.pt"):
-            assert main(["convert", str(source), str(tmp_path / name)]) == 0
+        for src, name in (
+            (source, "out.safetensors"),
+            (source, "out.pt"),
+            (plain, "p.safetensors"),
+        ):
+            assert main(["convert", str(src), str(tmp_path / name)]) == 0
             assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
     finally:
         os.umask(umask)

@@ -254,6 +254,9 @@ def _write_safetensors(state: Any, dst: str) -> str:
     }
     tensors = {n: t.detach().cpu().contiguous().clone() for n, t in zip(names, flat.tensors)}
     save_file(tensors, dst, metadata=metadata)
+    umask = os.umask(0)  # safetensors makes its files private: give it torch.save's permissions
+    os.umask(umask)
+    os.chmod(dst, 0o666 & ~umask)
     return "safetensors"
 
 
