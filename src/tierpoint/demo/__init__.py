@@ -99,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         failures = parse_failures(args.failures, args.steps)
     except ValueError as e:
         p.error(str(e))
+    for kind, step in failures:  # nothing of its tier could be committed yet: it would resume at 0
+        every = args.persistent_every if EXPECTED_TIER[kind] == "persistent" else args.local_every
+        if step <= every:
+            flag = "--persistent-every" if EXPECTED_TIER[kind] == "persistent" else "--local-every"
+            p.error(
+                f"failure {kind}@{step} comes before any {EXPECTED_TIER[kind]} checkpoint could "
+                f"be committed ({flag} {every}): give it a later step"
+            )
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else None
     work = Path(tempfile.mkdtemp(prefix="tierpoint-demo-", dir=base))
     code = 1
@@ -107,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         if args.keep or code != 0:
-            print(f"kept for inspection (checkpoints, torchrun.log): {work}")
+            ckpt = work / "ckpt"
+            print(f"kept for inspection (checkpoints, torchrun.log): {work}; `tierpoint ls` lists "
+                  f"{ckpt}/node<N> (each node's local tier) and the persistent tier "
+                  f"{args.persistent or ckpt / 'persistent'}")  # fmt: skip
         else:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -212,10 +223,13 @@ def report(
     ):
         table.add_column(column)
     seconds: dict[str, float] = {}
+    early = []  # failures that came before anything was committed
     for (kind, step), run in zip(failures, resumes):
         restore = run.get("restore") or {}
         tier = restore.get("tier")
         ok &= tier == EXPECTED_TIER[kind]
+        if run and tier is None:
+            early.append(f"{kind}@{step}")
         start = run.get("start", 0)
         seconds[str(tier)] = restore.get("seconds", 0.0)
         table.add_row(
@@ -250,7 +264,13 @@ def report(
         print("FAILED: the final parameters differ from the uninterrupted run")
     else:
         print(f"OK: all {n:,} parameters equal the uninterrupted run bit for bit ({world} ranks)")
-    if not ok and same:
+    if early:
+        print(
+            f"FAILED: nothing to resume from after {', '.join(early)}: the saves before it were "
+            "all still in flight (a job's first save also waits for its worker to start); give "
+            "it a later step"
+        )
+    elif not ok and same:
         print("FAILED: a restore did not come from the tier expected for its failure")
     print(f"demo took {time.perf_counter() - started:.0f} s")
     return 0 if ok else 1
