@@ -354,6 +354,26 @@ def test_inspect_shows_a_step_whose_manifest_is_lost_and_names_the_damage(
     assert "DAMAGED" in out and manifest.name in out and "w" in out
 
 
+def test_inspect_names_a_lost_or_cut_data_file_as_ls_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # inspect reads only the values' items: a tensor's lost data file went unsaid, exit status 0,
+    # where ls calls the step corrupt
+    step = dcp.step_path(tmp_path / "base", 3)
+    state = {"w": torch.arange(4096.0), "v": torch.ones(4096), "lr": 0.25}
+    dcp.save(state, step, thread_count=2)
+    (holder,) = Path(step).glob("__0_1.*.distcp")  # a tensor's file (the values are in file 0)
+    data = holder.read_bytes()
+    for damage, said in ((lambda: holder.unlink(), "data file missing"),
+                         (lambda: holder.write_bytes(data[:-100]), "truncated")):  # fmt: skip
+        damage()
+        assert main(["ls", "--json", step]) == 0
+        assert json.loads(capsys.readouterr().out)["checkpoints"][0]["status"] == "corrupt"
+        assert main(["inspect", "--json", step]) == 1
+        problems = json.loads(capsys.readouterr().out)["problems"]
+        assert any(holder.name in p and said in p for p in problems), problems
+
+
 def test_convert_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     safetensors = pytest.importorskip("safetensors.torch")
     part = tmp_path / "p.safetensors"

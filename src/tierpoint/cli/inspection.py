@@ -190,7 +190,8 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
     reader = Reader(path, storage_options=options)
     metadata = reader.read_metadata()
     storage = metadata.storage_data or {}
-    tensors, value_names, size, problems = [], [], 0, set()
+    tensors, value_names, size = [], [], 0
+    problems = _lost_data_files(path, storage, options)
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
         if not isinstance(md, TensorStorageMetadata):
             value_names.append(fqn)
@@ -227,6 +228,24 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
         "skeleton": None,
     }
     return doc | ({"problems": sorted(problems)} if problems else {})
+
+
+def _lost_data_files(path: str, storage: Mapping[Any, Any], options: Mapping[str, Any]) -> set[str]:
+    """What ``ls`` checks of a step without reading it: every data file ``.metadata`` names is
+    there and holds the bytes it locates (``inspect`` reads only the values' items)."""
+    from .locate import join_url, list_entries
+
+    found = list_entries(path, options)
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    lost = set()
+    for name, end in sorted(ends.items()):
+        if name not in found:
+            lost.add(f"{join_url(path, name)}: data file missing")
+        elif found[name].size < end:
+            lost.add(f"{join_url(path, name)}: truncated ({found[name].size} of {end} bytes)")
+    return lost
 
 
 def _checksum_cell(sums: list[str]) -> str:
