@@ -502,6 +502,13 @@ def test_convert_a_local_iteration_and_refuse_unsafe_files(
     (tmp_path / "empty").mkdir()
     assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "z.pt")]) == 1
     _one_line_error(capsys.readouterr().err, "empty: no complete iteration to convert")
+    # --rank / --iteration choose within the local tier: elsewhere they were silently ignored
+    step = dcp.step_path(tmp_path / "base", 5)
+    dcp.save({"w": torch.ones(2)}, step)
+    for src, option in ((step, "--rank"), (str(evil), "--iteration")):
+        assert main(["convert", src, str(tmp_path / "one.pt"), option, "0"]) == 1
+        _one_line_error(capsys.readouterr().err, "--iteration and --rank choose within")
+        assert not (tmp_path / "one.pt").exists()
 
 
 class _Unsafe:

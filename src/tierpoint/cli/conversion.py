@@ -89,6 +89,11 @@ def _read_state(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[A
 def _read_source(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[Any, str]:
     src = args.src
     kind, entries = classify(src, options)
+    if kind != "local" and (args.iteration is not None or args.rank is not None):
+        raise CommandError(  # (else ignored: a DCP step would be converted whole)
+            f"{src}: --iteration and --rank choose within a local-tier directory; this is a "
+            + ("file" if kind == "part" else "DCP checkpoint, converted whole")
+        )
     if kind == "part":
         file_kind = kind_of_file(src)
         if file_kind == "pt":
