@@ -102,6 +102,25 @@ def test_bad_sizes_are_refused_before_anything_runs() -> None:
         assert bad.split("=")[0] in proc.stderr.splitlines()[-1], (bad, proc.stderr)
 
 
+def test_a_persistent_location_that_holds_files_is_refused_before_anything_runs(tmp_path) -> None:
+    """The demo run again on the --persistent of an earlier run resumed there at its last step,
+    never reached its first failure and reported 'the failure did not happen'."""
+    (tmp_path / "run" / "step-18").mkdir(parents=True)
+    (tmp_path / "file").write_text("x")
+    for where, said in (
+        (tmp_path / "run", "is not empty (step-18)"),
+        (tmp_path / "file", "a file"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "tierpoint.demo", f"--persistent={where}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2 and not proc.stdout, (where, proc.stdout)
+        assert said in proc.stderr.splitlines()[-1], proc.stderr
+
+
 def _demo_dir(out: str | bytes | None) -> Path | None:
     """The demo's directory, which its first lines name (``<dir>/ckpt/node<N>``)."""
     if isinstance(out, bytes):

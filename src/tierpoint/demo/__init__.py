@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"failure {kind}@{step} comes before any {EXPECTED_TIER[kind]} checkpoint could "
                 f"be committed ({flag} {every}): give it a later step"
             )
+    if args.persistent:
+        _check_persistent(p, args.persistent, args.endpoint_url)
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else None
     work = Path(tempfile.mkdtemp(prefix="tierpoint-demo-", dir=base))
     code = 1
@@ -121,6 +123,26 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.persistent or ckpt / 'persistent'}")  # fmt: skip
         else:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_persistent(p: argparse.ArgumentParser, url: str, endpoint_url: str | None) -> None:
+    """A ``--persistent`` location must be new or empty: the demo's first launch would resume
+    from what an earlier run left there (and its failures then never happen)."""
+    from .. import storage
+    from ..errors import CheckpointingError
+
+    if storage.is_local(url) and os.path.exists(url) and not os.path.isdir(url):
+        p.error(f"--persistent {url}: a file, not a directory")
+    try:
+        held = storage.listdir(url, {"endpoint_url": endpoint_url} if endpoint_url else None)
+    except CheckpointingError as e:
+        p.error(f"--persistent {url}: {e}")
+    if held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        p.error(
+            f"--persistent {url} is not empty ({shown}): the demo would resume from an earlier "
+            "run's checkpoints there; give it a new or empty location"
+        )
 
 
 def run_demo(args: argparse.Namespace, failures: list[tuple[str, int]], work: Path) -> int:
