@@ -1054,3 +1054,34 @@ def test_convert_a_local_iteration_passes_over_a_damaged_or_misnamed_copy(
         )
         rank1 = converted(tmp_path / holder, f"{holder}.pt")["rank1"]["w"]
         assert torch.equal(rank1, torch.full((4,), 1.0)), holder
+
+
+def test_ls_and_convert_never_make_a_local_iteration_of_two_saves(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # Each rank's part of iteration 5 from another save (a node back with an earlier run's
+    # parts): the manager refuses to load it, ls called it complete and its newest restorable,
+    # and convert mixed the two saves. With a replica of the newer save, that save is whole.
+    session = tmp_path / "job"
+
+    def part(holder: int, origin: int, save: str) -> None:
+        path = session / str(holder) / part_name(5, origin)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        extra = {"iteration": 5, "rank": origin, "world_size": 2, "save": save}
+        fileformat.write(path, {"w": torch.full((2,), float(origin)), "save": save}, extra=extra)
+
+    part(0, 0, "t0000000000000001")
+    part(1, 1, "t0000000000000002")
+    assert main(["ls", "--json", str(session)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["checkpoints"][0]["status"] == "incomplete", doc
+    assert "come from 2 saves" in doc["checkpoints"][0]["detail"] and not doc["newest_restorable"]
+    assert main(["convert", str(session), str(tmp_path / "mixed.pt")]) == 1
+    _one_line_error(capsys.readouterr().err, "no complete iteration to convert")
+
+    part(1, 0, "t0000000000000002")  # rank 0's part of the newer save, as rank 1's replica
+    assert main(["ls", "--json", str(session)]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoints"][0]["status"] == "complete"
+    assert main(["convert", str(session), str(tmp_path / "whole.pt")]) == 0, capsys.readouterr()
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert [whole[f"rank{r}"]["save"] for r in (0, 1)] == ["t0000000000000002"] * 2

@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import CheckpointingError
 from ..files import write_whole
 from .files import is_part_metadata, kind_of_file, load_pt, safetensors_metadata
-from .listing import local_rows
+from .listing import local_rows, newest_whole_save
 from .locate import classify, find_dcp_dir, store_options
 from .output import CommandError
 
@@ -184,25 +184,44 @@ def _read_iteration(root: str, iteration: int | None, rank: int | None) -> tuple
         f"; newer iteration {step} not taken: {r.status}" + (f" ({r.detail})" if r.detail else "")
         for step, r in newer
     )
+    save = _newest_whole_save(parts, row.step, ranks)
     if rank is not None:
-        return _read_part(parts[rank], row.step, rank), f"iteration {row.step}, rank {rank}{passed}"
-    state = {f"rank{r}": _read_part(parts[r], row.step, r) for r in ranks}
+        part = _read_part(parts[rank], row.step, rank, save)
+        return part, f"iteration {row.step}, rank {rank}{passed}"
+    state = {f"rank{r}": _read_part(parts[r], row.step, r, save) for r in ranks}
     return state, f"iteration {row.step}, ranks {ranks[0]}..{ranks[-1]}{passed}"
 
 
-def _read_part(copies: list[Path], iteration: int, origin: int) -> Any:
-    """One rank's part, from the first of its ``copies`` that is intact and whose metadata agrees
-    with its name, as the manager loads it: a damaged replica, or a file under another part's
-    name, is passed over for the next copy."""
+def _newest_whole_save(parts: dict[int, list[Path]], iteration: int, ranks: list[int]) -> Any:
+    """The newest save with an intact header of every one of ``ranks``' parts (None: none)."""
+    from ..local.naming import part_metadata
+
+    saves: dict[str, set[int]] = {}
+    for origin in ranks:
+        for path in parts[origin]:
+            try:
+                meta = part_metadata(path, iteration, origin)
+            except (CheckpointingError, OSError):
+                continue
+            saves.setdefault(str(meta.get("save")), set()).add(origin)
+    return newest_whole_save(saves, ranks)
+
+
+def _read_part(copies: list[Path], iteration: int, origin: int, save: str | None) -> Any:
+    """One rank's part, from the first of its ``copies`` that is intact, whose metadata agrees
+    with its name and that comes from ``save`` (when known), as the manager loads it: a damaged
+    replica, a file under another part's name or a copy of another save is passed over."""
     from .. import fileformat
     from ..local.naming import part_metadata
 
     errors: list[Exception] = []
     for path in copies:
         try:
-            part_metadata(path, iteration, origin)
+            meta = part_metadata(path, iteration, origin)
+            if save is not None and str(meta.get("save")) != save:
+                raise CommandError(f"{path}: a copy of another save of the iteration than {save}")
             return fileformat.read(path)
-        except (CheckpointingError, OSError) as e:
+        except (CheckpointingError, OSError, CommandError) as e:
             errors.append(e)
     if len(errors) == 1:
         raise errors[0]

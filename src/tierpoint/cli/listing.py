@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -174,7 +174,7 @@ def _rank_dir_rows(rank_dir: Path) -> list[Row]:
 
 
 def _session_rows(session: str, holders: Sequence[Path]) -> list[Row]:
-    from ..local.naming import parse_part_name, part_world_size
+    from ..local.naming import parse_part_name, part_metadata
 
     files: dict[int, list[tuple[int, Path]]] = {}
     for holder in holders:
@@ -187,14 +187,17 @@ def _session_rows(session: str, holders: Sequence[Path]) -> list[Row]:
         present: dict[int, int] = {}  # origin rank -> good copies
         worlds: set[int] = set()
         damaged: dict[int, str] = {}  # origin rank -> a damaged copy and why
+        saves: dict[str, set[int]] = {}  # save token -> the origin ranks it has a good copy of
         size, mtime = 0, 0.0
         for origin, path in files[iteration]:
             try:
                 st = path.stat()
-                worlds.add(part_world_size(path, iteration, origin))
+                meta = part_metadata(path, iteration, origin)
             except (OSError, CheckpointingError) as e:
                 damaged.setdefault(origin, f"{path}: {e}")
                 continue
+            worlds.add(meta["world_size"])
+            saves.setdefault(str(meta.get("save")), set()).add(origin)
             present[origin] = present.get(origin, 0) + 1
             size, mtime = size + st.st_size, max(mtime, st.st_mtime)
         world = next(iter(worlds)) if len(worlds) == 1 else None
@@ -205,6 +208,14 @@ def _session_rows(session: str, holders: Sequence[Path]) -> list[Row]:
             status, detail = "corrupt", f"rank {lost[0]}'s part damaged: {damaged[lost[0]]}"
         elif missing:
             status, detail = "incomplete", f"missing ranks {missing}"
+        elif newest_whole_save(saves, range(world or 0)) is None:  # as the manager refuses it
+            status, detail = (
+                "incomplete",
+                (
+                    f"its parts come from {len(saves)} saves of this iteration and none holds every "
+                    "rank's (a node back with an earlier save's parts)"
+                ),
+            )
         else:
             status = "complete"
             detail = f"damaged copies of ranks {sorted(damaged)} ignored" if damaged else ""
@@ -224,6 +235,14 @@ def _session_rows(session: str, holders: Sequence[Path]) -> list[Row]:
             )
         )
     return rows
+
+
+def newest_whole_save(saves: dict[str, set[int]], ranks: Iterable[int]) -> str | None:
+    """The newest save token (tokens sort by time) with a good copy of the part of every rank
+    of ``ranks``: an iteration is loaded from one save's parts only, never from two."""
+    wanted = set(ranks)
+    whole = [save for save, origins in saves.items() if origins >= wanted]
+    return max(whole) if whole else None
 
 
 def dcp_rows(path: str, kind: str, entries: dict[str, Entry], options: Any) -> list[Row]:
