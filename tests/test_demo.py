@@ -91,7 +91,8 @@ def test_bad_failure_lists_are_refused_before_anything_runs() -> None:
 
 def test_bad_sizes_are_refused_before_anything_runs() -> None:
     """Each once ran the whole demo and failed at its end, or crashed in every rank."""
-    for bad in ("--steps=0", "--local-every=0", "--persistent-every=0", "--layers=0", "--width=6"):
+    bad_sizes = ("--steps=0", "--local-every=0", "--persistent-every=0", "--layers=0", "--width=6")
+    for bad in (*bad_sizes, "--nodes=3"):  # 3 nodes: unreplicated, the node failure found nothing
         proc = subprocess.run(
             [sys.executable, "-m", "tierpoint.demo", bad],
             capture_output=True,

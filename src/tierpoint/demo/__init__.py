@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m tierpoint.demo", description=" ".join(__doc__.split("\n\n")[0].split())
     )
-    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (>= 2; default 2)")
+    p.add_argument(
+        "--nodes", type=int, default=2, help="simulated nodes (an even number >= 2; default 2)"
+    )
     p.add_argument("--ranks-per-node", type=int, default=2, help="default 2")
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     p.add_argument("--local-every", type=int, default=3, help="local save every N steps (3)")
@@ -87,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.nodes < 2 or args.ranks_per_node < 1:
         p.error("need --nodes >= 2 (a lost node's parts live on another) and --ranks-per-node >= 1")
+    if args.nodes % 2:  # cliques of 2 nodes: an odd count leaves the local tier unreplicated
+        p.error(
+            f"--nodes must be even, got {args.nodes}: each part is copied to one other node, the "
+            "nodes in pairs (with an odd count the local tier saves unreplicated)"
+        )
     if min(args.steps, args.local_every, args.persistent_every, args.layers) < 1:
         p.error(
             "need --steps, --local-every, --persistent-every and --layers >= 1 (each tier saves)"
