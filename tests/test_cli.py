@@ -486,6 +486,9 @@ def test_convert_a_local_iteration_and_refuse_unsafe_files(
     assert main(["convert", str(session), str(tmp_path / "r0.pt"), "--iteration", "6",
                  "--rank", "0"]) == 0  # fmt: skip
     assert torch.load(tmp_path / "r0.pt", weights_only=True)["step"] == 6
+    # iteration 6 whole: it is there, but incomplete ("no iteration 6" said it was not there)
+    assert main(["convert", str(session), str(tmp_path / "six.pt"), "--iteration", "6"]) == 1
+    _one_line_error(capsys.readouterr().err, "iteration 6 is incomplete (missing ranks [1])")
     # Without the safetensors package the layout is written by tierpoint.fileformat.
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     assert main(["convert", str(session), str(tmp_path / "all.safetensors")]) == 0

@@ -160,6 +160,10 @@ def _read_iteration(root: str, iteration: int | None, rank: int | None) -> tuple
         raise CommandError(f"{root}: holds sessions {sorted(sessions)}: name one's directory")
     complete = [r for r in rows if r.status == "complete" or (rank is not None and rank in r.ranks)]
     if not complete:
+        if iteration is not None and rows:  # it is there, but not whole (or not this rank's)
+            why = rows[0].status + (f" ({rows[0].detail})" if rows[0].detail else "")
+            hint = "" if rank is not None else "; --rank converts one rank's part"
+            raise CommandError(f"{root}: iteration {iteration} is {why}{hint}")
         which = f"iteration {iteration}" if iteration is not None else "complete iteration"
         raise CommandError(f"{root}: no {which} to convert")
     row = max(complete, key=lambda r: r.step)
