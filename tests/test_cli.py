@@ -100,14 +100,17 @@ def test_help_and_version_answer_without_torch() -> None:
 
 def test_demo_help_answers_without_torch() -> None:
     """``tierpoint demo --help`` (and ``python -m tierpoint.demo --help``) answer at once too."""
-    for cmd in (["-m", "tierpoint.cli", "demo"], ["-m", "tierpoint.demo"]):
+    for cmd, usage in (
+        (["-m", "tierpoint.cli", "demo"], "usage: tierpoint demo "),
+        (["-m", "tierpoint.demo"], "usage: python -m tierpoint.demo "),
+    ):
         done = subprocess.run(
             [sys.executable, "-X", "importtime", *cmd, "--help"],
             capture_output=True,
             text=True,
             cwd=REPO,
         )
-        assert done.returncode == 0 and "usage: python -m tierpoint.demo" in done.stdout
+        assert done.returncode == 0 and done.stdout.startswith(usage)
         assert "torch" not in done.stderr  # -X importtime lists every module imported
 
 
@@ -275,9 +278,10 @@ def test_verify_a_dcp_base_checks_every_step(tmp_path: Path, capsys: pytest.Capt
     torch_dcp.save({"w": torch.arange(1000.0)}, checkpoint_id=plain, no_dist=True)
     assert main(["verify", plain]) == 0
     assert "unverified: no checksum manifest" in capsys.readouterr().out
-    assert main(["verify", "--strict", plain]) == 1  # its line agrees
-    line = capsys.readouterr().out.splitlines()[0]
+    assert main(["verify", "--strict", plain]) == 1  # its line and the summary agree
+    line, summary = capsys.readouterr().out.splitlines()
     assert line.startswith(f"FAIL {plain}: ") and "unverified" in line
+    assert summary == "1 unverified (failed: --strict)"
     assert main(["verify", "--strict", "--json", plain]) == 1
     assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "unverified"
 
@@ -1088,3 +1092,13 @@ def test_ls_and_convert_never_make_a_local_iteration_of_two_saves(
     assert main(["convert", str(session), str(tmp_path / "whole.pt")]) == 0, capsys.readouterr()
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     assert [whole[f"rank{r}"]["save"] for r in (0, 1)] == ["t0000000000000002"] * 2
+
+
+def test_a_failure_is_one_line_unless_tierpoint_debug_asks_for_its_traceback(tmp_path: Path):
+    missing = str(tmp_path / "missing")
+    for value in ("", "0"):  # unset, empty and 0 alike
+        done = _cli("inspect", missing, env={"TIERPOINT_DEBUG": value})
+        assert done.returncode != 0
+        _one_line_error(done.stderr, missing)
+    done = _cli("inspect", missing, env={"TIERPOINT_DEBUG": "1"})
+    assert done.returncode != 0 and "Traceback" in done.stderr

@@ -1,7 +1,7 @@
 """``python -m tierpoint``: the ``tierpoint`` command, as ``python -m tierpoint.cli`` runs it.
 
 Call order: runs :func:`tierpoint.cli.main` with ``sys.argv`` and exits with its status.
-Invariants: nothing else (the package's import brings torch; ``tierpoint.cli`` alone does not).
+Invariants: nothing else (neither the package's import nor ``tierpoint.cli`` brings torch).
 """
 
 import sys

@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from ..demo import main as demo_main
 
-        return demo_main(rest)
+        return demo_main(rest, prog="tierpoint demo")
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "ls" and args.path is None:
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tierpoint {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - one line, not a traceback
-        if os.environ.get("TIERPOINT_DEBUG"):
+        if os.environ.get("TIERPOINT_DEBUG", "0") not in ("", "0"):
             raise
         code = e.code if isinstance(e, CommandError) else 1
         known = isinstance(e, (CommandError, CheckpointingError, OSError))

@@ -76,6 +76,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print_json({"ok": ok, "results": results})
     else:
         counts = {s: sum(r["status"] == s for r in results) for s in _MARKS}
+        if args.strict:  # (their lines say FAIL)
+            counts["unverified (failed: --strict)"] = counts.pop("unverified")
         console.print(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing checked")
     return 0 if ok else 1
 

@@ -61,10 +61,9 @@ def kill_ranks(kind: str, cluster: Cluster) -> list[int]:
     return list(range(world))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tierpoint.demo", description=" ".join(__doc__.split("\n\n")[0].split())
-    )
+def main(argv: list[str] | None = None, prog: str = "python -m tierpoint.demo") -> int:
+    """Run the demo with ``argv``; ``prog``: how its usage line names it. Returns the status."""
+    p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument(
         "--nodes", type=int, default=2, help="simulated nodes (an even number >= 2; default 2)"
     )
