@@ -142,3 +142,38 @@ def test_saving_into_a_committed_checkpoint_says_checkpoint_already_exists(tmp_p
     dcp.load(target, checkpoint_id=path)
     assert torch.equal(target["x"], torch.ones(4))  # the refused save lost nothing
     dcp.save({"x": torch.zeros(4)}, checkpoint_id=path, overwrite=True)
+
+
+def _save_without_collectives_then_load(rank: int, world: int, path: str) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(24.0).reshape(6, 4)
+    # torch writes __<rank>.metadata per rank and no .metadata
+    torch_dcp.save(
+        {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": 9},
+        checkpoint_id=path,
+        use_collectives=False,
+    )
+    torch.distributed.barrier()
+    target = {"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)]), "step": 0}
+    dcp.load(target, checkpoint_id=path)
+    # Sharded otherwise than saved, a rank's file holds half of its shard: torch would load that
+    # half and leave the rest as it was, silently.
+    other = {"w": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]), "step": 0}
+    with pytest.raises(CheckpointingError, match="do not cover the part of 'w' this rank loads"):
+        dcp.load(other, checkpoint_id=path)
+    return [torch.equal(target["w"].full_tensor(), full), target["step"], other["step"]]
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_torch_saved_without_collectives_loads_at_its_world_size(tmp_path):
+    """torch's ``dcp.save(..., use_collectives=False)`` writes rank-local ``__<rank>.metadata``
+    files, which torch's ``dcp.load`` reads when there is no ``.metadata``: tierpoint's too (it
+    said there was no committed checkpoint), and refuses a load that would leave part of a
+    tensor unread."""
+    from tierpoint.testing import run_ranks
+
+    path = str(tmp_path / "no-collectives")
+    assert run_ranks(_save_without_collectives_then_load, 2, path, timeout=90) == [[True, 9, 0]] * 2

@@ -42,7 +42,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..dist import Agreement, agree, get_rank
@@ -54,6 +56,7 @@ from ..errors import (
     error_text,
     failed_on_ranks,
 )
+from .metadata_rules import chunks_tile
 from .reader import DEFAULT_THREAD_COUNT, PreparedRead, Reader
 from .state_dict_saver import require_state_dict
 from .step_dirs import checkpoint_id_or_path
@@ -161,9 +164,9 @@ def load(
         try:
             # Every rank checks everything it will read before any rank writes into its state.
             with _agreement(what) as agreement:
-                read, commit = _start_without_collectives(state_dict, reader, planner)
+                read, commit, save_id = _start_without_collectives(state_dict, reader, planner)
                 # ranks reading different saves (each looked "the latest" up alone) would mix them
-                agreement.key = _save_id(reader.read_metadata())
+                agreement.key = save_id
             if not agreement.same:
                 raise CheckpointingError(
                     f"{what}: the ranks read different saves (their .metadata files record other "
@@ -202,7 +205,7 @@ def load_here(
     reader = Reader(path, storage_options=storage_options)
     read = None
     try:
-        read, commit = _start_without_collectives(state_dict, reader, planner)
+        read, commit, _ = _start_without_collectives(state_dict, reader, planner)
         commit()
     finally:
         if read is not None:
@@ -226,22 +229,26 @@ def _agreement(what: str) -> Iterator[Agreement]:
 
 def _start_without_collectives(
     state_dict: dict[str, Any], reader: Reader, planner: SafeLoadPlanner
-) -> tuple[PreparedRead, Callable[[], None]]:
+) -> tuple[PreparedRead, Callable[[], None], str]:
     """What ``dcp.load`` does, step for step, minus its collectives: with torch's default load
     planning (every rank plans its own reads; the global step returns the plans unchanged) and this
     reader (no global storage planning), shipping every plan to rank 0 and back changes nothing.
-    Everything up to the point where the state is written; the returned function writes it."""
+    Everything up to the point where the state is written; the returned function writes it. Also
+    returns the save id the ranks compare (:func:`_metadata`)."""
     keys = sorted(state_dict, key=str)  # (int and str keys mix: torch names both as str)
     local = {
         k: state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]
         for k in keys
     }
-    metadata = reader.read_metadata()
+    metadata, save_id = _metadata(reader)
     coordinator = get_rank() == 0
     planner.set_up_planner(local, metadata, coordinator)
     reader.set_up_storage_reader(metadata, coordinator)
     plan = reader.prepare_local_plan(planner.create_local_plan())
     plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
+    if save_id is None:
+        _require_covered(planner, plan, os.fspath(reader.path))
+        save_id = "(rank-local metadata)"
     read = reader.start_read(planner.finish_plan(plan), planner)
 
     def commit() -> None:
@@ -252,7 +259,50 @@ def _start_without_collectives(
             else:
                 state_dict[k] = local[k]
 
-    return read, commit
+    return read, commit, save_id
+
+
+def _metadata(reader: Reader) -> tuple[Any, str | None]:
+    """The metadata this rank loads with, and the save id the ranks compare: ``.metadata``, else
+    (as torch's ``dcp.load`` does) this rank's ``__<rank>.metadata``, which torch writes when saving
+    with ``use_collectives=False``: ``None`` for the save id (each rank's file records its own).
+    Neither file: ``.metadata``'s error."""
+    try:
+        metadata = reader.read_metadata()
+    except CheckpointingError as missing:
+        if type(missing) is not CheckpointingError:  # damage, a store that does not answer
+            raise
+        try:
+            return reader.read_metadata(rank=get_rank()), None
+        except CheckpointingError as e:
+            if type(e) is not CheckpointingError:
+                raise
+            raise missing from None
+    return metadata, _save_id(metadata)
+
+
+def _require_covered(planner: SafeLoadPlanner, plan: LoadPlan, path: str) -> None:
+    """A rank-local ``__<rank>.metadata`` lists the chunks this rank saved: each tensor (part) this
+    rank loads must be read whole from them, exactly once. torch leaves the rest of it as it was,
+    silently (a load in another sharding or world size than the save's)."""
+    read: dict[MetadataIndex, list[ChunkStorageMetadata]] = {}
+    for item in plan.items:
+        if item.type == LoadItemType.TENSOR:
+            region = ChunkStorageMetadata(item.dest_offsets, item.lengths)
+            read.setdefault(item.dest_index, []).append(region)
+    stored = planner.metadata.state_dict_metadata  # (allow_partial_load skips keys not stored)
+    for fqn, value in planner.state_dict.items():
+        if not isinstance(value, torch.Tensor) or fqn not in stored:
+            continue
+        for dest in _create_chunk_list(value):
+            if not chunks_tile(dest.sizes, read.get(MetadataIndex(fqn, dest.offsets), [])):
+                raise CheckpointingError(
+                    f"{path} was saved without collectives (one __<rank>.metadata per rank), and "
+                    f"the chunks of __{get_rank()}.metadata do not cover the part of {fqn!r} this "
+                    f"rank loads ({list(dest.sizes)} at {list(dest.offsets)}) exactly once: the "
+                    "rest would keep its old values. Such a checkpoint loads only in the world "
+                    "size and sharding of its save"
+                )
 
 
 def _from_torch(e: CheckpointException, path: str) -> CheckpointingError:
