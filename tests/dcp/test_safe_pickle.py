@@ -80,6 +80,32 @@ def test_every_pickle_protocol_of_real_metadata_loads(tmp_path: Path) -> None:
         assert_same_metadata(safe_loads(pickle.dumps(reference, protocol=protocol), "x"), reference)
 
 
+def test_metadata_of_older_torch_releases_loads(tmp_path: Path) -> None:
+    """Older torch releases pickled the ``TensorProperties`` of
+    ``torch.distributed._shard.sharded_tensor.metadata`` (and its memory-format enum), which torch
+    still loads: they were refused as a forbidden global, the checkpoint called corrupt."""
+    from torch.distributed._shard.sharded_tensor import metadata as older
+
+    reference = pickle.loads(plain_dcp_metadata(tmp_path / "ck", varied_state()))
+    for md in reference.state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            p = md.properties
+            md.properties = older.TensorProperties(
+                p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory
+            )
+    data = pickle.dumps(reference)
+    assert b"torch.distributed._shard.sharded_tensor.metadata" in data
+    ours = safe_loads(data, "x")
+    for fqn, md in ours.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            theirs = reference.state_dict_metadata[fqn].properties
+            assert type(md.properties) is TensorProperties
+            assert (md.properties.dtype, md.properties.memory_format) == (
+                theirs.dtype,
+                theirs.memory_format,
+            )
+
+
 # ------------------------------------------------------------------------------ hostile files
 
 

@@ -10,7 +10,8 @@ bytes, int, str and nested states; none resolves to a torch class or function:
   ``SavePlan``, ``WriteItem``, ``TensorWriteData`` and ``BytesIOWriteData`` that NVRx's cached
   planning stores in ``Metadata.all_local_plans``) become private record classes
   (:data:`RECORDS`) that only keep the state the pickle hands them; a ``BUILD`` aimed at a record
-  class itself (to patch a class) fails;
+  class itself (to patch a class) fails; older torch releases named ``TensorProperties`` (and its
+  memory-format enum) in ``torch.distributed._shard.sharded_tensor.metadata``: the same stand-ins;
 - ``torch.Size``, the memory-format enum, ``torch.serialization._get_layout`` and ``pathlib``
   paths become small functions that check their arguments and return inert values;
 - dtypes resolve to the ``torch.dtype`` objects themselves, and ``WriteItemType`` to a function
@@ -37,6 +38,8 @@ from .restricted_pickle import DTYPES, MAX_DIMS, AllowList, brief
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _PLANNER_MODULE = "torch.distributed.checkpoint.planner"
+_SHARD_MODULE = "torch.distributed._shard.sharded_tensor.metadata"
+"""Where older torch releases' DCP metadata took ``TensorProperties`` from (torch still loads them)."""
 
 
 class Refused(Exception):
@@ -130,6 +133,9 @@ _ALLOWED.update(
     {
         (_PLANNER_MODULE, "WriteItemType"): _write_item_type,
         (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): _mem_format,
+        # Files of older torch releases: the same state (a tuple), the class in its older home.
+        (_SHARD_MODULE, "TensorProperties"): RECORDS[metadata.TensorProperties],
+        (_SHARD_MODULE, "MEM_FORMAT_ENCODING"): _mem_format,
         ("torch", "Size"): _size,
         ("torch.serialization", "_get_layout"): _layout,
         # StorageMeta.checkpoint_id is the path the writer was given, often a pathlib.Path.
