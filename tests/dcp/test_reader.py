@@ -386,6 +386,18 @@ def test_hostile_non_tensor_value_is_refused_and_nothing_runs(tmp_path: Path) ->
     marker.unlink()
 
 
+def test_a_refused_non_tensor_value_names_what_weights_only_refused(tmp_path: Path) -> None:
+    """The error gave the first line of torch's message alone ("... you have two options, do those
+    steps only if you trust the source"), never what was refused nor the options."""
+    path = tmp_path / "ckpt"
+    dcp.save({"x": RunsCommand("true")}, checkpoint_id=path, no_dist=True)
+    with pytest.raises(UnsupportedStateError) as err:
+        load({"x": None}, path)
+    message = str(err.value)
+    assert "GLOBAL posix.system" in message, message
+    assert "two options" not in message and "DefaultLoadPlanner()" in message
+
+
 def test_hostile_metadata_is_refused(checkpoint: tuple[Path, dict], tmp_path: Path) -> None:
     path, state = checkpoint
     marker = tmp_path / "pwned"

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from .. import fileformat, storage
+from ..dcp.loading import weights_only_refusal
 from ..errors import CheckpointingError, CorruptCheckpointError, UnsupportedStateError
 from ..tree import FlatState, flatten
 
@@ -196,15 +197,6 @@ def _read_part(
     return state
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-"""Terminal colour codes torch puts into its weights_only messages."""
-_TORCH_ADVICE = re.compile(
-    r"Weights only load failed|weights_only. set to .False|^\(\d\)|Check the documentation of "
-    r"torch.load|Please file an issue|^WeightsUnpickler error:\s*$"
-)
-"""Lines of torch's weights_only message that are advice, not what was refused."""
-
-
 def _read_pickle(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     data = storage.read_bytes(url, storage_options)
     safe_globals = getattr(torch.serialization, "safe_globals", None)
@@ -213,7 +205,7 @@ def _read_pickle(url: str, storage_options: Mapping[str, Any] | None) -> Any:
         with allowed:
             state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        refusal = _refusal(str(e))
+        refusal = weights_only_refusal(str(e))
         if not re.search(r"global|allowlist", refusal, re.IGNORECASE):
             raise CorruptCheckpointError(url, f"not a torch.save pickle ({refusal})") from None
         raise UnsupportedStateError(
@@ -225,19 +217,11 @@ def _read_pickle(url: str, storage_options: Mapping[str, Any] | None) -> Any:
             "load_trainer_state=False to skip the trainer state",
         ) from None
     except Exception as e:  # noqa: BLE001 - a file torch cannot read at all is damaged
-        reason = _refusal(str(e))[:300] or type(e).__name__
+        reason = weights_only_refusal(str(e))[:300] or type(e).__name__
         raise CorruptCheckpointError(url, f"torch.load could not read it ({reason})") from None
     if not isinstance(state, dict):
         raise CorruptCheckpointError(url, f"holds a {type(state).__name__}, not a dict")
     return state
-
-
-def _refusal(message: str) -> str:
-    """What torch's ``torch.load`` message says was refused, without its advice and colours."""
-    lines = [line.strip() for line in _ANSI.sub("", message).splitlines()]
-    kept = [line for line in lines if line and not _TORCH_ADVICE.search(line)]
-    text = " ".join(kept).removeprefix("WeightsUnpickler error: ")
-    return text[:600] if text else (lines[0] if lines else "")
 
 
 def _numpy_globals() -> list[Any]:

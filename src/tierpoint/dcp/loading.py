@@ -63,6 +63,20 @@ from .step_dirs import checkpoint_id_or_path
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 """Terminal colour codes torch puts into some messages."""
+_TORCH_ADVICE = re.compile(
+    r"Weights only load failed|weights_only. set to .False|^\(\d\)|Check the documentation of "
+    r"torch.load|Please file an issue|^WeightsUnpickler error:\s*$"
+)
+"""Lines of torch's weights_only message that are advice, not what was refused."""
+
+
+def weights_only_refusal(message: str) -> str:
+    """What a ``torch.load(weights_only=True)`` message says was refused (the global it names),
+    without torch's advice and colours."""
+    lines = [line.strip() for line in _ANSI.sub("", message).splitlines()]
+    kept = [line for line in lines if line and not _TORCH_ADVICE.search(line)]
+    text = " ".join(kept).removeprefix("WeightsUnpickler error: ")
+    return text[:600] if text else (lines[0] if lines else "")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -95,12 +109,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             if self.refused is not None:
                 self.refused.append(read_item.dest_index.fqn)
                 return None
-            refusal = _ANSI.sub("", str(e)).splitlines()[0][:200]
+            refusal = weights_only_refusal(str(e)).rstrip(". ")
             raise UnsupportedStateError(
                 read_item.dest_index.fqn,
                 "this non-tensor value needs code from the checkpoint to load (torch.load "
                 f"weights_only=True refused it: {refusal}); pass planner=DefaultLoadPlanner() to "
-                "trust the checkpoint",
+                "trust the whole checkpoint",
             ) from None
 
 
