@@ -398,6 +398,30 @@ def test_a_refused_non_tensor_value_names_what_weights_only_refused(tmp_path: Pa
     assert "two options" not in message and "DefaultLoadPlanner()" in message
 
 
+def test_numpy_values_load_as_torch_dcp_loads_them(tmp_path: Path) -> None:
+    """numpy's RNG state, arrays and scalars (what training scripts keep beside their tensors)
+    load by default, saved by tierpoint or by torch; they were refused as needing trust."""
+    import numpy as np
+
+    from tierpoint.dcp import save
+
+    state = {
+        "w": torch.ones(4),
+        "rng": np.random.RandomState(3).get_state(),
+        "index": np.arange(5, dtype=np.int16),
+        "seen": np.float32(2.5),
+    }
+    for name, write in (("tierpoint", save), ("torch", dcp.save)):
+        path = str(tmp_path / name)
+        write(state, checkpoint_id=path)
+        loaded = {"w": torch.zeros(4), "rng": None, "index": None, "seen": None}
+        load(loaded, path)
+        assert torch.equal(loaded["w"], state["w"])
+        assert all(np.array_equal(a, b) for a, b in zip(loaded["rng"], state["rng"]))
+        assert loaded["index"].dtype == np.int16 and np.array_equal(loaded["index"], np.arange(5))
+        assert type(loaded["seen"]) is np.float32 and loaded["seen"] == 2.5
+
+
 def test_hostile_metadata_is_refused(checkpoint: tuple[Path, dict], tmp_path: Path) -> None:
     path, state = checkpoint
     marker = tmp_path / "pwned"

@@ -35,7 +35,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import os
@@ -45,11 +44,8 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-import torch
-
 from .. import fileformat, storage
-from ..dcp.loading import weights_only_refusal
+from ..dcp.loading import load_weights_only, weights_only_refusal
 from ..errors import CheckpointingError, CorruptCheckpointError, UnsupportedStateError
 from ..tree import FlatState, flatten
 
@@ -199,11 +195,8 @@ def _read_part(
 
 def _read_pickle(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     data = storage.read_bytes(url, storage_options)
-    safe_globals = getattr(torch.serialization, "safe_globals", None)
-    allowed = safe_globals(_numpy_globals()) if safe_globals else contextlib.nullcontext()
     try:
-        with allowed:
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        state = load_weights_only(io.BytesIO(data))
     except pickle.UnpicklingError as e:
         refusal = weights_only_refusal(str(e))
         if not re.search(r"global|allowlist", refusal, re.IGNORECASE):
@@ -222,32 +215,6 @@ def _read_pickle(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     if not isinstance(state, dict):
         raise CorruptCheckpointError(url, f"holds a {type(state).__name__}, not a dict")
     return state
-
-
-def _numpy_globals() -> list[Any]:
-    """What ``torch.load(weights_only=True)`` needs to rebuild numpy arrays, scalars and dtypes, under
-    numpy 2's names and numpy 1's (``numpy.core``). Each element of an object array still goes
-    through the allow-list."""
-    try:
-        from numpy._core import multiarray
-    except ImportError:  # numpy 1
-        from numpy.core import multiarray  # type: ignore[no-redef]
-    dtypes = getattr(np, "dtypes", None)
-    dtype_classes = (
-        [c for c in vars(dtypes).values() if isinstance(c, type) and issubclass(c, np.dtype)]
-        if dtypes is not None
-        else []
-    )
-    return [
-        np.ndarray,
-        np.dtype,
-        *dtype_classes,
-        *(
-            (getattr(multiarray, name), f"{module}.multiarray.{name}")
-            for name in ("_reconstruct", "scalar")
-            for module in ("numpy.core", "numpy._core")
-        ),
-    ]
 
 
 class _scratch:

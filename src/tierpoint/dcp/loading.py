@@ -15,7 +15,8 @@ DTensor / ShardedTensor states saved with another number of ranks), with these d
   read (see :class:`Reader`);
 - non-tensor values (stored as ``torch.save`` bytes) are loaded with ``torch.load(weights_only=True)``
   by :class:`SafeLoadPlanner`, where torch's default planner uses ``weights_only=False`` (runs any
-  pickled code). Plain Python values, containers and tensors load; a value that needs arbitrary
+  pickled code). Plain Python values, containers, tensors and numpy's arrays, scalars and dtypes
+  (``np.random.get_state()``) load; a value that needs arbitrary
   classes is refused with an error naming it. Pass ``planner=DefaultLoadPlanner()`` to trust a
   checkpoint that holds such values;
 - a failure on any rank is raised on every rank as one tierpoint error naming each failing rank
@@ -28,6 +29,8 @@ coordination group spans the whole job).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import os
 import re
@@ -36,6 +39,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -79,6 +83,41 @@ def weights_only_refusal(message: str) -> str:
     return text[:600] if text else (lines[0] if lines else "")
 
 
+def load_weights_only(data: io.BytesIO) -> Any:
+    """``torch.load(weights_only=True)`` of ``data`` on CPU, numpy's arrays, scalars and dtypes
+    allowed too (``np.random.get_state()`` in a state; torch DCP loads them, unpickling anything)."""
+    safe_globals = getattr(torch.serialization, "safe_globals", None)  # (torch 2.5 and later)
+    with safe_globals(_numpy_globals()) if safe_globals else contextlib.nullcontext():
+        return torch.load(data, map_location="cpu", weights_only=True)
+
+
+@functools.cache
+def _numpy_globals() -> list[Any]:
+    """What ``torch.load(weights_only=True)`` needs to rebuild numpy arrays, scalars and dtypes, under
+    numpy 2's names and numpy 1's (``numpy.core``). Each element of an object array still goes
+    through the allow-list."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    dtypes = getattr(np, "dtypes", None)
+    dtype_classes = (
+        [c for c in vars(dtypes).values() if isinstance(c, type) and issubclass(c, np.dtype)]
+        if dtypes is not None
+        else []
+    )
+    return [
+        np.ndarray,
+        np.dtype,
+        *dtype_classes,
+        *(
+            (getattr(multiarray, name), f"{module}.multiarray.{name}")
+            for name in ("_reconstruct", "scalar")
+            for module in ("numpy.core", "numpy._core")
+        ),
+    ]
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """torch's ``DefaultLoadPlanner``, except that non-tensor values load with
     ``torch.load(weights_only=True)`` (no pickled code runs)."""
@@ -104,7 +143,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def _decode(self, read_item: ReadItem, value: io.BytesIO) -> Any:
         try:
-            return torch.load(value, map_location="cpu", weights_only=True)
+            return load_weights_only(value)
         except Exception as e:  # noqa: BLE001 - whatever torch refuses, we refuse
             if self.refused is not None:
                 self.refused.append(read_item.dest_index.fqn)
