@@ -310,6 +310,8 @@ def test_inspect(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert doc["kind"] == "DCP checkpoint" and doc["values"] == {"lr": 0.25, "name": "run"}
     (w,) = doc["tensors"]
     assert w["name"] == "w" and w["shape"] == [4] and w["bytes"] == 16 and len(w["checksum"]) == 16
+    assert main(["inspect", step]) == 0  # the size its head gives is the tensors', not the files'
+    assert capsys.readouterr().out.startswith(f"{step}: DCP checkpoint, 16 B of tensors")
 
     pt, plain = tmp_path / "s.pt", tmp_path / "plain.safetensors"
     assert main(["convert", str(part), str(pt)]) == 1  # its pickle is never loaded

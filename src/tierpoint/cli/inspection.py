@@ -44,7 +44,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     console = make_console()
     columns = ["name", "dtype", "shape", "bytes", "checksum"]
     rows = [(t["name"], t["dtype"], t["shape"], t["bytes"], t["checksum"]) for t in doc["tensors"]]
-    head = f"{doc['path']}: {doc['kind']}, {human_size(doc['size'])}"
+    of_what = " of tensors" if doc["kind"] == "DCP checkpoint" else ""  # (not its files' size)
+    head = f"{doc['path']}: {doc['kind']}, {human_size(doc['size'])}{of_what}"
     if doc.get("extra"):
         head += f", metadata {json.dumps(doc['extra'])}"
     console.print(head, soft_wrap=True)
