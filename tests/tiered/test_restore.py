@@ -747,3 +747,38 @@ def test_a_persistent_copy_lost_with_the_job_is_made_up_for_by_the_next_step(tmp
     for out in run_ranks(_copy_lost_with_the_job, 2, tmp_path, timeout=200):
         assert out["copy lost"] == [4, "local", ("persistent",), ["step-5"]], out
         assert out["copy kept"][:3] == [5, "persistent", ()], out  # nothing owed any more
+
+
+def _local_step_between_persistent_ones(rank: int, world: int, root: Path) -> tuple:
+    """Local steps 4 and 6, persistent steps 4 and 8 (step 8 saved to the persistent tier
+    alone, as a final save does), then step 8 damaged: the restore must take local step 6."""
+    node = as_node(rank, ranks_per_node=1)
+    state = make_state(rank)
+    with _manager(root, node, keep_persistent=3) as manager:
+        for step in range(1, 8):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+            if step == 6:
+                reference = fingerprint(state)
+        train_step(state, world)
+        manager.wait()
+        manager.save(8, state, tiers="persistent")
+    dist.barrier()
+    if rank == 0:
+        _damage_every_tensor_file(root / "persistent" / "step-8")
+    dist.barrier()
+    restored = make_state(rank)
+    with _manager(root, node, keep_persistent=3) as manager:
+        step = manager.restore(restored)
+        record = manager.last_restore
+    assert_same(fingerprint(restored), reference)
+    return step, record.tier, record.skipped
+
+
+def test_a_local_step_newer_than_the_persistent_step_loaded_instead_is_restored(shm_dir):
+    """The newest persistent step fails to load: the local tier's step 6, older than it but newer
+    than the next persistent step (4), is restored, not persistent step 4 (the local step was
+    tried only once every persistent step had failed)."""
+    for step, tier, skipped in run_ranks(_local_step_between_persistent_ones, 2, shm_dir):
+        assert (step, tier) == (6, "local")
+        assert len(skipped) == 1 and "persistent step 8" in skipped[0], skipped

@@ -13,7 +13,8 @@ does not reshard, so it is set aside and the next save removes it) is skipped wi
 (logged and kept in the record's ``skipped``, as are, once a step was restored, the newer local
 steps a killed save left incomplete and the newer persistent steps with a ``.metadata`` but
 unfinished markers);
-a local step older than the newest persistent one is tried after every persistent step failed;
+a local step older than the newest persistent one is tried once every newer persistent step failed
+(before any older one: the newest step that loads is restored, whichever tier holds it);
 when checkpoints exist (or a tier cannot be listed) but none loads, :class:`CheckpointingError`
 says why on every rank, never "nothing to restore" (the run would start over and save over them);
 a different state structure raises
@@ -80,33 +81,31 @@ def restore_newest(
         _note_other_world_parts(local, max(local_latest, newest_persistent), skipped)
         if local_latest == -1:  # (the same on every rank)
             skipped += [f"local tier: {reason}" for reason in local.unusable_parts()]
-    older_local = None  # a local checkpoint loaded, but older than the newest persistent step
-    if local is not None and local_latest != -1 and local_latest >= newest_persistent:
-        loaded = _load_local(local, skipped)
-        if loaded is not None and loaded[1].iteration >= newest_persistent:
+    # The persistent steps newest first, the local tier's newest loadable step among them where it
+    # is at least as new as the next one (-1: every persistent step failed). The local load falls
+    # back to older local steps by itself: one load, made once its newest step is a candidate.
+    loaded, tried, noted = None, local is None or local_latest == -1, False
+    for step in [*persistent, -1]:
+        if not tried and local_latest >= step:
+            tried, loaded = True, _load_local(local, skipped)
+        if loaded is not None and loaded[1].iteration >= step:
+            latest = loaded[1].iteration if noted else local_latest
             record = _apply_local(
-                loaded, local, tree, state, local_latest, skipped, start, persistent_dir
+                loaded, local, tree, state, latest, skipped, start, persistent_dir
             )
             if record is not None:
                 return restored(record)
             loaded = None  # another parallel layout: the persistent tier reshards
-        if loaded is not None:
-            skipped.append(
+        elif loaded is not None and not noted:  # a persistent step newer than it is tried first
+            noted = True
+            skipped += loaded[1].skipped or [
                 f"local steps newer than {loaded[1].iteration}: cannot be loaded on every rank"
-            )
-            older_local = loaded
-    for step in persistent:
+            ]
+        if step == -1:
+            break
         assert persistent_dir is not None
         record = _restore_persistent(
             persistent_dir, storage_options, state, tree, step, skipped, start
-        )
-        if record is not None:
-            return restored(record)
-    if local is not None and older_local is None and -1 < local_latest < newest_persistent:
-        older_local = _load_local(local, skipped)
-    if older_local is not None:  # every persistent step failed: the newest left is local
-        record = _apply_local(
-            older_local, local, tree, state, local_latest, skipped, start, persistent_dir
         )
         if record is not None:
             return restored(record)
