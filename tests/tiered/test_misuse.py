@@ -199,6 +199,40 @@ def test_wrong_arguments_and_steps_going_backwards_are_refused(tmp_path):
         manager.save(10, state)
 
 
+def _gone_back(rank: int, world: int, root: Path) -> tuple:
+    """A run to step 12, then a new manager from step 0 (no restore) on the same persistent tier;
+    then one that restored."""
+    kwargs = {"local_every": 0, "persistent_every": 2, "keep_persistent": 3}
+    state = make_state(rank)
+    with _manager(root, **kwargs) as manager:
+        for step in range(1, 13):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+    state = make_state(rank)
+    with _manager(root, **kwargs) as manager:
+        train_step(state, world)
+        manager.maybe_save(1, state)  # nothing due: nothing listed
+        with pytest.raises(CheckpointingError, match="holds step 12, newer than it") as raised:
+            manager.maybe_save(2, state)  # (retention removed this run's steps 2, 4, 6 and kept
+        train_step(state, world)  # 8, 10, 12; a restart restored step 12 of the abandoned run)
+        with pytest.raises(CheckpointingError, match="holds step 12"):
+            manager.final_save(state, 3)
+    with _manager(root, **kwargs) as manager:
+        restored = manager.restore(make_state(rank))
+        manager.save(13, state)  # after a restore: steps newer than it are saved
+    return str(raised.value), restored, sorted(p.name for p in (root / "persistent").iterdir())
+
+
+def test_a_new_run_going_back_below_the_persistent_steps_is_refused_not_buried(tmp_path):
+    """Saving steps older than the persistent tier's newest complete one (a new manager that did
+    not restore) is refused on every rank, as the local tier refuses it: the steps were accepted,
+    retention removed them before the abandoned run's, and a restart resumed the abandoned run."""
+    for message, restored, steps in run_ranks(_gone_back, 2, tmp_path):
+        assert "Call restore() to go on from it" in message
+        assert restored == 12
+        assert steps == ["step-10", "step-12", "step-13"]
+
+
 def _preempted(rank: int, world: int, root: Path) -> object:
     state = make_state(rank)
     manager = _manager(root, persistent_every=100)

@@ -64,6 +64,7 @@ from .queues import TierQueues
 from .replicas import ReplicaCheck
 from .restoring import owed_copy, reset, restore_newest
 from .saving import SavePath, _Deferred
+from .steps import checked_step, refuse_going_back
 
 logger = logging.getLogger("tierpoint")
 
@@ -209,6 +210,7 @@ class TieredCheckpointManager(SavePath):
         self._watching_signal = False
         self._closed = False
         self._warmed_up = False  # the warm-up started (at the first step not saved)
+        self._looked_ahead = self.persistent_dir is None  # (see steps.refuse_going_back)
 
     # ------------------------------------------------------------------------------ saving
 
@@ -315,6 +317,9 @@ class TieredCheckpointManager(SavePath):
         except BaseException:
             reset(fresh)
             raise
+        self._looked_ahead = (
+            True  # (newer persistent steps failed to load: saving is no going back)
+        )
         if record.step is None:
             reset(fresh)
         else:
@@ -405,15 +410,9 @@ class TieredCheckpointManager(SavePath):
             raise CheckpointingError("this TieredCheckpointManager is closed")
 
     def _check_step(self, step: Any, saving: bool = False, final: bool = False) -> int:
-        if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
-            raise CheckpointingError(f"step must be a non-negative integer, got {step!r}")
-        step = int(step.__index__())
-        if step < 0:
-            raise CheckpointingError(f"step must be a non-negative integer, got {step}")
-        last = self._last_step
-        if last is not None and (step < last or (step == last and saving and not final)):
-            raise CheckpointingError(
-                f"step {step} after step {last}: steps must increase (restore() or a new manager "
-                "to go back)"
-            )
+        step = checked_step(step, self._last_step, saving, final)
+        if saving and not self._looked_ahead:  # the first save of a manager that did not restore
+            assert self.persistent_dir is not None
+            refuse_going_back(self.persistent_dir, step, self.storage_options)
+            self._looked_ahead = True
         return step
