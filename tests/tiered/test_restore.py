@@ -397,6 +397,9 @@ def test_local_steps_of_another_world_size_are_refused_not_started_over(shm_dir)
     before = {p: p.read_bytes() for p in shm_dir.rglob("*.safetensors")}
     messages = run_ranks(_restore_at_another_world_size, 2, shm_dir)
     assert all("local step 4: saved with world size 4, this job has 2 ranks" in m for m in messages)
+    # rank 1 runs on node 1, whose directories are ranks 2's and 3's: more ranks, not moved ones
+    assert all("saved by a job with more ranks" in m for m in messages), messages[0]
+    assert not any("the ranks of a node changed" in m for m in messages), messages[0]
     assert {p: p.read_bytes() for p in shm_dir.rglob("*.safetensors")} == before
 
 

@@ -104,7 +104,9 @@ class Discovery:
         - No parts in this rank's directory but some in the directory of a rank that sees none of
           its own (it runs on another node now): the ranks of a node changed since the save (parts
           are found by global rank). Parts in the directory of a rank that holds them are not
-          (a first save interrupted before every rank's part was in place)."""
+          (a first save interrupted before every rank's part was in place).
+        - Parts in the directories of ranks this job lacks (and none of the above): a job with
+          more ranks saved them, not a node whose ranks changed."""
         store = self.store
         partial = sorted(i for i, _ in self.incomplete)  # (every incomplete one: none is complete)
         reasons = []
@@ -120,19 +122,28 @@ class Discovery:
             seen = []
         what = "find_latest: looking for parts in other ranks' directories"
         (found,) = tpdist.reduce_ints([bool(seen)], "max", what)
+        beyond: list[int] = []
         if found:  # (every rank: the gather below only where some rank saw any)
             # Only a directory whose rank sees no parts of its own is left behind (that rank runs
             # elsewhere now); a rank that holds parts beside one that holds none is an interrupted
-            # first save, or a shared root, where the job starts over.
+            # first save, or a shared root, where the job starts over. A directory of a rank this
+            # job lacks holds the parts of a job with more ranks.
             gathered = tpdist.all_gather_json([holds, seen], what)
-            found = any(
-                r >= len(gathered) or not gathered[r][0] for _, others in gathered for r in others
-            )
+            others = {r for _, ranks in gathered for r in ranks}
+            beyond = sorted(r for r in others if r >= len(gathered))
+            found = any(not gathered[r][0] for r in others if r < len(gathered))
         if found:
             reasons.append(
                 "local parts are in the directories of other ranks on some node: the ranks of a "
                 "node changed since the save (torchrun numbers nodes anew at each rendezvous "
                 "unless --node-rank is fixed); restart with each node's ranks as they were"
+            )
+        elif beyond:
+            reasons.append(
+                f"local parts are in the directories of rank(s) {rank_ranges.text(beyond)}, which "
+                f"this job of {store.world_size} ranks lacks: they were saved by a job with more "
+                "ranks (the local tier does not reshard; restart with as many ranks, or restore "
+                "from a persistent checkpoint)"
             )
         return reasons
 
