@@ -752,6 +752,23 @@ def test_a_persistent_copy_lost_with_the_job_is_made_up_for_by_the_next_step(tmp
         assert out["copy kept"][:3] == [5, "persistent", ()], out  # nothing owed any more
 
 
+def _restored_before_the_first_persistent_step(rank: int, world: int, root: Path) -> list:
+    state = make_state(rank)
+    with _manager(root, rank) as manager:  # local step 2; the first persistent step is 4
+        for step in range(1, 3):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+    with _manager(root, rank) as manager:
+        return [manager.restore(state), manager.last_restore.tier, manager.maybe_save(3, state)]
+
+
+def test_nothing_is_owed_before_the_first_persistent_step_is_due(tmp_path):
+    """Restored from local step 2 with persistent saves every 4 steps: no persistent step was due
+    yet (step 0 is not one), so step 3 saves nowhere; it went to the persistent tier."""
+    results = run_ranks(_restored_before_the_first_persistent_step, 2, tmp_path, timeout=200)
+    assert results == [[2, "local", ()]] * 2
+
+
 def _local_step_between_persistent_ones(rank: int, world: int, root: Path) -> tuple:
     """Local steps 4 and 6, persistent steps 4 and 8 (step 8 saved to the persistent tier
     alone, as a final save does), then step 8 damaged: the restore must take local step 6."""

@@ -317,9 +317,7 @@ class TieredCheckpointManager(SavePath):
         except BaseException:
             reset(fresh)
             raise
-        self._looked_ahead = (
-            True  # (newer persistent steps failed to load: saving is no going back)
-        )
+        self._looked_ahead = True  # (newer persistent steps failed to load: no going back)
         if record.step is None:
             reset(fresh)
         else:

@@ -126,10 +126,11 @@ def restore_newest(
 def owed_copy(record: RestoreRecord, newest_persistent: int, every: int) -> int | None:
     """The restored step when the persistent tier lacks a step its schedule (``every``) had due
     by then: the copy, made from the local part after the local save, died with the job. The next
-    save makes up for it (``None``: nothing is owed)."""
+    save makes up for it (``None``: nothing is owed; step 0 never is, a loop's first is 1)."""
     if record.step is None or record.tier == "persistent" or not every:
         return None
-    return record.step if newest_persistent < record.step // every * every else None
+    due = record.step // every * every
+    return record.step if 0 < due and newest_persistent < due else None
 
 
 def _with_newer_unusable(
