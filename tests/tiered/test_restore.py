@@ -752,21 +752,36 @@ def test_a_persistent_copy_lost_with_the_job_is_made_up_for_by_the_next_step(tmp
         assert out["copy kept"][:3] == [5, "persistent", ()], out  # nothing owed any more
 
 
-def _restored_before_the_first_persistent_step(rank: int, world: int, root: Path) -> list:
+def _owed_or_not(rank: int, world: int, root: Path) -> list:
     state = make_state(rank)
     with _manager(root, rank) as manager:  # local step 2; the first persistent step is 4
         for step in range(1, 3):
             train_step(state, world)
             manager.maybe_save(step, state)
     with _manager(root, rank) as manager:
-        return [manager.restore(state), manager.last_restore.tier, manager.maybe_save(3, state)]
+        out = [manager.restore(state), manager.last_restore.tier, manager.maybe_save(3, state)]
+        for step in range(4, 7):  # local steps 4 and 6, the persistent copy of step 4
+            train_step(state, world)
+            manager.maybe_save(step, state)
+    dist.barrier()
+    if rank == 0:  # as if the job died before the copy of step 4 was committed
+        shutil.rmtree(root / "persistent" / "step-4")
+    dist.barrier()
+    records = WarningRecords()
+    with _manager(root, rank) as manager:
+        out += [manager.restore(state), manager.maybe_save(7, state)]
+    return [*out, [m for m in records.messages if "was not made" in m]]
 
 
-def test_nothing_is_owed_before_the_first_persistent_step_is_due(tmp_path):
+def test_what_is_owed_to_the_persistent_tier_is_its_last_step_due(tmp_path):
     """Restored from local step 2 with persistent saves every 4 steps: no persistent step was due
-    yet (step 0 is not one), so step 3 saves nowhere; it went to the persistent tier."""
-    results = run_ranks(_restored_before_the_first_persistent_step, 2, tmp_path, timeout=200)
-    assert results == [[2, "local", ()]] * 2
+    yet (step 0 is not one), so step 3 saves nowhere; it went to the persistent tier. Restored
+    from local step 6 with the copy of step 4 lost: step 7 makes up for it, named as step 4's."""
+    for out in run_ranks(_owed_or_not, 2, tmp_path, timeout=200):
+        assert out[:5] == [2, "local", (), 6, ("persistent",)], out
+        assert out[5] == [
+            "saving step 7 to the persistent tier (the persistent copy of step 4 was not made)"
+        ], out
 
 
 def _local_step_between_persistent_ones(rank: int, world: int, root: Path) -> tuple:
