@@ -58,3 +58,24 @@ def test_a_new_run_with_an_earlier_runs_session_is_refused_its_local_steps(shm_d
         message = result["message"]
         assert str(shm_dir / "run-a") in message and str(shm_dir / "run-b") in message
         assert "needs its own session_id" in message
+
+
+def _spelled_otherwise(rank: int, world: int, root: Path) -> list:
+    state = make_state(rank)
+    with _manager(root, rank, str(root / "real" / "run-a")) as manager:  # local steps 2 and 4
+        for step in range(1, 5):
+            train_step(state, world)
+            manager.maybe_save(step, state)
+    steps = []
+    for spelled in (str(root / "link" / "run-a"), f"file://{root}/real/run-a"):
+        with _manager(root, rank, spelled) as manager:
+            steps.append(manager.restore(make_state(rank)))
+    return steps
+
+
+def test_a_restart_naming_its_persistent_dir_through_a_link_or_as_a_file_url_restores(shm_dir):
+    """The same directory, reached through a symbolic link (a home directory that is a link to a
+    parallel file system) or named as a file:// URL, is the same run: its local steps restore."""
+    (shm_dir / "real").mkdir()
+    (shm_dir / "link").symlink_to(shm_dir / "real", target_is_directory=True)
+    assert run_ranks(_spelled_otherwise, 2, shm_dir) == [[4, 4]] * 2

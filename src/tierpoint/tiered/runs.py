@@ -10,8 +10,9 @@ Call order: :func:`tagged` on each local save (the part's state gets :data:`RUN_
 :func:`check_run` on restore, before anything is copied (it takes the key out again).
 
 Invariants: a manager without a persistent tier, and a part saved before runs were recorded, carry
-no run and match any; locations are compared normalized (a local path made absolute, a URL without
-a trailing slash).
+no run and match any; locations are compared normalized (a URL without a trailing slash; a local
+path, ``file://`` removed, made absolute, and where the spellings still differ, with its links
+resolved: a restart that reaches the directory through a link is the same run).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .. import storage
 from ..errors import CheckpointingError
 
 RUN_KEY = "__run__"
@@ -29,9 +31,9 @@ def run_of(persistent_dir: str | None) -> str | None:
     """The run a manager with this persistent tier saves as (``None``: no persistent tier)."""
     if persistent_dir is None:
         return None
-    if "://" in persistent_dir:
+    if not storage.is_local(persistent_dir):
         return persistent_dir.rstrip("/")
-    return os.path.abspath(persistent_dir)
+    return os.path.abspath(storage.local_path(persistent_dir))
 
 
 def tagged(local_tree: dict[str, Any], persistent_dir: str | None) -> dict[str, Any]:
@@ -47,7 +49,7 @@ def check_run(
 ) -> None:
     """Take the run out of a loaded local part's state; raise if another run saved it."""
     saved, run = checkpoint.pop(RUN_KEY, None), run_of(persistent_dir)
-    if saved is None or run is None or saved == run:
+    if saved is None or run is None or _same_run(saved, run):
         return
     raise CheckpointingError(
         f"local step {step} in {session_dir} was saved by another run (persistent_dir {saved!r}, "
@@ -55,3 +57,14 @@ def check_run(
         "its own session_id; to resume that run, give its persistent_dir; to drop its local "
         f"steps, remove {session_dir}"
     )
+
+
+def _same_run(saved: object, run: str) -> bool:
+    """Whether the run recorded in a part (``saved``) is ``run``: the same text, or local paths to
+    one directory (links resolved now; a ``file://`` URL recorded as it was given)."""
+    if saved == run:
+        return True
+    if not isinstance(saved, str) or not (storage.is_local(saved) and storage.is_local(run)):
+        return False
+    here, there = (os.path.realpath(storage.local_path(p)) for p in (saved, run))
+    return here == there
