@@ -518,6 +518,11 @@ def test_convert_a_local_iteration_and_refuse_unsafe_files(
         assert main(["convert", src, str(tmp_path / "one.pt"), option, "0"]) == 1
         _one_line_error(capsys.readouterr().err, "--iteration and --rank choose within")
         assert not (tmp_path / "one.pt").exists()
+    # a DCP base is not converted whole: --iteration is pointed at its step's directory
+    assert (
+        main(["convert", str(tmp_path / "base"), str(tmp_path / "one.pt"), "--iteration", "5"]) == 1
+    )
+    _one_line_error(capsys.readouterr().err, f"convert one of its steps, such as {step}")
 
 
 class _Unsafe:

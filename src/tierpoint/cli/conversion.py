@@ -89,7 +89,7 @@ def _read_state(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[A
 def _read_source(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[Any, str]:
     src = args.src
     kind, entries = classify(src, options)
-    if kind != "local" and (args.iteration is not None or args.rank is not None):
+    if kind not in ("local", "dcp-base") and (args.iteration is not None or args.rank is not None):
         raise CommandError(  # (else ignored: a DCP step would be converted whole)
             f"{src}: --iteration and --rank choose within a local-tier directory; this is a "
             + ("file" if kind == "part" else "DCP checkpoint, converted whole")
@@ -103,7 +103,10 @@ def _read_source(args: argparse.Namespace, options: Mapping[str, Any]) -> tuple[
         return _read_dcp(find_dcp_dir(src, entries, options), options), "DCP checkpoint"
     if kind == "local":
         return _read_iteration(src, args.iteration, args.rank)
-    raise CommandError(f"{src}: a DCP base directory: convert one of its steps")
+    from ..dcp.step_dirs import step_path
+
+    such = f", such as {step_path(src, args.iteration)}" if args.iteration is not None else ""
+    raise CommandError(f"{src}: a DCP base directory: convert one of its steps{such}")
 
 
 def _read_safetensors(path: str) -> tuple[Any, str]:
