@@ -12,7 +12,7 @@ Invariants: nothing is written; no code from the checkpoint runs; memory stays n
 (:class:`~tierpoint.errors.CorruptCheckpointError` for a damaged file, a checksum mismatch, or a
 data file without the manifest the others have) naming the file and the item. A checkpoint with no
 manifest at all (written by plain torch) is read just the same and reported unverified. A value
-whose bytes match their checksum but that ``weights_only`` refuses (``np.random.get_state()``, a
+whose bytes match their checksum but that ``weights_only`` refuses (a ``collections.deque``, a
 datetime) is intact: it is named in the summary's ``needs_trust``, not raised (without checksums it
 cannot be told from damage, and is raised).
 """

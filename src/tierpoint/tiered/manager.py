@@ -24,8 +24,9 @@ the final save) is :mod:`.saving` (a mixin of the manager), the restore path acr
 
 Restore order: the newest complete step of the local tier (parts fetched from peer replicas where a
 node lost its own) if it is at least as new as the newest complete persistent step, else the
-persistent steps newest first; a step that cannot be loaded on every rank (missing everywhere,
-failing verification) is skipped with its reason, logged and kept in ``last_restore``. Every rank
+persistent steps newest first, the local step before any older than it; a step that cannot be
+loaded on every rank (missing everywhere, failing verification) is skipped with its reason,
+logged and kept in ``last_restore``. Every rank
 gets the same answer: each decision is agreed.
 
 Saving: a step due for both tiers is snapshotted once, into the local tier; its persistent copy is

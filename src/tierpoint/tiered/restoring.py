@@ -3,8 +3,9 @@
 Call order: :meth:`TieredCheckpointManager.restore` takes the state apart (``tree``) and calls
 :func:`restore_newest`; it lists the persistent tier once (rank 0, broadcast), tries the local tier
 (parts fetched from peer replicas where a node lost its own) if its newest complete step is at least
-as new as the newest persistent one, then the persistent steps newest first. On no restore the
-caller gives fresh optimizers their empty state back (:func:`reset`).
+as new as the newest persistent one, then the persistent steps newest first (the local tier
+before any persistent step older than it). On no restore the caller gives fresh optimizers their
+empty state back (:func:`reset`).
 
 Invariants: every rank gets the same answer (each decision is agreed); a step that cannot be loaded
 on every rank (missing everywhere, failing verification, a persistent step directory holding the
