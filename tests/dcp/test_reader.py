@@ -422,6 +422,27 @@ def test_numpy_values_load_as_torch_dcp_loads_them(tmp_path: Path) -> None:
         assert type(loaded["seen"]) is np.float32 and loaded["seen"] == 2.5
 
 
+def test_a_load_leaves_the_globals_the_user_allowed_for_torch_load(tmp_path: Path) -> None:
+    """numpy's classes the user allowed with ``add_safe_globals`` (as torch's own error advises)
+    for their ``torch.load(weights_only=True)``: a load decoding a plain value took them away."""
+    import numpy as np
+
+    mine = [np.ndarray, np.dtype, type(np.dtype(np.int64))]
+    added = [g for g in mine if g not in torch.serialization.get_safe_globals()]
+    torch.serialization.add_safe_globals(added)
+    try:
+        path = tmp_path / "ckpt"
+        dcp.save({"w": torch.ones(2), "step": 3}, checkpoint_id=path, no_dist=True)
+        loaded = {"w": torch.zeros(2), "step": 0}
+        load(loaded, path)
+        assert loaded["step"] == 3
+        allowed = torch.serialization.get_safe_globals()
+        assert all(g in allowed for g in mine), [g for g in mine if g not in allowed]
+    finally:
+        for g in added:
+            torch.serialization._weights_only_unpickler._remove_safe_globals([g])
+
+
 def test_hostile_metadata_is_refused(checkpoint: tuple[Path, dict], tmp_path: Path) -> None:
     path, state = checkpoint
     marker = tmp_path / "pwned"

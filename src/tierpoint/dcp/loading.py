@@ -29,7 +29,6 @@ coordination group spans the whole job).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import os
@@ -87,7 +86,12 @@ def load_weights_only(data: io.BytesIO) -> Any:
     """``torch.load(weights_only=True)`` of ``data`` on CPU, numpy's arrays, scalars and dtypes
     allowed too (``np.random.get_state()`` in a state; torch DCP loads them, unpickling anything)."""
     safe_globals = getattr(torch.serialization, "safe_globals", None)  # (torch 2.5 and later)
-    with safe_globals(_numpy_globals()) if safe_globals else contextlib.nullcontext():
+    if safe_globals is None:
+        return torch.load(data, map_location="cpu", weights_only=True)
+    # Only those not allowed already: leaving the block takes away what it added, and the user's
+    # own add_safe_globals (numpy's classes, as torch's error advises) must stay.
+    allowed = set(torch.serialization.get_safe_globals())
+    with safe_globals([g for g in _numpy_globals() if g not in allowed]):
         return torch.load(data, map_location="cpu", weights_only=True)
 
 
