@@ -127,11 +127,11 @@ def restore_newest(
 def owed_copy(record: RestoreRecord, newest_persistent: int, every: int) -> int | None:
     """The step the persistent tier's schedule (``every``) had due last by the restored step, when
     the tier lacks it: its copy, made from the local part after the local save, died with the job.
-    The next save makes up for it (``None``: nothing is owed; step 0 never is, a loop's first is 1)."""
+    The next save makes up for it (``None``: nothing is owed; 0: none is there, step 0 counting)."""
     if record.step is None or record.tier == "persistent" or not every:
         return None
     due = record.step // every * every
-    return due if 0 < due and newest_persistent < due else None
+    return due if newest_persistent < due else None
 
 
 def _with_newer_unusable(

@@ -298,11 +298,8 @@ class SavePath:
         owed, self._persistent_owed = self._persistent_owed, None
         if owed is None or "persistent" in tiers:
             return tiers
-        logger.warning(
-            "saving step %d to the persistent tier (the persistent copy of step %d was not made)",
-            step,
-            owed,
-        )
+        why = f"the persistent copy of step {owed} was not made" if owed else "it holds no step"
+        logger.warning("saving step %d to the persistent tier (%s)", step, why)
         return (*tiers, "persistent")
 
     def poll(self) -> None:
