@@ -1,9 +1,9 @@
 """numpy values in the persistent tier: stored as tensors and Python numbers, given back as numpy.
 
-torch DCP stores a numpy array or scalar pickled, and the persistent tier's restore loads no
-pickles (numpy's unpickling can run code and crash the process), so a state holding
-``np.random.get_state()`` or a numpy counter could not be restored from there. The persistent tier
-therefore stores each numeric numpy array as a tensor of its dtype and shape, and each numpy
+torch DCP stores a numpy array or scalar pickled (loaded by tierpoint's default DCP load only
+through ``weights_only``'s allow-list, numpy's array, scalar and dtype rebuilders added), and a
+pickled value is read whole on one rank and copied, never resharded or read in place. The
+persistent tier therefore stores each numeric numpy array as a tensor of its dtype and shape, and each numpy
 number as the Python number of the same value (a counter that became ``np.int64`` restores into a
 fresh state where it is still an ``int``, and the reverse); restore turns them back into numpy of
 the live state's type. A tuple holding numpy values is stored as a list: torch DCP stores a tuple
