@@ -30,7 +30,10 @@ Measured, interleaved (A B C A B C ...: the machine drifts), after warm-up saves
 Tables give medians; ratios to the floor are medians of per-repetition ratios (neighbours in time).
 Host memory (RSS and the tier's files) is shown before and after the training loop, and after each
 of ``--memory-saves`` (50) saves taking turns between the tiers, a state of at most 1 GiB. Everything
-written goes under one fresh directory (/dev/shm when it has room), removed at the end.
+written goes under one fresh directory (/dev/shm when it has room), a subdirectory per part removed
+after it, the whole removed at the end. A part that raises is reported (traceback, ``failed_parts``
+in the JSON, exit status 1) and the next part runs; ``--json`` is written however the run ends
+(SIGTERM, as ``timeout`` sends, included), with what was measured by then (``incomplete`` says so).
 
 Run: ``./run bench gpu [--reps 5] [--json results.json]``; without CUDA it exits with a message.
 ``--parts saves,training`` and ``--variants tp10,ov10`` measure a part of it (a short device run);
@@ -53,6 +56,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -374,10 +378,12 @@ def bench_training(
     args: argparse.Namespace,
     device: torch.device,
     stack: contextlib.ExitStack,
+    times: Times,
     floor_bps: float | None = None,
-) -> tuple[Times, str]:
-    """The training loop's variants, interleaved; ``floor_bps``: the pinned device-to-host floor
-    (bytes a second), for the ceiling a plain save's blocking copy leaves."""
+) -> str:
+    """The training loop's variants, interleaved, their figures into ``times`` as they come;
+    ``floor_bps``: the pinned device-to-host floor (bytes a second), for the ceiling a plain
+    save's blocking copy leaves. Returns the host memory before and after the loop."""
     trainer = GptTrainer(args.layers, args.width, args.vocab, args.seq, device)
     for _ in range(10):
         trainer.step()  # builds the optimizer's state, warms the kernels up
@@ -412,6 +418,7 @@ def bench_training(
     dcp_saver = DcpTrainingSaver(root, trainer.state, None)  # torch's default options
     stack.callback(dcp_saver.finalize)
     failures: dict[str, str] = {}
+    times["train_failures"] = []  # type: ignore[assignment]
 
     def variant(key: str) -> Callable[[], Metrics]:
         every = cadence(key)
@@ -452,17 +459,19 @@ def bench_training(
 
     keys = ["none", *args.variants]
     memory_before = host_memory(root)
-    times = run_interleaved([variant(k) for k in keys], args.train_reps)
-    memory = f"host memory before the loop: {memory_before}; after: {host_memory(root)}"
-    print_training(times, trainer, args, failures, floor_bps)
-    if args.pairs:
-        for key in args.variants:
-            times.update(guarded(f"pair_{key}", lambda k=key: segments(k), failures)())
-        print_pairs(times, args, failures)
-    for key in args.profile:
-        profile_training(key, variant(key))
-    times["train_failures"] = [f"{k}: {v}" for k, v in failures.items()]  # type: ignore[list-item]
-    return times, memory
+    try:
+        interleaved([variant(k) for k in keys], args.train_reps, times)
+        memory = f"host memory before the loop: {memory_before}; after: {host_memory(root)}"
+        print_training(times, trainer, args, failures, floor_bps)
+        if args.pairs:
+            for key in args.variants:
+                times.update(guarded(f"pair_{key}", lambda k=key: segments(k), failures)())
+            print_pairs(times, args, failures)
+        for key in args.profile:
+            profile_training(key, variant(key))
+    finally:
+        times["train_failures"] = [f"{k}: {v}" for k, v in failures.items()]  # type: ignore
+    return memory
 
 
 class GcPauses:
@@ -588,7 +597,7 @@ def print_saves(times: Times, nbytes: int, count: int, reps: int, failures: dict
         if not times.get(key):
             continue
         seconds = median(times[key])
-        both = len(times[key]) == len(times["floor_pinned"])
+        both = len(times[key]) == len(times.get("floor_pinned", ()))
         ratio = f"{paired(times, key, 'floor_pinned'):6.2f}x" if both else ""
         print(f"{label:56s} {seconds:8.3f} {nbytes / seconds / 1e9:7.2f} {ratio:>7s}")
     for name, why in failures.items():
@@ -617,9 +626,10 @@ def print_training(
             print(f"{label:50s} failed ({failures.get(f'train_{key}', '?')})")
             continue
         step_ms = median(times[f"train_{key}"]) / args.steps * 1e3
-        ratio = paired(times, "train_none", f"train_{key}")
-        ratios = [a / b for a, b in zip(times["train_none"], times[f"train_{key}"])]
-        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if key != "none" else ""
+        none_runs = times.get("train_none") or []  # none where that run failed
+        ratios = [a / b for a, b in zip(none_runs, times[f"train_{key}"])]
+        vs_none = f"{median(ratios):7.3f}x" if ratios else ""
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if key != "none" and ratios else ""
         saves = (args.steps - 1) // every if every else 0
         blocked = times.get(f"train_{key}_blocked")
         save_ms = f"{median(blocked) / saves * 1e3:8.1f}" if blocked and saves else ""
@@ -632,7 +642,7 @@ def print_training(
             none = median(times["train_none"])
             ceiling = f"{none / (none + saves * state / floor_bps):7.3f}x"
         gc_ms = f"{median(g) * 1e3:7.0f}" if (g := times.get(f"train_{key}_gc")) else ""
-        line = f"{label:50s} {step_ms:8.1f} {ratio:7.3f}x {spread:>11s} {save_ms:>8s}"
+        line = f"{label:50s} {step_ms:8.1f} {vs_none:>8s} {spread:>11s} {save_ms:>8s}"
         print(f"{line} {sched_ms:>8s} {drain_s:>8s} {ceiling:>8s} {gc_ms:>7s}")
     print(
         "(ms/step until the last step's work is done; 'range': the lowest and highest ratio of"
@@ -713,13 +723,19 @@ def print_checks(times: Times) -> None:
 
 
 def bench_saves(
-    root: Path, gib: float, reps: int, device: torch.device, stack: contextlib.ExitStack
-) -> tuple[Times, dict[str, str]]:
+    root: Path,
+    gib: float,
+    reps: int,
+    device: torch.device,
+    stack: contextlib.ExitStack,
+    times: Times,
+    failures: dict[str, str],
+) -> None:
+    """The save contenders, interleaved; their figures go into ``times`` as each is measured (a
+    run stopped midway keeps them), contenders that failed into ``failures``."""
     state = on_device(make_state(gib), device)
     tensors = tensors_of(state)
     sync(device)
-    failures: dict[str, str] = {}
-    stack.callback(shutil.rmtree, root / "tier", ignore_errors=True)  # after the queues closed
     with contextlib.ExitStack() as cold_stack:  # a first save without warm_up, for comparison
         first_cold = TierpointSaver(root / "cold", lambda: state, cold_stack).measure()
     shutil.rmtree(root / "cold", ignore_errors=True)
@@ -759,13 +775,20 @@ def bench_saves(
     if stager is None:
         failures["dcp stager"] = stager_note
     run_interleaved(contenders, 1)  # warm-up: DCP's first save allocates its staging
-    times = run_interleaved(contenders, reps)
+    times["state_bytes"] = [float(nbytes_of(tensors))]
+    interleaved(contenders, reps, times)
     times["tp_first_block"] = [first_local["tp_block"]]
     times["tp_cold_block"] = [first_cold["tp_block"]]
     times["pt_first_block"] = [first_persistent["pt_block"]]
-    times["state_bytes"] = [float(nbytes_of(tensors))]
     print_saves(times, nbytes_of(tensors), len(tensors), reps, failures)
-    return times, failures
+
+
+def interleaved(contenders: Sequence[Callable[[], Metrics]], reps: int, times: Times) -> None:
+    """``run_interleaved`` appending into ``times`` as each figure comes (none lost to a stop)."""
+    for _ in range(reps):
+        for run in contenders:
+            for key, value in run().items():
+                times.setdefault(key, []).append(value)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -834,41 +857,62 @@ def main(argv: Sequence[str] | None = None) -> None:
     device = torch.device(args.device)
     gib = state_size(args, device)
     require_memory(int(HOST_COPIES * gib * GIB), "use a smaller --gib")
-    # SIGTERM unwinds like Ctrl-C: queues close and the directory goes
+    # SIGTERM unwinds like Ctrl-C: queues close, the figures so far are written, the directory goes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     print(device_line(device))
     start = cpu_sample()
     root = pick_root(int(6 * gib * GIB))
     print(f"checkpoints under {root}")
+    times: Times = {}
+    failures: dict[str, str] = {}  # contenders of the saves that failed
+    broken: dict[str, str] = {}  # parts that failed: the others still run
+    memory = ""
+    stopped = "stopped before the end"
     try:
-        times: Times = {}
-        failures: dict[str, str] = {}
         if "saves" in args.parts:
-            with contextlib.ExitStack() as stack:
-                times, failures = bench_saves(root, gib, args.reps, device, stack)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            with part("saves", root, device, broken) as where, contextlib.ExitStack() as stack:
+                bench_saves(where, gib, args.reps, device, stack, times, failures)
         if "memory" in args.parts:
-            with contextlib.ExitStack() as stack:
-                times.update(bench_memory(root, gib, args.memory_saves, device, stack))
-            gc.collect()
-        memory = ""
+            with part("memory", root, device, broken) as where, contextlib.ExitStack() as stack:
+                times.update(bench_memory(where, gib, args.memory_saves, device, stack))
         if "training" in args.parts:
             floor_bps = None
             if times.get("floor_pinned") and times.get("state_bytes"):
                 floor_bps = times["state_bytes"][0] / median(times["floor_pinned"])
-            with contextlib.ExitStack() as stack:
-                train_times, memory = bench_training(root, args, device, stack, floor_bps)
-            times.update(train_times)
+            with part("training", root, device, broken) as where, contextlib.ExitStack() as stack:
+                memory = bench_training(where, args, device, stack, times, floor_bps)
             print(memory)
         print_checks(times)
         print(f"\n{machine_line(start)}")
-        if args.json is not None:
-            out = {"device": device_line(device), "failures": failures, "memory": memory, **times}
-            args.json.write_text(json.dumps(out, indent=1))
+        stopped = ""
     finally:
+        if args.json is not None:
+            out = {"device": device_line(device), "failures": failures, "memory": memory}
+            out |= {"failed_parts": broken, "incomplete": stopped, **times}
+            args.json.write_text(json.dumps(out, indent=1))
         shutil.rmtree(root, ignore_errors=True)
+    if broken:
+        raise SystemExit(f"gpu_bench: failed: {', '.join(broken)} (tracebacks above)")
+
+
+@contextlib.contextmanager
+def part(name: str, root: Path, device: torch.device, broken: dict[str, str]) -> Iterator[Path]:
+    """One part of the run in its own directory under ``root``, removed after it; an exception
+    there is printed and kept in ``broken``, and the next part runs (a failure in one hides none
+    of the others)."""
+    where = root / name
+    where.mkdir()
+    try:
+        yield where
+    except Exception as e:  # noqa: BLE001 - reported, and the run goes on
+        traceback.print_exc()
+        print(f"\n{name}: failed ({type(e).__name__}: {e})"[:400], flush=True)
+        broken[name] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

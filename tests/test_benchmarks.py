@@ -4,9 +4,12 @@ are not checked here; ``./run bench NAME`` prints them)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,3 +54,75 @@ def test_training_bench_runs_and_times_the_managers_queues() -> None:
     output = _bench("training", "tierpoint-training-bench-", "--quick", *small)
     assert "snapshot + dispatch (schedule)" in output  # a hook on the queues' class
     assert "finalize rounds (poll)" in output
+
+
+GPU_SMALL = ["--device", "cpu", "--reps", "1", "--train-reps", "1", "--pairs", "1", "--steps", "12"]
+
+
+def test_gpu_bench_a_failed_part_hides_none_of_the_others(tmp_path: Path) -> None:
+    """The single unattended device run once lost every later figure to one failure in the saves'
+    set-up (no training, no JSON): each part now fails alone, the exit status says so."""
+    figures = tmp_path / "bench.json"
+    inject = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import gpu_bench\n"
+        "def fail(self): raise RuntimeError('CUDA error: out of memory (injected)')\n"
+        "gpu_bench.PersistentSaver.warm_up = fail\n"
+        "gpu_bench.main(sys.argv[1:])\n"
+    )
+    args = [*GPU_SMALL, "--parts", "saves,training", "--variants", "tp10", "--json", str(figures)]
+    shm_before = set(os.listdir("/dev/shm"))
+    done = subprocess.run(
+        [sys.executable, "-c", inject, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        timeout=240,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    assert "saves: failed (RuntimeError: CUDA error: out of memory (injected))" in output, output
+    assert "training loop: GPT" in output and "tierpoint local async every 10" in output, output
+    written = json.loads(figures.read_text())
+    assert "out of memory" in written["failed_parts"]["saves"]
+    assert written["train_none"] and written["train_tp10"] and not written["incomplete"]
+    left = {n for n in set(os.listdir("/dev/shm")) - shm_before if "gpu-bench" in n}
+    assert not left, left
+
+
+def test_gpu_bench_stopped_by_sigterm_keeps_the_figures_so_far(tmp_path: Path) -> None:
+    """The device run stops the bench with SIGTERM at its time limit: what was measured by then
+    is in the JSON (marked incomplete), and /dev/shm is clean."""
+    figures = tmp_path / "bench.json"
+    shm_before = set(os.listdir("/dev/shm"))
+    bench = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_bench.py"),
+            *GPU_SMALL,
+            "--json",
+            str(figures),
+            "--memory-saves",
+            "400",
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert bench.stdout is not None
+        for line in bench.stdout:
+            if line.startswith("persistent tier (tierpoint.dcp.async_save): blocking"):
+                break  # the saves' table: the memory check's 400 saves come next
+        time.sleep(1)
+        bench.send_signal(signal.SIGTERM)
+        rest = bench.communicate(timeout=120)[0]
+    finally:
+        bench.kill()
+    assert bench.returncode == 128 + signal.SIGTERM, rest[-4000:]
+    written = json.loads(figures.read_text())
+    assert written["incomplete"] and len(written["floor_pinned"]) == 1 and written["tp_block"]
+    left = {n for n in set(os.listdir("/dev/shm")) - shm_before if "gpu-bench" in n}
+    assert not left, left
