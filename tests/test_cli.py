@@ -1109,3 +1109,32 @@ def test_a_failure_is_one_line_unless_tierpoint_debug_asks_for_its_traceback(tmp
         _one_line_error(done.stderr, missing)
     done = _cli("inspect", missing, env={"TIERPOINT_DEBUG": "1"})
     assert done.returncode != 0 and "Traceback" in done.stderr
+
+
+def test_bench_stopped_at_its_timeout_removes_its_files_and_keeps_its_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timed-out bench was SIGKILLed, so its clean-up never ran (the benches' GiB-sized
+    /dev/shm directories stayed), and its output was kept as the repr of bytes ("b'...\\\\n...'")."""
+    from tierpoint.cli import bench
+
+    benches = tmp_path / "benches"
+    benches.mkdir()
+    files = tmp_path / "bench-files"
+    (benches / "slow_bench.py").write_text(
+        "import os, signal, sys, shutil, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+        f"os.mkdir({str(files)!r})\n"
+        "print('slow: started', flush=True)\n"
+        "try:\n"
+        "    time.sleep(600)\n"
+        "finally:\n"
+        f"    shutil.rmtree({str(files)!r})\n"
+    )
+    monkeypatch.setitem(bench.TIMEOUT_S, "quick", 3.0)
+    common = ["--dir", str(benches), "--out", str(tmp_path / "out")]
+    assert main(["bench", "--json", *common]) == 1
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    assert result["status"] == "timed out after 3.0 s"
+    assert result["output"] == "slow: started\n" and result["last_line"] == "slow: started"
+    assert not files.exists()

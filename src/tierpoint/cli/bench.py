@@ -6,7 +6,8 @@ Call order: :func:`cmd_bench` runs each script in a subprocess (quick sizes unle
 gathers the rows of its comparison tables from its output, writes JSON and the chart, prints the
 table.
 
-Invariants: each bench runs for at most its timeout (``--timeout``, else :data:`TIMEOUT_S`); a
+Invariants: each bench runs for at most its timeout (``--timeout``, else :data:`TIMEOUT_S`), then
+gets SIGTERM (it removes its files) and SIGKILL :data:`STOP_GRACE_S` later; a
 bench that needs CUDA is skipped in a whole-suite run without a GPU (run when named); the exit
 status is 0 only when every bench ran or was skipped.
 """
@@ -121,14 +122,7 @@ def _run_bench(name: str, script: Path, full: bool, timeout: float) -> dict[str,
         json_args = ["--json", str(figures_path)] if '"--json"' in text else []
         command = [sys.executable, str(script), *extra, *json_args]
         start = time.perf_counter()
-        try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=timeout, check=False
-            )
-            status = "ok" if done.returncode == 0 else f"failed (exit status {done.returncode})"
-            output = done.stdout + done.stderr
-        except subprocess.TimeoutExpired as e:
-            status, output = f"timed out after {timeout} s", str(e.stdout or "")
+        status, output = _run_bounded(command, timeout)
         seconds = time.perf_counter() - start
         figures = None
         if figures_path.exists():
@@ -147,6 +141,42 @@ def _run_bench(name: str, script: Path, full: bool, timeout: float) -> dict[str,
         "figures": figures,
         "output": output[-20_000:],
     }
+
+
+STOP_GRACE_S = 60.0
+"""Seconds a timed-out bench has, after SIGTERM, to close its queues and remove its files (in
+/dev/shm: memory) before it is killed."""
+
+
+def _run_bounded(command: list[str], timeout: float) -> tuple[str, str]:
+    """Run ``command``: (status, its stdout then stderr). Past ``timeout`` it gets SIGTERM, which
+    the benches unwind like Ctrl-C (a SIGKILL would leave their /dev/shm directories behind), and
+    SIGKILL only :data:`STOP_GRACE_S` later."""
+    bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = bench.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        bench.terminate()
+        try:
+            out, err = bench.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            bench.kill()
+            try:  # children of its own may still hold the pipes open
+                out, err = bench.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                out, err = "", ""
+            bench.wait()
+        return f"timed out after {timeout} s", (out or "") + (err or "")
+    finally:
+        if bench.poll() is None:  # this command interrupted: the bench stops too, cleanly
+            bench.terminate()
+            try:
+                bench.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                bench.kill()
+                bench.wait()
+    status = "ok" if bench.returncode == 0 else f"failed (exit status {bench.returncode})"
+    return status, out + err
 
 
 _NUMBER = re.compile(r"^(.*?\S)\s+(-?\d+(?:\.\d+)?)(?=\s|x|$)")
