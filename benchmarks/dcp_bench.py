@@ -58,8 +58,10 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -407,6 +409,8 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="state size per rank (GiB)")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C: the finally below removes the files (and stops the ranks)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     start = cpu_sample()
     roots = {
         disk_root(): "local disk",

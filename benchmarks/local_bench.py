@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -100,6 +102,8 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=512, help="state size per rank (MiB)")
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C: the finally below removes the files (and stops the ranks)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     root = tempfile.mkdtemp(prefix="tierpoint-local-bench-", dir="/dev/shm")
     start = cpu_sample()
     try:

@@ -32,7 +32,9 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import statistics
+import sys
 import tempfile
 import traceback
 from collections import defaultdict
@@ -202,6 +204,8 @@ def main() -> None:
     parser.add_argument("--ranks-per-node", type=int, default=2)
     args = parser.parse_args()
     console = Console(width=200)
+    # SIGTERM unwinds like Ctrl-C: the finally below removes the files (and stops the ranks)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     by_world: dict[int, dict[str, dict[str, int]]] = {}
     for world in args.worlds:
         base = tempfile.mkdtemp(prefix="tierpoint-scale-", dir="/dev/shm")

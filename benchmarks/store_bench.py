@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -168,6 +169,8 @@ def main() -> int:
     for k, v in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
         os.environ.setdefault(k, v)
+    # SIGTERM unwinds like Ctrl-C: the finally below stops the S3 server, removes the bucket
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     server, upstream = start_server()
     proxy = FaultyEndpoint(upstream, latency=args.latency / 1000)
     options = {"endpoint_url": proxy.url}

@@ -4,13 +4,17 @@ are not checked here; ``./run bench NAME`` prints them)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,3 +130,45 @@ def test_gpu_bench_stopped_by_sigterm_keeps_the_figures_so_far(tmp_path: Path) -
     assert written["incomplete"] and len(written["floor_pinned"]) == 1 and written["tp_block"]
     left = {n for n in set(os.listdir("/dev/shm")) - shm_before if "gpu-bench" in n}
     assert not left, left
+
+
+@pytest.mark.parametrize("name", ["local", "dcp"])
+def test_a_bench_stopped_by_sigterm_removes_its_files(name: str) -> None:
+    """``tierpoint bench`` and ``timeout`` stop a bench with SIGTERM: these benches died at once,
+    leaving their directories (in /dev/shm: memory) and a rank waiting out its group timeout."""
+    prefix = f"tierpoint-{name}-bench-"
+
+    def theirs() -> set[str]:
+        return {os.path.join(d, n) for d in ("/dev/shm", "/tmp") for n in os.listdir(d)
+                if n.startswith(prefix)}  # fmt: skip
+
+    before = theirs()
+    bench = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / f"{name}_bench.py"),
+            "--reps",
+            "50",
+            *(["--mib", "128"] if name == "local" else ["--gib", "0.1"]),
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        start_new_session=True,  # its ranks too, for the clean-up below
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not theirs() - before:
+            assert time.monotonic() < deadline and bench.poll() is None
+            time.sleep(0.1)
+        time.sleep(3)  # the ranks are saving
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        assert not theirs() - before, theirs() - before
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(bench.pid, signal.SIGKILL)
+        bench.wait()
+        for left in theirs() - before:
+            shutil.rmtree(left, ignore_errors=True)
