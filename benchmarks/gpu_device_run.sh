@@ -23,6 +23,9 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1 TIERPOINT_TIMEOUT="${TIERPOINT_TIMEOUT:-120}"
+# a step past its time gets SIGTERM (the bench writes its figures and removes its files), and
+# SIGKILL this much later: a step stuck on SIGTERM must not hold the unattended run to its end
+KILL_AFTER="${KILL_AFTER:-15}"
 
 {
     echo "== $(date -u +%FT%TZ) $(uname -n)"
@@ -39,7 +42,7 @@ if [ "$PART" = quick ]; then
     QUICK_TESTS="${QUICK_TESTS:-tests/gpu}"
     echo "==== $QUICK_TESTS in one process" >>"$OUT/tests.log"
     # shellcheck disable=SC2086  # QUICK_TESTS: one or more pytest paths
-    if timeout "${TESTS_TIMEOUT:-230}" "$PY" -m pytest -q -p no:cacheprovider $QUICK_TESTS \
+    if timeout -k "$KILL_AFTER" "${TESTS_TIMEOUT:-230}" "$PY" -m pytest -q -p no:cacheprovider $QUICK_TESTS \
         >>"$OUT/tests.log" 2>&1; then
         echo "PASS $QUICK_TESTS in one process" | tee -a "$OUT/summary"
     else
@@ -49,7 +52,7 @@ if [ "$PART" = quick ]; then
     set -- --reps 3 --parts saves,memory,training --variants dv25,dv10,dv10w4 --train-reps 4 \
         --pairs 8 "$@"
     # what the tests left of 575 s (at least 340: they stop at 230), so that a 590 s device
-    # call ends with every figure the benchmark had time for
+    # call ends with every figure the benchmark had time for (KILL_AFTER included)
     BENCH_TIMEOUT="${BENCH_TIMEOUT:-$((575 - SECONDS))}"
 fi
 if [ "$PART" != bench ] && [ "$PART" != quick ]; then
@@ -65,7 +68,7 @@ for node in $scenarios; do
     i=$((i + 1))
     printf '%s %s\n' "$i" "$node"
 done | xargs -P "${JOBS:-8}" -L 1 bash -c '
-    timeout 300 "$0" -m pytest -q -x -p no:cacheprovider "$2" >"'"$work"'/$1.log" 2>&1
+    timeout -k '"$KILL_AFTER"' 300 "$0" -m pytest -q -x -p no:cacheprovider "$2" >"'"$work"'/$1.log" 2>&1
     echo $? >"'"$work"'/$1.rc"' "$PY"
 i=0
 for node in $scenarios; do
@@ -82,7 +85,7 @@ done
 rm -rf "$work"
 
 echo "==== all of tests/gpu in one process" >>"$OUT/tests.log"
-if timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu >>"$OUT/tests.log" 2>&1; then
+if timeout -k "$KILL_AFTER" 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu >>"$OUT/tests.log" 2>&1; then
     echo "PASS all of tests/gpu in one process" | tee -a "$OUT/summary"
 else
     echo "FAIL all of tests/gpu in one process" | tee -a "$OUT/summary"
@@ -93,7 +96,7 @@ fi
 
 if [ "$PART" != tests ]; then
 echo "==== benchmarks/gpu_bench.py $*" | tee -a "$OUT/summary"
-if timeout "${BENCH_TIMEOUT:-540}" "$PY" benchmarks/gpu_bench.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"; then
+if timeout -k "$KILL_AFTER" "${BENCH_TIMEOUT:-540}" "$PY" benchmarks/gpu_bench.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"; then
     echo "PASS gpu_bench (figures in bench.log, bench.json)" | tee -a "$OUT/summary"
 else
     echo "FAIL gpu_bench (see bench.log)" | tee -a "$OUT/summary"

@@ -172,3 +172,34 @@ def test_a_bench_stopped_by_sigterm_removes_its_files(name: str) -> None:
         bench.wait()
         for left in theirs() - before:
             shutil.rmtree(left, ignore_errors=True)
+
+
+def test_gpu_device_run_ends_when_a_step_ignores_sigterm(tmp_path: Path) -> None:
+    """The unattended device run's ``timeout`` sent SIGTERM and no SIGKILL: a benchmark stuck on
+    it held the run until the machine's own limit cut the summary and the exit status off."""
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in benchmarks/gpu_bench.py) exec "$REAL_PYTHON" -c "import signal, time; '
+        'signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)";; esac\n'
+        'exec "$REAL_PYTHON" "$@"\n'
+    )
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PART": "bench", "BENCH_TIMEOUT": "2", "KILL_AFTER": "2",
+           "OUT": str(out), "PYTHON": str(stub), "REAL_PYTHON": sys.executable}  # fmt: skip
+    run = subprocess.Popen(
+        ["bash", str(REPO / "benchmarks" / "gpu_device_run.sh")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,  # the stuck stand-in too, for the clean-up below
+    )
+    try:
+        assert run.wait(90) == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    assert "FAIL gpu_bench (see bench.log)" in (out / "summary").read_text()
