@@ -178,21 +178,27 @@ def run_ranks(
         p.start()
     outcome: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
-    while len(outcome) < world_size and time.monotonic() < deadline:
-        try:
-            rank, status, value = results.get(timeout=0.2)
-            outcome[rank] = (status, value)
-        except queue.Empty:
-            if all(not p.is_alive() for p in procs):
-                # Drain what the processes put just before exiting.
-                try:
-                    while True:
-                        rank, status, value = results.get(timeout=0.5)
-                        outcome[rank] = (status, value)
-                except queue.Empty:
-                    break
-    for p in procs:
-        p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+    try:
+        while len(outcome) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+                outcome[rank] = (status, value)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs):
+                    # Drain what the processes put just before exiting.
+                    try:
+                        while True:
+                            rank, status, value = results.get(timeout=0.5)
+                            outcome[rank] = (status, value)
+                    except queue.Empty:
+                        break
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+    except BaseException:  # interrupted (SIGTERM made an exit, Ctrl-C): no rank outlives the call
+        for p in procs:
+            p.kill()
+            p.join(5)
+        raise
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
