@@ -239,3 +239,54 @@ def test_exiting_with_a_pending_save_names_it_once():
     assert len(dropped) == 1, out.stderr
     assert dropped[0].startswith("WARNING") and "the process exited" in dropped[0], dropped
     assert HINT in dropped[0]
+
+
+_FORK_SCRIPT = """
+import os, pathlib, sys, time
+from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest, abort_nvrx_checkpoint
+from tierpoint.errors import CheckpointingError
+out = pathlib.Path(sys.argv[1])
+queue = AsyncCallsQueue()
+queue.wait_ready()
+queue.schedule_async_request(AsyncRequest(
+    time.sleep, (2.0,), [(out / "finalized").touch], abort_fns=[(out / "aborted").touch]
+))
+child = os.fork()
+if child == 0:  # a helper process forked while the save is in flight, which returns normally
+    for use in (
+        lambda: queue.schedule_async_request(AsyncRequest(time.sleep, (0.0,))),
+        lambda: queue.maybe_finalize_async_calls(blocking=True),
+    ):
+        try:
+            use()
+            print("used in the child")
+        except CheckpointingError as e:
+            print("refused:", e)
+    abort_nvrx_checkpoint()
+    queue.close()
+    sys.exit(0)
+assert os.waitpid(child, 0)[1] == 0
+print("parent finalized", queue.maybe_finalize_async_calls(blocking=True))
+print("worker alive after the child", queue._worker.exitcode is None)
+queue.close()
+"""
+
+
+def test_a_forked_process_cannot_use_its_parents_queue_nor_disturb_it(tmp_path):
+    """A process forked from a trainer holds a copy of its queue: using or closing that copy stole
+    the parent's worker results, ran its calls' ``abort_fns`` in the child (a save's files
+    removed), stopped the parent's worker and hung in a collective on the inherited group. The
+    copy now refuses calls and touches nothing; the parent's save goes on."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    refused = [line for line in lines if line.startswith("refused:")]
+    assert len(refused) == 2 and all("forked from it" in line for line in refused), out.stdout
+    assert "parent finalized [0]" in lines and "worker alive after the child True" in lines
+    assert (tmp_path / "finalized").exists() and not (tmp_path / "aborted").exists()
+    assert "dropped" not in out.stderr, out.stderr  # the child's exit names nothing

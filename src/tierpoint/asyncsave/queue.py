@@ -37,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -57,7 +58,7 @@ from .calls import (
     warn_stuck,
 )
 from .deadlines import WORKER_START_TIMEOUT, deadline, lateness
-from .live_queues import abort_nvrx_checkpoint, register
+from .live_queues import abort_nvrx_checkpoint, owned, refuse_if_forked, register
 from .queue_options import checked_arguments
 from .request import AsyncRequest
 from .worker import Worker
@@ -125,12 +126,12 @@ class AsyncCallsQueue:
         self._closed = False
         self._gave_up: str | None = None  # why, once the ranks could not agree any more
         self._pump_lock = threading.Lock()
+        self._pid = os.getpid()  # the process it belongs to (:func:`~.live_queues.owned`)
         register(self)
 
     @classmethod
     def warmup_persistent_caller(cls, rank: int, *args: Any, **kwargs: Any) -> None:
-        """NVRx's pre-start of the worker: nothing to do, a queue starts its worker when it is
-        constructed (in the background; :meth:`wait_ready` waits for it)."""
+        """NVRx's pre-start of the worker: nothing to do, a queue starts it (:meth:`wait_ready`)."""
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the worker process has started (it imports torch, which takes a few seconds)."""
@@ -150,13 +151,13 @@ class AsyncCallsQueue:
         """Snapshot (``preload_fn``) and dispatch ``request``; returns its call id.
 
         A request built by NVRx's own ``AsyncRequest`` class is converted
-        (:meth:`AsyncRequest.from_nvrx`). Raises ``TypeError`` for anything else that is not a
-        valid :class:`AsyncRequest`, and :class:`CheckpointingError` for a request scheduled before
-        (on any queue) or a closed queue, all before the queue changes. When the request cannot be taken (a closed or given-up queue,
-        or finalizing an earlier call to make room raised), its ``abort_fns`` run before the error
-        is raised: a planned save releases what it holds (its directory, staging, markers). A
-        Ctrl-C (``KeyboardInterrupt``) during the snapshot fails the call on this rank (every
-        rank raises that at finalize) and is then raised here: the user's, never swallowed.
+        (:meth:`AsyncRequest.from_nvrx`). Raises ``TypeError`` for anything else that is not a valid
+        :class:`AsyncRequest`, and :class:`CheckpointingError` for a request scheduled before (on
+        any queue), all before the queue changes. When the request cannot be taken (a closed or
+        given-up queue, one made by the process this one was forked from, or finalizing an earlier
+        call to make room raised), its ``abort_fns`` run before the error is raised: a planned save
+        releases what it holds. A Ctrl-C (``KeyboardInterrupt``) during the snapshot fails the call
+        on this rank (every rank raises that at finalize) and is then raised here, never swallowed.
         """
         if not isinstance(request, AsyncRequest):
             request = AsyncRequest.from_nvrx(request)
@@ -184,6 +185,7 @@ class AsyncCallsQueue:
     def _make_room(self) -> None:
         """Ready to take one more call: open, earlier calls finalized down to ``max_in_flight - 1``
         (collective) and a live worker there."""
+        refuse_if_forked(self)
         if self._closed:
             raise CheckpointingError("the AsyncCallsQueue is closed")
         if self._gave_up is not None:
@@ -261,6 +263,7 @@ class AsyncCallsQueue:
         ``wait``: seconds the caller waits at most (agreed too); when over, every rank raises
         :class:`CoordinationTimeoutError` and the calls stay pending. Past the queue's own timeout
         the calls are undone instead (:meth:`_time_out`)."""
+        refuse_if_forked(self)
         done: list[int] = []
         start = time.monotonic()
         while self._calls and (limit is None or len(done) < limit):
@@ -324,17 +327,15 @@ class AsyncCallsQueue:
             raise CheckpointingError(self._give_up(str(e))) from e.__cause__
 
     def _time_out(self) -> str:
-        """Every rank agreed that the oldest call did not finish in time: stop the workers (one is
-        stuck, and the others may still write files of the calls undone now), undo every pending
-        call on every rank, and go on (a new worker starts at the next schedule)."""
+        """Every rank agreed that the oldest call is late: kill the workers (one is stuck, others
+        may still write the calls' files), undo every pending call everywhere, go on."""
         description = self._calls[0].request.description
         self._abort_pending("undone on every rank after a timeout", hint=False)
         return f"{description}: not finished on every rank within {self.timeout:g} s"
 
     def _give_up(self, why: str) -> str:
-        """The queue's group failed (a peer is gone, or a collective timed out): the ranks cannot
-        agree any more. Refuse further calls, stop the worker, drop the pending calls without undoing
-        them (a rank may have concluded them before the failure). Returns the error message."""
+        """The ranks cannot agree any more (a peer is gone, a collective timed out): refuse calls,
+        kill the worker, drop the pending calls, not undone (a rank may have concluded them)."""
         self._gave_up = why
         if self._worker is not None:
             self._worker.kill()
@@ -354,12 +355,12 @@ class AsyncCallsQueue:
     def close(self, abort: bool = False) -> None:
         """Finalize everything (or, with ``abort=True``, kill the worker and undo pending calls).
 
-        Calls dropped unfinalized (all pending ones with ``abort=True``; those still pending
-        when finalizing raises) are named in a WARNING. A close interrupted while it waits (a
-        Ctrl-C) kills the worker rather than wait for its call to end. The queue's gloo group is
-        freed (local: a rank still in a collective on it times out).
+        Calls dropped unfinalized (all pending ones with ``abort=True``; those still pending when
+        finalizing raises) are named in a WARNING. A close interrupted while it waits (a Ctrl-C)
+        kills the worker at once. The queue's gloo group is freed (local: a rank still in a
+        collective on it times out).
         """
-        if self._closed:
+        if self._closed or not owned(self):  # (a forked copy: nothing in it is its own)
             return
         interrupted = False
         try:
@@ -385,15 +386,14 @@ class AsyncCallsQueue:
         return self._closed
 
     def abort(self, why: str = "aborted") -> None:
-        """Kill the worker and undo every pending call on this rank (their ``abort_fns``), without
-        waiting for other ranks; the queue stays usable (a new worker starts with the next call).
-        For fault handling, called on every rank (see :func:`abort_nvrx_checkpoint`)."""
-        if not self._closed:
+        """Kill the worker and undo every pending call on this rank (their ``abort_fns``), not
+        waiting for other ranks; the queue goes on (a new worker starts with the next call). For
+        fault handling, called on every rank (see :func:`abort_nvrx_checkpoint`)."""
+        if not self._closed and owned(self):
             self._abort_pending(why, hint=False)
 
     def _abort_pending(self, why: str, hint: bool = True) -> None:
-        """Kill the worker, let the calls' threads end, run every pending call's ``abort_fns``, and
-        drop the calls (named in a WARNING)."""
+        """Kill the worker, let the calls' threads end, run their ``abort_fns``, drop them."""
         if self._worker is not None:
             self._worker.kill()
         self._calls.undo_all(self.timeout)
@@ -409,10 +409,10 @@ class AsyncCallsQueue:
     def __exit__(self, *exc: object) -> None:
         self.close(abort=exc[0] is not None)
 
-    def __del__(self) -> None:
-        if getattr(self, "_calls", None):
+    def __del__(self) -> None:  # (a forked process's copy: nothing in it is its own)
+        if getattr(self, "_calls", None) and owned(self):
             self._drop_pending("its AsyncCallsQueue was garbage-collected without close()")
-        worker = getattr(self, "_worker", None)
+        worker = getattr(self, "_worker", None) if owned(self) else None
         if worker is not None and worker.exitcode is None:
             worker.kill()
 
