@@ -290,3 +290,32 @@ def test_a_forked_process_cannot_use_its_parents_queue_nor_disturb_it(tmp_path):
     assert "parent finalized [0]" in lines and "worker alive after the child True" in lines
     assert (tmp_path / "finalized").exists() and not (tmp_path / "aborted").exists()
     assert "dropped" not in out.stderr, out.stderr  # the child's exit names nothing
+
+
+_SYS_EXIT_SCRIPT = """
+import pathlib, sys, time
+from tierpoint.asyncsave import AsyncCallsQueue, AsyncRequest
+out = pathlib.Path(sys.argv[1])
+with AsyncCallsQueue() as queue:
+    for name in ("committed", "aborted"):
+        (out / name).unlink(missing_ok=True)
+    queue.schedule_async_request(
+        AsyncRequest(time.sleep, (0.5,), [(out / "committed").touch], abort_fns=[(out / "aborted").touch])
+    )
+    sys.exit(int(sys.argv[2]))  # a graceful stop (an exit interval, a SIGTERM handler)
+"""
+
+
+@pytest.mark.parametrize(("code", "kept"), [(0, True), (3, False)])
+def test_sys_exit_0_leaves_a_with_block_as_cleanly_as_its_end(tmp_path, code, kept):
+    """``sys.exit(0)`` inside ``with AsyncCallsQueue()`` aborted the save in flight (as any
+    exception does); it ends the block cleanly now, as with ``TieredCheckpointManager``."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SYS_EXIT_SCRIPT, str(tmp_path), str(code)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == code, out.stderr
+    assert (tmp_path / "committed").exists() is kept, out.stderr
+    assert (tmp_path / "aborted").exists() is not kept, out.stderr

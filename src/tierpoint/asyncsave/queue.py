@@ -90,8 +90,8 @@ class AsyncCallsQueue:
             ``schedule_async_request`` returns at once; call :meth:`wait_for_snapshot` (or install
             :meth:`install_optimizer_hook`) before the state is modified.
 
-    Finalize (``maybe_finalize_async_calls(blocking=True)``) or :meth:`close` the queue before the
-    process exits: a call still pending then is dropped, with a WARNING.
+    Finalize or :meth:`close` the queue before the process exits (a call still pending then is
+    dropped, with a WARNING); a ``with`` block closes it, ``abort=True`` on exceptions but exit(0).
     """
 
     def __init__(
@@ -386,9 +386,8 @@ class AsyncCallsQueue:
         return self._closed
 
     def abort(self, why: str = "aborted") -> None:
-        """Kill the worker and undo every pending call on this rank (their ``abort_fns``), not
-        waiting for other ranks; the queue goes on (a new worker starts with the next call). For
-        fault handling, called on every rank (see :func:`abort_nvrx_checkpoint`)."""
+        """Kill the worker, undo this rank's pending calls (``abort_fns``), not waiting for other
+        ranks; the queue goes on. For fault handling, on every rank (:func:`abort_nvrx_checkpoint`)."""
         if not self._closed and owned(self):
             self._abort_pending(why, hint=False)
 
@@ -406,8 +405,9 @@ class AsyncCallsQueue:
     def __enter__(self) -> AsyncCallsQueue:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close(abort=exc[0] is not None)
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        clean = kind is None or (isinstance(error, SystemExit) and error.code in (None, 0))
+        self.close(abort=not clean)  # (sys.exit(0) ends the block as cleanly as its end does)
 
     def __del__(self) -> None:  # (a forked process's copy: nothing in it is its own)
         if getattr(self, "_calls", None) and owned(self):
