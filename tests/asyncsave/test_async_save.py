@@ -397,6 +397,30 @@ def test_a_failing_call_raises_and_runs_abort_fns():
     queue.close()
 
 
+def _write_then_return_a_generator(path: str):
+    Path(path).write_text("saved")
+    return (n for n in range(3))  # (a handle, a future, a generator: nothing pickle can send)
+
+
+def test_a_call_whose_result_cannot_be_pickled_still_succeeds(tmp_path):
+    """The worker sent a call's return value back by pickle, so a call that did its work but
+    returned something unpicklable failed, and its ``abort_fns`` undid the work. The result is not
+    used (nor is it by NVRx): the call succeeds."""
+    queue = AsyncCallsQueue()
+    target = tmp_path / "out.txt"
+    ran: list[str] = []
+    request = AsyncRequest(
+        _write_then_return_a_generator,
+        (str(target),),
+        [lambda: ran.append("finalized")],
+        abort_fns=[lambda: ran.append("aborted")],
+    )
+    call = queue.schedule_async_request(request)
+    assert queue.maybe_finalize_async_calls(blocking=True) == [call]
+    assert ran == ["finalized"] and target.read_text() == "saved"
+    queue.close()
+
+
 class _UserFinalizeError(Exception):
     pass
 

@@ -8,7 +8,7 @@ imports the modules of calls to come while the worker is idle (a first call then
 
 Worker process: receives calls over its pipe, runs them one at a time, each in the working directory
 the trainer had when it submitted the call (relative paths mean the same to both), answers
-``(call_id, ok, result_or_message, error_type)``. It ends the moment its trainer process dies, in the
+``(call_id, ok, result_or_message, error_type)`` (a result pickle cannot send: ``None``). It ends the moment its trainer process dies, in the
 middle of a call too (:func:`_die_with_trainer`), and exits when the pipe closes, so no worker
 outlives its rank; it lives as long as that process, whichever of its threads started it. It ignores SIGINT and SIGTERM from its first instruction on: a Ctrl-C
 (sent to the terminal's whole process group) and a job-wide SIGTERM (Slurm's preemption notice)
@@ -218,9 +218,18 @@ def worker_main(conn: Any, parent_pid: int | None = None, from_main_thread: bool
             _, call_id, fn, args, kwargs, cwd = msg
             try:
                 _enter(cwd)
-                conn.send((call_id, True, fn(*args, **kwargs), None))
+                result = fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 - reported to the trainer, which decides
                 conn.send((call_id, False, error_text(e), type(e).__name__))
+                continue
+            try:
+                conn.send((call_id, True, result, None))
+            except OSError:
+                return  # the trainer is gone
+            except Exception:  # noqa: BLE001 - the result cannot be pickled (nothing was sent)
+                # The call succeeded: its result is not what the trainer waits for (the queue, as
+                # NVRx's, does not use it), so this must not fail the call and undo its work.
+                conn.send((call_id, True, None, None))
 
 
 class Worker:
