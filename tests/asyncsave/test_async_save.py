@@ -376,6 +376,29 @@ def test_polling_is_cheap_and_back_pressure_waits(tmp_path):
     queue.close()
 
 
+def _write_size(path: str, data: bytes) -> None:
+    Path(path).write_text(f"{len(data)} {data[-1]}")
+
+
+def test_a_large_call_is_handed_over_without_waiting_for_the_busy_worker(tmp_path):
+    """A call's message went through the pipe whose buffer holds about 200 KiB: with a call in
+    flight (``max_in_flight=2``), scheduling one whose arguments pickle larger (a plan of tens of
+    thousands of tensors) blocked the training thread until the worker finished the call ahead,
+    past any timeout (a fresh queue's first such call waited for the worker's start the same
+    way). Its message now travels in a memfd."""
+    queue = AsyncCallsQueue(max_in_flight=2, timeout=60)
+    gate, out = tmp_path / "released", tmp_path / "size.txt"
+    first = queue.schedule_async_request(AsyncRequest(_held, (str(gate), 30.0), []))
+    start = time.monotonic()
+    data = bytes(range(256)) * (16 << 10)  # 4 MiB
+    second = queue.schedule_async_request(AsyncRequest(_write_size, (str(out), data), []))
+    assert time.monotonic() - start < 20, "scheduling waited for the worker's call ahead"
+    gate.touch()
+    assert queue.maybe_finalize_async_calls(blocking=True) == [first, second]
+    assert out.read_text() == f"{len(data)} 255"
+    queue.close()
+
+
 def _raise_in_worker() -> None:
     raise OSError("disk full")
 

@@ -2,14 +2,15 @@
 
 Call order (training process): ``Worker()`` spawns the process once; ``submit(call_id, fn, args,
 kwargs)`` sends a call (staging buffers in the arguments are shared by file descriptor the first time
-and referred to by id afterwards); ``results()`` collects finished calls without blocking;
-``exitcode`` tells whether the process died; ``stop()`` / ``kill()`` end it. ``preload(modules)``
+and referred to by id afterwards; a large call message travels in a memfd, so sending never waits
+for the worker); ``results()`` collects finished calls without blocking; ``exitcode`` tells
+whether the process died; ``stop()`` / ``kill()`` end it. ``preload(modules)``
 imports the modules of calls to come while the worker is idle (a first call then finds them).
 
 Worker process: receives calls over its pipe, runs them one at a time, each in the working directory
 the trainer had when it submitted the call (relative paths mean the same to both), answers
-``(call_id, ok, result_or_message, error_type)`` (a result pickle cannot send: ``None``). It ends the moment its trainer process dies, in the
-middle of a call too (:func:`_die_with_trainer`), and exits when the pipe closes, so no worker
+``(call_id, ok, result_or_message, error_type)`` (a result pickle cannot send: ``None``). It ends
+the moment its trainer process dies, in the middle of a call too (:func:`_die_with_trainer`), and exits when the pipe closes, so no worker
 outlives its rank; it lives as long as that process, whichever of its threads started it. It ignores SIGINT and SIGTERM from its first instruction on: a Ctrl-C
 (sent to the terminal's whole process group) and a job-wide SIGTERM (Slurm's preemption notice)
 are the trainer's to handle, and the saves in flight finish; the trainer stops it (``stop`` /
@@ -58,6 +59,10 @@ _PARENT_POLL_S = 0.2
 
 _buffers: dict[str, memoryview] = {}
 """Worker side: staging buffers mapped from the trainer, by id."""
+_INLINE_BYTES = 16 << 10
+"""A call's pickled message up to this size goes through the pipe; a larger one (a plan of many
+tensors) goes through a memfd whose descriptor the pipe carries: the pipe's buffer (about 200 KiB)
+never fills, so sending a call never waits for a worker that is busy or still starting."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,16 @@ def _close_mapping(m: mmap.mmap) -> None:
         pass  # unmapped when its last view goes
 
 
+def _read_call(conn: Any, nbytes: int) -> Any:
+    """Worker side: the call message the trainer put in a memfd (:data:`_INLINE_BYTES`)."""
+    fd = reduction.recv_handle(conn)
+    try:
+        with mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) as data:
+            return reduction.ForkingPickler.loads(data)
+    finally:
+        os.close(fd)
+
+
 def _cwd() -> str | None:
     """The training process's working directory now (None if it was removed)."""
     try:
@@ -192,6 +207,8 @@ def worker_main(conn: Any, parent_pid: int | None = None, from_main_thread: bool
             msg = conn.recv()
         except (EOFError, OSError):
             return  # the trainer is gone
+        if msg[0] == "call_file":
+            msg = _read_call(conn, msg[1])
         kind = msg[0]
         if kind == "stop":
             return
@@ -285,7 +302,18 @@ class Worker:
         with self._lock:
             args = tuple(self._transport(a) for a in args)
             kwargs = {k: self._transport(v) for k, v in kwargs.items()}
-            self._conn.send(("call", call_id, fn, args, kwargs, _cwd()))
+            message = reduction.ForkingPickler.dumps(("call", call_id, fn, args, kwargs, _cwd()))
+            if len(message) <= _INLINE_BYTES:
+                self._conn.send_bytes(message)  # (what ``send`` of the tuple sends)
+                return
+            fd = os.memfd_create("tierpoint-call", os.MFD_CLOEXEC)
+            try:
+                with open(fd, "wb", closefd=False) as f:
+                    f.write(message)
+                self._conn.send(("call_file", len(message)))
+                reduction.send_handle(self._conn, fd, self.process.pid)
+            finally:
+                os.close(fd)  # the worker holds its own descriptor once sent
 
     def preload(self, modules: list[str]) -> None:
         """Have the worker import ``modules`` now, before the first call that needs them."""
