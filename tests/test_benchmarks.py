@@ -5,6 +5,7 @@ are not checked here; ``./run bench NAME`` prints them)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,20 +23,44 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _bench(name: str, prefix: str, *args: str) -> str:
     """Run ``benchmarks/<name>_bench.py args``; its output. ``prefix``: its /dev/shm directories'."""
-    shm_before = set(os.listdir("/dev/shm"))
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / f"{name}_bench.py"), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
-        timeout=240,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(prefix)}
-    assert not left, left
+    returncode, output = _run_python([str(REPO / "benchmarks" / f"{name}_bench.py"), *args], prefix)
+    assert returncode == 0, output[-4000:]
     return output
+
+
+def _run_python(args: list[str], prefix: str) -> tuple[int, str]:
+    """``python args`` in the repository: its exit status and output, once it is checked to have
+    left no directory whose name starts with ``prefix`` (:func:`_new_dirs`)."""
+    with _new_dirs(prefix) as new:
+        done = subprocess.run(
+            [sys.executable, *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+            timeout=240,
+        )
+        assert not new(), new()
+    return done.returncode, done.stdout + done.stderr
+
+
+@contextlib.contextmanager
+def _new_dirs(prefix: str) -> Iterator[Callable[[], set[str]]]:
+    """The directories named ``prefix...`` in /dev/shm and /tmp made since entry. One such check
+    at a time across the parallel test workers, which would see each other's directories (the
+    lock: the benchmarks directory's)."""
+
+    def named() -> set[str]:
+        return {os.path.join(d, n) for d in ("/dev/shm", "/tmp") for n in os.listdir(d)
+                if n.startswith(prefix)}  # fmt: skip
+
+    fd = os.open(REPO / "benchmarks", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        before = named()
+        yield lambda: named() - before
+    finally:
+        os.close(fd)
 
 
 def test_replication_bench_runs_and_every_phase_hook_exists() -> None:
@@ -74,62 +100,28 @@ def test_gpu_bench_a_failed_part_hides_none_of_the_others(tmp_path: Path) -> Non
         "gpu_bench.main(sys.argv[1:])\n"
     )
     args = [*GPU_SMALL, "--parts", "saves,training", "--variants", "tp10", "--json", str(figures)]
-    shm_before = set(os.listdir("/dev/shm"))
-    done = subprocess.run(
-        [sys.executable, "-c", inject, *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
-        timeout=240,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode != 0, output[-4000:]
+    returncode, output = _run_python(["-c", inject, *args], "tierpoint-gpu-bench-")
+    assert returncode != 0, output[-4000:]
     assert "saves: failed (RuntimeError: CUDA error: out of memory (injected))" in output, output
     assert "training loop: GPT" in output and "tierpoint local async every 10" in output, output
     written = json.loads(figures.read_text())
     assert "out of memory" in written["failed_parts"]["saves"]
     assert written["train_none"] and written["train_tp10"] and not written["incomplete"]
-    left = {n for n in set(os.listdir("/dev/shm")) - shm_before if "gpu-bench" in n}
-    assert not left, left
 
 
 def test_gpu_bench_stopped_by_sigterm_keeps_the_figures_so_far(tmp_path: Path) -> None:
     """The device run stops the bench with SIGTERM at its time limit: what was measured by then
     is in the JSON (marked incomplete), and /dev/shm is clean."""
     figures = tmp_path / "bench.json"
-    shm_before = set(os.listdir("/dev/shm"))
-    bench = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "gpu_bench.py"),
-            *GPU_SMALL,
-            "--json",
-            str(figures),
-            "--memory-saves",
-            "400",
-        ],  # fmt: skip
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"},
-    )
-    try:
+    args = [*GPU_SMALL, "--json", str(figures), "--memory-saves", "400"]
+    with _stopped_by_sigterm("gpu", args, "tierpoint-gpu-bench-") as (bench, _):
         assert bench.stdout is not None
         for line in bench.stdout:
             if line.startswith("persistent tier (tierpoint.dcp.async_save): blocking"):
                 break  # the saves' table: the memory check's 400 saves come next
         time.sleep(1)
-        bench.send_signal(signal.SIGTERM)
-        rest = bench.communicate(timeout=120)[0]
-    finally:
-        bench.kill()
-    assert bench.returncode == 128 + signal.SIGTERM, rest[-4000:]
     written = json.loads(figures.read_text())
     assert written["incomplete"] and len(written["floor_pinned"]) == 1 and written["tp_block"]
-    left = {n for n in set(os.listdir("/dev/shm")) - shm_before if "gpu-bench" in n}
-    assert not left, left
 
 
 @pytest.mark.parametrize("name", ["local", "dcp"])
@@ -137,41 +129,44 @@ def test_a_bench_stopped_by_sigterm_removes_its_files(name: str) -> None:
     """``tierpoint bench`` and ``timeout`` stop a bench with SIGTERM: these benches died at once,
     leaving their directories (in /dev/shm: memory) and a rank waiting out its group timeout."""
     prefix = f"tierpoint-{name}-bench-"
-
-    def theirs() -> set[str]:
-        return {os.path.join(d, n) for d in ("/dev/shm", "/tmp") for n in os.listdir(d)
-                if n.startswith(prefix)}  # fmt: skip
-
-    before = theirs()
-    bench = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / f"{name}_bench.py"),
-            "--reps",
-            "50",
-            *(["--mib", "128"] if name == "local" else ["--gib", "0.1"]),
-        ],  # fmt: skip
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
-        start_new_session=True,  # its ranks too, for the clean-up below
-    )
-    try:
+    args = ["--reps", "50", *(["--mib", "128"] if name == "local" else ["--gib", "0.1"])]
+    with _stopped_by_sigterm(name, args, prefix) as (bench, new):
         deadline = time.monotonic() + 60
-        while not theirs() - before:
+        while not new():
             assert time.monotonic() < deadline and bench.poll() is None
             time.sleep(0.1)
         time.sleep(3)  # the ranks are saving
-        bench.send_signal(signal.SIGTERM)
-        assert bench.wait(60) == 128 + signal.SIGTERM
-        assert not theirs() - before, theirs() - before
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(bench.pid, signal.SIGKILL)
-        bench.wait()
-        for left in theirs() - before:
-            shutil.rmtree(left, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm(
+    name: str, args: list[str], prefix: str
+) -> Iterator[tuple[subprocess.Popen, Callable[[], set[str]]]]:
+    """Start ``benchmarks/<name>_bench.py args``, giving it and its new directories
+    (:func:`_new_dirs`); SIGTERM it when the block ends; check that it exited from the signal and
+    left no directory named ``prefix...`` (its ranks are killed)."""
+    with _new_dirs(prefix) as new:
+        bench = subprocess.Popen(
+            [sys.executable, str(REPO / "benchmarks" / f"{name}_bench.py"), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # its ranks too, for the clean-up below
+        )
+        try:
+            yield bench, new
+            bench.send_signal(signal.SIGTERM)
+            rest = bench.communicate(timeout=120)[0]
+            assert bench.returncode == 128 + signal.SIGTERM, rest[-4000:]
+            assert not new(), new()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()
+            for left in new():
+                shutil.rmtree(left, ignore_errors=True)
 
 
 def test_gpu_device_run_ends_when_a_step_ignores_sigterm(tmp_path: Path) -> None:

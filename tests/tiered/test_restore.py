@@ -722,16 +722,21 @@ def test_a_job_back_on_three_nodes_runs_unreplicated_rather_than_refusing(shm_di
     assert warned and "3 ranks on 3 nodes do not form cliques of 2" in warned[0], results[0][3]
 
 
+def _lose_the_persistent_copy(root: Path, rank: int, step: int) -> None:
+    """As if the job died before the persistent copy of ``step`` was committed."""
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root / "persistent" / f"step-{step}")
+    dist.barrier()
+
+
 def _copy_lost_with_the_job(rank: int, world: int, root: Path) -> dict:
     state = make_state(rank)
     with _manager(root, rank) as manager:
         for step in range(1, 5):  # step 4: local, then its persistent copy from the local part
             train_step(state, world)
             manager.maybe_save(step, state)
-    dist.barrier()
-    if rank == 0:  # as if the job died before the copy of step 4 was committed
-        shutil.rmtree(root / "persistent" / "step-4")
-    dist.barrier()
+    _lose_the_persistent_copy(root, rank, 4)
     out = {}
     for run in ("copy lost", "copy kept"):
         with _manager(root, rank) as manager:
@@ -763,10 +768,7 @@ def _owed_or_not(rank: int, world: int, root: Path) -> list:
         for step in range(4, 7):  # local steps 4 and 6, the persistent copy of step 4
             train_step(state, world)
             manager.maybe_save(step, state)
-    dist.barrier()
-    if rank == 0:  # as if the job died before the copy of step 4 was committed
-        shutil.rmtree(root / "persistent" / "step-4")
-    dist.barrier()
+    _lose_the_persistent_copy(root, rank, 4)
     records = WarningRecords()
     with _manager(root, rank) as manager:
         out += [manager.restore(state), manager.maybe_save(7, state)]
