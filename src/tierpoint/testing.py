@@ -194,16 +194,12 @@ def run_ranks(
                         break
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
-    except BaseException:  # interrupted (SIGTERM made an exit, Ctrl-C): no rank outlives the call
-        for p in procs:
-            p.kill()
-            p.join(5)
-        raise
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    finally:  # hung at the timeout, or this call interrupted (SIGTERM made an exit, Ctrl-C)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:  # no rank outlives the call
+            if p.is_alive():
+                p.kill()
+                p.join(5)
     problems = []
     for rank in range(world_size):
         status, value = outcome.get(rank, (None, None))
