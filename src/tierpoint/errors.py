@@ -108,6 +108,12 @@ def error_text(error: BaseException) -> str:
     return text if text.startswith(f"{name}: ") else f"{name}: {text}"
 
 
+def ends_cleanly(error: BaseException | None) -> bool:
+    """Whether a ``with`` block left with ``error`` ended as cleanly as its end does: no exception,
+    or ``sys.exit(0)`` / ``sys.exit()`` (the saves in flight are kept, not aborted)."""
+    return error is None or (isinstance(error, SystemExit) and error.code in (None, 0))
+
+
 def failed_on_ranks(what: str, failures: Mapping[int, str]) -> str:
     """The agreed message for ``what`` failing on the ranks of ``failures`` (rank -> message)."""
     ranks = sorted(failures)

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from .. import dist as tpdist
-from ..errors import CheckpointingError, CoordinationTimeoutError
+from ..errors import CheckpointingError, CoordinationTimeoutError, ends_cleanly
 from . import agreement
 from .calls import (
     Call,
@@ -405,9 +405,8 @@ class AsyncCallsQueue:
     def __enter__(self) -> AsyncCallsQueue:
         return self
 
-    def __exit__(self, kind: object, error: object, trace: object) -> None:
-        clean = kind is None or (isinstance(error, SystemExit) and error.code in (None, 0))
-        self.close(abort=not clean)  # (sys.exit(0) ends the block as cleanly as its end does)
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        self.close(abort=not ends_cleanly(error))
 
     def __del__(self) -> None:  # (a forked process's copy: nothing in it is its own)
         if getattr(self, "_calls", None) and owned(self):

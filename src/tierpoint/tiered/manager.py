@@ -57,7 +57,7 @@ from typing import Any
 
 from .. import dcp, storage
 from .. import dist as tpdist
-from ..errors import CheckpointingError, check_flag
+from ..errors import CheckpointingError, check_flag, ends_cleanly
 from ..local import CliqueReplicationStrategy, LocalCheckpointManager
 from . import state as st
 from .events import EventLog, RestoreRecord
@@ -398,11 +398,8 @@ class TieredCheckpointManager(SavePath):
     def __enter__(self) -> TieredCheckpointManager:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: object, trace: object) -> None:
-        # sys.exit(0) ends the block as cleanly as its end does: the saves in flight are kept
-        code = getattr(error, "code", None)
-        clean = kind is None or (issubclass(kind, SystemExit) and code in (None, 0))
-        self.close(abort=not clean)
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        self.close(abort=not ends_cleanly(error))
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
