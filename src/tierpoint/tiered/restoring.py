@@ -36,7 +36,7 @@ import torch
 
 from .. import dcp, storage
 from .. import dist as tpdist
-from ..dcp.step_dirs import UNKNOWN_RANK, complete_steps, local_view, step_dir_of, step_path
+from ..dcp.step_dirs import UNKNOWN_RANK, step_dir_of, step_path
 from ..errors import (
     CheckpointingError,
     CoordinationTimeoutError,
@@ -50,6 +50,7 @@ from .events import RestoreRecord
 from .numpy_values import sized_as_saved
 from .runs import check_run
 from .saved_lists import lists_as_saved
+from .steps import listed_steps
 from .tree_paths import holds
 
 logger = logging.getLogger("tierpoint")
@@ -163,22 +164,8 @@ def _persistent_candidates(
     be older than the persistent steps it cannot list, and restoring it would rewind the run."""
     if persistent_dir is None:
         return [], []
-    steps, unfinished, error, unavailable = None, None, None, False
-    if tpdist.get_rank() == 0:
-        try:
-            view = local_view(persistent_dir, storage_options)
-            steps = complete_steps([view])
-            unfinished = sorted(
-                ([int(step), ranks] for step, committed, ranks in view if committed and ranks),
-                reverse=True,
-            )
-        except CheckpointingError as e:
-            error, unavailable = str(e), isinstance(e, StorageUnavailableError)
-    steps, unfinished, error, unavailable = tpdist.broadcast_json(
-        [steps, unfinished, error, unavailable],
-        0,
-        f"listing persistent checkpoints under {persistent_dir}",
-    )
+    what = f"listing persistent checkpoints under {persistent_dir}"
+    steps, unfinished, error, unavailable = listed_steps(persistent_dir, storage_options, what)
     if unavailable:
         raise StorageUnavailableError(
             f"restore: cannot list the persistent tier {persistent_dir}: {error} (restoring "
