@@ -234,19 +234,11 @@ def _inspect_dcp(path: str, options: Mapping[str, Any]) -> dict[str, Any]:
 def _lost_data_files(path: str, storage: Mapping[Any, Any], options: Mapping[str, Any]) -> set[str]:
     """What ``ls`` checks of a step without reading it: every data file ``.metadata`` names is
     there and holds the bytes it locates (``inspect`` reads only the values' items)."""
+    from .listing import lost_data_files
     from .locate import join_url, list_entries
 
-    found = list_entries(path, options)
-    ends: dict[str, int] = {}
-    for info in storage.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    lost = set()
-    for name, end in sorted(ends.items()):
-        if name not in found:
-            lost.add(f"{join_url(path, name)}: data file missing")
-        elif found[name].size < end:
-            lost.add(f"{join_url(path, name)}: truncated ({found[name].size} of {end} bytes)")
-    return lost
+    lost = lost_data_files(storage, list_entries(path, options))
+    return {f"{join_url(path, name)}: {why}" for name, why in lost}
 
 
 def _checksum_cell(sums: list[str]) -> str:

@@ -320,6 +320,21 @@ def _step_row(
     )
 
 
+def lost_data_files(storage_data: Any, found: dict[str, Entry]) -> list[tuple[str, str]]:
+    """``(name, what is wrong)`` of each data file a step's metadata (``storage_data``) locates
+    bytes in that is not among the step's entries (``found``) or is shorter."""
+    ends: dict[str, int] = {}
+    for info in storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return [
+        (name, "data file missing")
+        if name not in found
+        else (name, f"truncated ({found[name].size} of {end} bytes)")
+        for name, end in sorted(ends.items())
+        if name not in found or found[name].size < end
+    ]
+
+
 def _check_step(dcp_dir: str, found: dict[str, Entry], options: Any) -> tuple[str, str]:
     """Cheap checks of a committed step: metadata readable, every data file it names there and
     long enough, checksum manifests for all data files or none."""
@@ -330,15 +345,12 @@ def _check_step(dcp_dir: str, found: dict[str, Entry], options: Any) -> tuple[st
         metadata = read_metadata(dcp_dir, storage_options=options)
     except (OSError, CheckpointingError) as e:
         return "corrupt", str(e)
-    ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        if name not in found:
-            return "corrupt", f"data file {name} missing"
-        if found[name].size < end:
-            return "corrupt", f"{name} truncated ({found[name].size} of {end} bytes)"
-    manifests = {manifest_name(n) for n in ends}  # None: torch's own writer, no checksums
+    storage_data = metadata.storage_data or {}
+    lost_files = lost_data_files(storage_data, found)
+    if lost_files:
+        return "corrupt", "{}: {}".format(*lost_files[0])
+    # (None among the manifests: torch's own writer, no checksums)
+    manifests = {manifest_name(info.relative_path) for info in storage_data.values()}
     lost = sorted(m for m in manifests if m is not None and m not in found)
     if lost:
         return "corrupt", f"checksum manifest {lost[0]} missing"
