@@ -1,20 +1,21 @@
 """The persistent background worker process (one per rank) and the handle the training process holds.
 
 Call order (training process): ``Worker()`` spawns the process once; ``submit(call_id, fn, args,
-kwargs)`` sends a call (staging buffers in the arguments are shared by file descriptor the first time
-and referred to by id afterwards; a large call message travels in a memfd, so sending never waits
-for the worker); ``results()`` collects finished calls without blocking; ``exitcode`` tells
-whether the process died; ``stop()`` / ``kill()`` end it. ``preload(modules)``
-imports the modules of calls to come while the worker is idle (a first call then finds them).
+kwargs)`` sends a call (staging buffers in the arguments are shared by file descriptor the first
+time and referred to by id afterwards; a large call message travels in a memfd, so sending never
+waits for the worker); ``results()`` collects finished calls without blocking; ``exitcode`` tells
+whether the process died; ``stop()`` / ``kill()`` end it. ``preload(modules)`` imports the modules
+of calls to come while the worker is idle (a first call then finds them).
 
-Worker process: receives calls over its pipe, runs them one at a time, each in the working directory
-the trainer had when it submitted the call (relative paths mean the same to both), answers
-``(call_id, ok, result_or_message, error_type)`` (a result pickle cannot send: ``None``). It ends
-the moment its trainer process dies, in the middle of a call too (:func:`_die_with_trainer`), and exits when the pipe closes, so no worker
-outlives its rank; it lives as long as that process, whichever of its threads started it. It ignores SIGINT and SIGTERM from its first instruction on: a Ctrl-C
-(sent to the terminal's whole process group) and a job-wide SIGTERM (Slurm's preemption notice)
-are the trainer's to handle, and the saves in flight finish; the trainer stops it (``stop`` /
-``kill``), and Linux kills it with its trainer.
+Worker process: receives calls over its pipe, runs them one at a time, each in the working
+directory the trainer had when it submitted the call (relative paths mean the same to both),
+answers ``(call_id, ok, result_or_message, error_type)`` (a result pickle cannot send: ``None``).
+It ends the moment its trainer process dies, in the middle of a call too
+(:func:`_die_with_trainer`), and exits when the pipe closes, so no worker outlives its rank; it
+lives as long as that process, whichever of its threads started it. It ignores SIGINT and SIGTERM
+from its first instruction on: a Ctrl-C (sent to the terminal's whole process group) and a
+job-wide SIGTERM (Slurm's preemption notice) are the trainer's to handle, and the saves in flight
+finish; the trainer stops it (``stop`` / ``kill``), and Linux kills it with its trainer.
 
 Invariants: the worker knows no file format and no tier. A call is any function at the top level of
 an importable module (it travels by module and name; the tiers keep theirs in their own ``jobs``
